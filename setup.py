@@ -1,0 +1,17 @@
+from setuptools import find_packages, setup
+
+setup(
+    name="ulysses-sp",
+    version="0.1.0",
+    description="Ulysses / head-chunked / ring sequence parallelism for multi-million-token LLM training",
+    long_description=open("README.md").read(),
+    long_description_content_type="text/markdown",
+    python_requires=">=3.10",
+    packages=find_packages(include=["ulysses", "ulysses.*", "arctic", "arctic.*", "offload", "offload.*"]),
+    # A range, never a pin: GPU users keep the CUDA build they already have.
+    install_requires=["torch>=2.5", "einops>=0.7"],
+    extras_require={
+        "test": ["pytest>=7", "deepspeed>=0.17", "numpy"],
+        "hf": ["deepspeed>=0.17", "transformers>=4.48", "accelerate>=1.0"],
+    },
+)

@@ -1,0 +1,30 @@
+"""Ulysses sequence parallelism: the model-agnostic engine (torch only).
+
+Public API::
+
+    from ulysses import SequenceParallelDims, ulysses_attention, DistributedAttention
+    from ulysses import shard_sequence, gather_sequence
+"""
+
+from ulysses.all_to_all import all_to_all, all_to_all_async
+from ulysses.attention import ulysses_attention
+from ulysses.kernels import BACKENDS, local_attention, select_backend
+from ulysses.layer import DistributedAttention
+from ulysses.mesh import DeepSpeedMPU, SequenceParallelDims
+from ulysses.sharding import gather_sequence, head_layout, padded_len, shard_sequence
+
+__all__ = [
+    "BACKENDS",
+    "DeepSpeedMPU",
+    "DistributedAttention",
+    "SequenceParallelDims",
+    "all_to_all",
+    "all_to_all_async",
+    "gather_sequence",
+    "head_layout",
+    "local_attention",
+    "padded_len",
+    "select_backend",
+    "shard_sequence",
+    "ulysses_attention",
+]

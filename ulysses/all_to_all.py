@@ -1,0 +1,193 @@
+"""The one all-to-all primitive: scatter one tensor dimension, gather another.
+
+For Ulysses the two directions are (B = batch, S = full sequence, s = S / U local sequence,
+H = all heads, h = this rank's heads, D = head dim, U = group size):
+
+- seq -> head: ``x_BsHD`` -> ``x_BShD``: scatter_dim=2 (heads), gather_dim=1 (sequence);
+- head -> seq: ``x_BShD`` -> ``x_BsHD``: scatter_dim=1 (sequence), gather_dim=2 (heads).
+
+The backward of one direction is the other direction with the split sizes swapped. Splits may
+be uneven: ``scatter_sizes[j]`` is what rank ``j`` receives along the scatter dim, and
+``gather_sizes[j]`` is what rank ``j`` contributes along the gather dim (DeepSpeed's
+``uneven_heads_all2all`` case). Both default to an even split.
+
+Both directions go through ``all_to_all_single`` on one flat buffer, so the same code runs on
+gloo and NCCL. Each direction costs one packing copy before the exchange and one unpacking
+copy after; either is skipped when the scattered/gathered dim is dim 0 and already contiguous.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+@dataclass(frozen=True, slots=True)
+class _Plan:
+    """Shapes and flat split sizes of one all-to-all, as seen from this rank."""
+
+    world: int
+    scatter_dim: int
+    gather_dim: int
+    scatter_sizes: tuple[int, ...]
+    gather_sizes: tuple[int, ...]
+    in_shape: tuple[int, ...]
+    out_shape: tuple[int, ...]
+    send_numels: tuple[int, ...]
+    recv_numels: tuple[int, ...]
+
+
+def _even(n: int, world: int, what: str) -> tuple[int, ...]:
+    if n % world != 0:
+        raise ValueError(f"{what} ({n}) must be divisible by the group size ({world}), "
+                         f"or pass explicit split sizes")
+    return (n // world,) * world
+
+
+def _make_plan(shape: Sequence[int], world: int, rank: int, scatter_dim: int, gather_dim: int,
+               scatter_sizes: Sequence[int] | None, gather_sizes: Sequence[int] | None) -> _Plan:
+    ndim = len(shape)
+    scatter_dim, gather_dim = scatter_dim % ndim, gather_dim % ndim
+    if scatter_dim == gather_dim:
+        raise ValueError(f"scatter_dim and gather_dim must differ, both are {scatter_dim}")
+    if scatter_sizes is None:
+        scatter_sizes = _even(shape[scatter_dim], world, f"size of scatter dim {scatter_dim}")
+    if gather_sizes is None:
+        gather_sizes = (shape[gather_dim],) * world
+    scatter_sizes, gather_sizes = tuple(scatter_sizes), tuple(gather_sizes)
+    if len(scatter_sizes) != world or sum(scatter_sizes) != shape[scatter_dim]:
+        raise ValueError(f"scatter_sizes {scatter_sizes} must have {world} entries summing to "
+                         f"{shape[scatter_dim]} (dim {scatter_dim} of shape {tuple(shape)})")
+    if len(gather_sizes) != world or gather_sizes[rank] != shape[gather_dim]:
+        raise ValueError(f"gather_sizes {gather_sizes} must have {world} entries, and entry "
+                         f"{rank} must equal this rank's dim {gather_dim} ({shape[gather_dim]})")
+    other = 1
+    for d, n in enumerate(shape):
+        if d not in (scatter_dim, gather_dim):
+            other *= n
+    out_shape = list(shape)
+    out_shape[scatter_dim] = scatter_sizes[rank]
+    out_shape[gather_dim] = sum(gather_sizes)
+    return _Plan(
+        world=world, scatter_dim=scatter_dim, gather_dim=gather_dim,
+        scatter_sizes=scatter_sizes, gather_sizes=gather_sizes,
+        in_shape=tuple(shape), out_shape=tuple(out_shape),
+        send_numels=tuple(s * shape[gather_dim] * other for s in scatter_sizes),
+        recv_numels=tuple(scatter_sizes[rank] * g * other for g in gather_sizes),
+    )
+
+
+def _pack(x: Tensor, plan: _Plan) -> Tensor:
+    """Lay out ``x`` so that rank j's block is the j-th contiguous run of a flat buffer."""
+    sd = plan.scatter_dim
+    if sd == 0 and x.is_contiguous():
+        return x.view(-1)  # blocks along dim 0 are already contiguous runs
+    if len(set(plan.scatter_sizes)) == 1:
+        # [..., (U n), ...] -> [U, ..., n, ...]: one copy, block j = index j of dim 0
+        blocks = x.unflatten(sd, (plan.world, plan.scatter_sizes[0])).movedim(sd, 0)
+        return blocks.contiguous().view(-1)
+    send = x.new_empty(x.numel())
+    offset, flat = 0, 0
+    for size, numel in zip(plan.scatter_sizes, plan.send_numels):
+        block = x.narrow(sd, offset, size)
+        send[flat:flat + numel].view(block.shape).copy_(block)
+        offset, flat = offset + size, flat + numel
+    return send
+
+
+def _unpack(recv: Tensor, plan: _Plan) -> Tensor:
+    """Concatenate the per-source blocks of ``recv`` along the gather dim."""
+    gd = plan.gather_dim
+    block_shape = list(plan.out_shape)
+    if gd == 0:
+        return recv.view(plan.out_shape)  # blocks concatenate along dim 0 as they are
+    if len(set(plan.gather_sizes)) == 1:
+        # [U, ..., g, ...] -> [..., (U g), ...]: one copy
+        block_shape[gd] = plan.gather_sizes[0]
+        blocks = recv.view(plan.world, *block_shape).movedim(0, gd)
+        return blocks.reshape(plan.out_shape)
+    out = recv.new_empty(plan.out_shape)
+    offset, flat = 0, 0
+    for size, numel in zip(plan.gather_sizes, plan.recv_numels):
+        block_shape[gd] = size
+        out.narrow(gd, offset, size).copy_(recv[flat:flat + numel].view(block_shape))
+        offset, flat = offset + size, flat + numel
+    return out
+
+
+class PendingAllToAll:
+    """An all-to-all in flight; :meth:`wait` returns its result (not autograd-tracked)."""
+
+    def __init__(self, work, recv: Tensor, plan: _Plan) -> None:
+        self._work, self._recv, self._plan = work, recv, plan
+
+    def wait(self) -> Tensor:
+        if self._work is not None:
+            self._work.wait()
+        return _unpack(self._recv, self._plan)
+
+
+def all_to_all_async(x: Tensor, group: dist.ProcessGroup | None, *, scatter_dim: int,
+                     gather_dim: int, scatter_sizes: Sequence[int] | None = None,
+                     gather_sizes: Sequence[int] | None = None) -> PendingAllToAll:
+    """Start the all-to-all of ``x`` and return a handle; no autograd.
+
+    Args:
+        x: any-rank tensor; ``x.shape[gather_dim]`` must equal ``gather_sizes[rank]``.
+        group: the process group (the mesh's ``"ulysses"`` axis for Ulysses).
+        scatter_dim: dim split across ranks; rank j receives ``scatter_sizes[j]`` of it.
+        gather_dim: dim concatenated from all ranks, in rank order.
+        scatter_sizes / gather_sizes: per-rank split sizes; default is an even split.
+
+    Returns:
+        A :class:`PendingAllToAll`. Its ``wait()`` gives a contiguous tensor shaped like ``x``
+        but with ``scatter_dim`` of size ``scatter_sizes[rank]`` and ``gather_dim`` of size
+        ``sum(gather_sizes)``.
+    """
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    plan = _make_plan(x.shape, world, rank, scatter_dim, gather_dim, scatter_sizes, gather_sizes)
+    if world == 1:
+        return PendingAllToAll(None, x.contiguous().view(-1), plan)
+    send = _pack(x, plan)
+    recv = x.new_empty(sum(plan.recv_numels))
+    work = dist.all_to_all_single(recv, send, output_split_sizes=list(plan.recv_numels),
+                                  input_split_sizes=list(plan.send_numels), group=group,
+                                  async_op=True)
+    return PendingAllToAll(work, recv, plan)
+
+
+def _all_to_all(x: Tensor, group, scatter_dim: int, gather_dim: int, scatter_sizes,
+                gather_sizes) -> Tensor:
+    return all_to_all_async(x, group, scatter_dim=scatter_dim, gather_dim=gather_dim,
+                            scatter_sizes=scatter_sizes, gather_sizes=gather_sizes).wait()
+
+
+class _AllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group, scatter_dim, gather_dim, scatter_sizes, gather_sizes):
+        ctx.args = (group, scatter_dim, gather_dim, scatter_sizes, gather_sizes)
+        return _all_to_all(x, group, scatter_dim, gather_dim, scatter_sizes, gather_sizes)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, scatter_dim, gather_dim, scatter_sizes, gather_sizes = ctx.args
+        # The inverse exchange: gather where we scattered, scatter where we gathered.
+        dx = _all_to_all(grad, group, gather_dim, scatter_dim, gather_sizes, scatter_sizes)
+        return dx, None, None, None, None, None
+
+
+def all_to_all(x: Tensor, group: dist.ProcessGroup | None, *, scatter_dim: int, gather_dim: int,
+               scatter_sizes: Sequence[int] | None = None,
+               gather_sizes: Sequence[int] | None = None) -> Tensor:
+    """Autograd-aware all-to-all; same arguments and result as :func:`all_to_all_async`.
+
+    Its backward is the same exchange with ``scatter_dim``/``gather_dim`` and
+    ``scatter_sizes``/``gather_sizes`` swapped.
+    """
+    return _AllToAll.apply(x, group, scatter_dim, gather_dim,
+                           None if scatter_sizes is None else tuple(scatter_sizes),
+                           None if gather_sizes is None else tuple(gather_sizes))

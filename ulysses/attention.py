@@ -1,0 +1,86 @@
+"""Ulysses attention: all-to-all to full-sequence/local-heads, attend, all-to-all back.
+
+Shape legend: B batch, S full sequence, s = S / U this rank's sequence piece, H all query
+heads, K all kv heads, h / k this rank's query / kv heads, D head dim, U the mesh's
+``"ulysses"`` axis size. ``q_BsHD`` is sharded on the sequence; ``q_BShD`` (after the
+all-to-all) is sharded on heads.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from ulysses.all_to_all import all_to_all
+from ulysses.kernels import _AttentionFn, check_qkv, default_scale, select_backend
+from ulysses.mesh import check_mesh
+from ulysses.sharding import HeadLayout, head_layout
+
+
+def _validate(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, causal: bool,
+              head_chunk_size, backend: str | None,
+              unpadded_len: int | None) -> tuple[HeadLayout, str]:
+    """Every check ``ulysses_attention`` makes, before any collective runs."""
+    check_mesh(mesh)
+    if mesh["ring"].size() > 1:
+        raise NotImplementedError("ulysses_attention with ring_degree > 1 (hybrid Ulysses x "
+                                  "Ring) is not implemented yet; use ring_degree=1")
+    if head_chunk_size is not None:
+        raise NotImplementedError("head_chunk_size (head-chunked Ulysses) is not implemented "
+                                  "yet; pass head_chunk_size=None")
+    check_qkv(q, k, v, causal=causal)
+    if q.shape[1] != k.shape[1]:
+        raise ValueError(f"q and k must hold the same sequence piece, got lengths {q.shape[1]} "
+                         f"and {k.shape[1]}")
+    degree = mesh["ulysses"].size()
+    if unpadded_len is not None and not 0 < unpadded_len <= q.shape[1] * degree:
+        raise ValueError(f"unpadded_len ({unpadded_len}) must be in [1, {q.shape[1] * degree}] "
+                         f"(the padded full sequence length)")
+    layout = head_layout(q.shape[2], k.shape[2], degree)
+    return layout, select_backend(q.device, q.dtype, q.shape[-1], backend)
+
+
+def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, causal: bool,
+                      softmax_scale: float | None = None, head_chunk_size=None,
+                      backend: str | None = None, unpadded_len: int | None = None) -> Tensor:
+    """Sequence-parallel attention over the mesh's ``"ulysses"`` axis.
+
+    Args:
+        q: ``q_BsHD``, this rank's sequence piece (from :func:`shard_sequence`).
+        k, v: ``k_BsKD``, ``v_BsKD``; GQA/MQA when ``K < H``. kv heads travel unrepeated;
+            when ``K < U`` each kv head is replicated to the ranks that need it and the
+            replicas' gradients are summed.
+        mesh: from :meth:`SequenceParallelDims.build_mesh`.
+        causal: causal mask over the full sequence.
+        softmax_scale: defaults to ``1 / sqrt(D)``.
+        head_chunk_size: ``None`` (plain Ulysses). Chunking is not implemented yet.
+        backend: attention kernel name (see :mod:`ulysses.kernels`), or ``None`` for automatic.
+        unpadded_len: the real full-sequence length when the input was padded with
+            ``shard_sequence(..., pad=True)``; padded keys are then masked out (only needed
+            for non-causal attention, where the padded tail would otherwise be visible).
+
+    Returns:
+        ``out_BsHD``, sharded like ``q``.
+
+    Heads are split as in :func:`ulysses.sharding.head_layout`; head counts that do not
+    divide ``U`` give uneven splits. Every ``ValueError`` is raised before any collective.
+    """
+    layout, backend = _validate(q, k, v, mesh, causal, head_chunk_size, backend, unpadded_len)
+    group = mesh["ulysses"].get_group()
+    if layout.replicated:
+        # [B, s, K, D] -> [B, s, sum(kv_sizes), D]: each rank's kv range in send order.
+        index = torch.tensor(layout.kv_index(), device=k.device)
+        k, v = k.index_select(2, index), v.index_select(2, index)
+    # [B, s, H, D] -> [B, S, h, D]
+    q_BShD = all_to_all(q, group, scatter_dim=2, gather_dim=1, scatter_sizes=layout.q_sizes)
+    # [B, s, K', D] -> [B, S, k, D]
+    k_BSkD = all_to_all(k, group, scatter_dim=2, gather_dim=1, scatter_sizes=layout.kv_sizes)
+    v_BSkD = all_to_all(v, group, scatter_dim=2, gather_dim=1, scatter_sizes=layout.kv_sizes)
+    if unpadded_len is not None and not causal:
+        # Queries may attend to real keys only; padded queries' outputs are discarded anyway.
+        k_BSkD, v_BSkD = k_BSkD[:, :unpadded_len], v_BSkD[:, :unpadded_len]
+    scale = default_scale(q.shape[-1], softmax_scale)
+    out_BShD, _ = _AttentionFn.apply(q_BShD, k_BSkD, v_BSkD, causal, scale, backend)
+    # [B, S, h, D] -> [B, s, H, D]
+    return all_to_all(out_BShD, group, scatter_dim=1, gather_dim=2, gather_sizes=layout.q_sizes)

@@ -1,0 +1,319 @@
+"""Local attention kernels that return ``(out, lse)`` and a backward that takes ``lse``.
+
+Every kernel uses the flash-attn layout: ``q_BSHD`` (B batch, S sequence, H query heads,
+D head dim), ``k_BSKD``/``v_BSKD`` with K kv heads, ``H % K == 0`` and query head ``i`` reading
+kv head ``i // (H // K)``. ``lse_BHS`` is the float32 log-sum-exp of each query row's scaled
+scores; ring merging and chunk recomputation rely on it.
+
+Backends (pick one by name, or let :func:`select_backend` choose by device and dtype):
+
+- ``cpu_flash``: ``aten._scaled_dot_product_flash_attention_for_cpu`` and its backward;
+- ``sdpa_flash`` / ``sdpa_efficient``: CUDA SDPA's flash and memory-efficient kernels;
+- ``flash_attn``: the ``flash_attn`` package, when it is importable;
+- ``math``: an explicit float64 reference (S x S scores in memory; for tests).
+"""
+
+from __future__ import annotations
+
+import inspect
+import math
+from typing import Literal
+
+import torch
+from torch import Tensor
+
+Backend = Literal["cpu_flash", "sdpa_flash", "sdpa_efficient", "flash_attn", "math"]
+BACKENDS: tuple[str, ...] = ("cpu_flash", "sdpa_flash", "sdpa_efficient", "flash_attn", "math")
+
+_aten = torch.ops.aten
+# CPU flash attention handles H != K natively from torch 2.9 (pytorch/pytorch#157893).
+_CPU_FLASH_NATIVE_GQA = tuple(int(p) for p in torch.__version__.split(".")[:2]) >= (2, 9)
+
+try:  # pragma: no cover - not installed on CPU CI
+    from flash_attn import flash_attn_interface as _fa
+except ImportError:  # pragma: no cover
+    _fa = None
+
+
+def flash_attn_available() -> bool:
+    return _fa is not None
+
+
+def _expand_kv(x_BSKD: Tensor, num_q_heads: int) -> Tensor:
+    """[B, S, K, D] -> [B, S, H, D], each kv head repeated for its H // K query heads."""
+    rep = num_q_heads // x_BSKD.shape[2]
+    return x_BSKD if rep == 1 else x_BSKD.repeat_interleave(rep, dim=2)
+
+
+def _reduce_kv(dx_BSHD: Tensor, num_kv_heads: int) -> Tensor:
+    """[B, S, H, D] -> [B, S, K, D]: sum the gradients of a kv head's replicas."""
+    if dx_BSHD.shape[2] == num_kv_heads:
+        return dx_BSHD
+    return dx_BSHD.unflatten(2, (num_kv_heads, -1)).sum(3)
+
+
+def check_supported(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> None:
+    """Raise ``ValueError`` if ``backend`` cannot run on this device, dtype and head dim."""
+    if backend not in BACKENDS:
+        raise ValueError(f"unknown attention backend {backend!r}; choose one of {BACKENDS}")
+    half = dtype in (torch.float16, torch.bfloat16)
+    problems = {
+        "cpu_flash": device.type != "cpu" and f"needs a CPU tensor, got {device.type}",
+        "sdpa_flash": (device.type != "cuda" and f"needs a CUDA tensor, got {device.type}")
+        or (not half and f"needs fp16/bf16, got {dtype}")
+        or (head_dim > 256 and f"needs head_dim <= 256, got {head_dim}"),
+        "sdpa_efficient": device.type != "cuda" and f"needs a CUDA tensor, got {device.type}",
+        "flash_attn": (_fa is None and "flash_attn is not installed")
+        or (device.type != "cuda" and f"needs a CUDA tensor, got {device.type}")
+        or (not half and f"needs fp16/bf16, got {dtype}")
+        or (head_dim > 256 and f"needs head_dim <= 256, got {head_dim}"),
+        "math": False,
+    }[backend]
+    if problems:
+        raise ValueError(f"attention backend {backend!r} {problems}")
+
+
+def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int,
+                   name: str | None = None) -> str:
+    """The backend named by ``name`` (checked), or the fastest one for this device and dtype."""
+    if name is not None:
+        check_supported(name, device, dtype, head_dim)
+        return name
+    if device.type == "cpu":
+        return "cpu_flash"
+    if device.type == "cuda":
+        if dtype in (torch.float16, torch.bfloat16) and head_dim <= 256:
+            return "flash_attn" if _fa is not None else "sdpa_flash"
+        return "math" if dtype == torch.float64 else "sdpa_efficient"
+    return "math"
+
+
+# --- cpu_flash ------------------------------------------------------------------------------
+
+def _cpu_flash_forward(q, k, v, causal, scale):
+    if not _CPU_FLASH_NATIVE_GQA:
+        k, v = _expand_kv(k, q.shape[2]), _expand_kv(v, q.shape[2])
+    # [B, S, H, D] -> [B, H, S, D] views; the kernel reads strided inputs.
+    out_BHSD, lse_BHS = _aten._scaled_dot_product_flash_attention_for_cpu(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, scale=scale)
+    return out_BHSD.transpose(1, 2), lse_BHS
+
+
+def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
+    num_kv = k.shape[2]
+    if not _CPU_FLASH_NATIVE_GQA:
+        k, v = _expand_kv(k, q.shape[2]), _expand_kv(v, q.shape[2])
+    dq, dk, dv = _aten._scaled_dot_product_flash_attention_for_cpu_backward(
+        dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        out.transpose(1, 2), lse, 0.0, causal, scale=scale)
+    dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    return dq, _reduce_kv(dk, num_kv), _reduce_kv(dv, num_kv)
+
+
+# --- CUDA SDPA ------------------------------------------------------------------------------
+
+def _sdpa_flash_forward(q, k, v, causal, scale):
+    # aten's flash kernel (FlashAttention-2) takes H != K directly.
+    out, lse, *_ = _aten._scaled_dot_product_flash_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, False, scale=scale)
+    return out.transpose(1, 2), lse
+
+
+def _sdpa_flash_backward(dout, q, k, v, out, lse, causal, scale):
+    Sq, Sk = q.shape[1], k.shape[1]
+    # Dense (not varlen) inputs: empty cumulative lengths; no dropout, so no RNG state.
+    empty = torch.empty(0, dtype=torch.int32, device=q.device)
+    rng = torch.empty(2, dtype=torch.int64, device=q.device)
+    dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+        dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        out.transpose(1, 2), lse, empty, empty, Sq, Sk, 0.0, causal, rng, rng, scale=scale)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _sdpa_efficient_forward(q, k, v, causal, scale):
+    k, v = _expand_kv(k, q.shape[2]), _expand_kv(v, q.shape[2])
+    out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, causal,
+        scale=scale)
+    # Some versions pad lse's last dim to a multiple of 32; callers get exactly [B, H, S].
+    return out.transpose(1, 2), lse[..., :q.shape[1]].contiguous()
+
+
+def _sdpa_efficient_backward(dout, q, k, v, out, lse, causal, scale):
+    num_kv = k.shape[2]
+    k, v = _expand_kv(k, q.shape[2]), _expand_kv(v, q.shape[2])
+    seed = torch.empty((), dtype=torch.int64, device=q.device)
+    dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+        dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
+        out.transpose(1, 2), lse.contiguous(), seed, seed, 0.0, [True, True, True, False], causal,
+        scale=scale)
+    dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    return dq, _reduce_kv(dk, num_kv), _reduce_kv(dv, num_kv)
+
+
+# --- flash_attn -----------------------------------------------------------------------------
+
+def _fa_call(fn, **kwargs):
+    """Call a flash_attn internal whose signature differs across 2.x releases."""
+    params = inspect.signature(fn).parameters
+    if "window_size" in params:  # <= 2.6 takes a (left, right) tuple
+        kwargs["window_size"] = (kwargs.pop("window_size_left"), kwargs.pop("window_size_right"))
+    return fn(**{k: v for k, v in kwargs.items() if k in params})
+
+
+def _flash_attn_forward(q, k, v, causal, scale):  # pragma: no cover - needs CUDA + flash_attn
+    res = _fa_call(_fa._flash_attn_forward, q=q.contiguous(), k=k.contiguous(),
+                   v=v.contiguous(), dropout_p=0.0, softmax_scale=scale, causal=causal,
+                   window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                   return_softmax=False)
+    # >= 2.7 returns (out, lse, S_dmask, rng_state); <= 2.6 returns (out, q, k, v, out_padded,
+    # lse, S_dmask, rng_state).
+    out, lse = (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
+    return out, lse
+
+
+def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):  # pragma: no cover
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _fa_call(_fa._flash_attn_backward, dout=dout.contiguous(), q=q.contiguous(),
+             k=k.contiguous(), v=v.contiguous(), out=out.contiguous(), softmax_lse=lse,
+             dq=dq, dk=dk, dv=dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
+             window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+             deterministic=False, rng_state=None)
+    return dq, dk, dv
+
+
+# --- math (float64 reference) ----------------------------------------------------------------
+
+def _math_scores(q, k, causal, scale):
+    """fp64 ``q64_BHSD``, ``k64_BHSD`` (kv expanded) and masked scores ``scale * q k^T``."""
+    q64 = q.double().transpose(1, 2)                                 # [B, H, Sq, D]
+    k64 = _expand_kv(k.double(), q.shape[2]).transpose(1, 2)         # [B, H, Sk, D]
+    scores = q64 @ k64.transpose(-1, -2) * scale                     # [B, H, Sq, Sk]
+    if causal:
+        mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
+        scores = scores.masked_fill(~mask, float("-inf"))
+    return q64, k64, scores
+
+
+def _math_forward(q, k, v, causal, scale):
+    _, _, scores = _math_scores(q, k, causal, scale)
+    lse = torch.logsumexp(scores, dim=-1)                            # [B, H, Sq]
+    v64 = _expand_kv(v.double(), q.shape[2]).transpose(1, 2)
+    out = (torch.exp(scores - lse.unsqueeze(-1)) @ v64).transpose(1, 2)
+    lse_dtype = torch.float64 if q.dtype == torch.float64 else torch.float32
+    return out.to(q.dtype), lse.to(lse_dtype)
+
+
+def _math_backward(dout, q, k, v, out, lse, causal, scale):
+    # P comes from the given lse, not a fresh softmax: the same contract as the fused kernels,
+    # so a wrong lse shows up as a wrong gradient.
+    q64, k64, scores = _math_scores(q, k, causal, scale)
+    probs = torch.exp(scores - lse.double().unsqueeze(-1))
+    v64 = _expand_kv(v.double(), q.shape[2]).transpose(1, 2)
+    do64 = dout.double().transpose(1, 2)
+    dv = probs.transpose(-1, -2) @ do64                              # [B, H, Sk, D]
+    dp = do64 @ v64.transpose(-1, -2)                                # [B, H, Sq, Sk]
+    delta = (do64 * out.double().transpose(1, 2)).sum(-1, keepdim=True)
+    ds = probs * (dp - delta)
+    dq = (ds @ k64 * scale).transpose(1, 2)
+    dk = (ds.transpose(-1, -2) @ q64 * scale).transpose(1, 2)
+    num_kv = k.shape[2]
+    return (dq.to(q.dtype), _reduce_kv(dk, num_kv).to(k.dtype),
+            _reduce_kv(dv.transpose(1, 2), num_kv).to(v.dtype))
+
+
+_FORWARD = {"cpu_flash": _cpu_flash_forward, "sdpa_flash": _sdpa_flash_forward,
+            "sdpa_efficient": _sdpa_efficient_forward, "flash_attn": _flash_attn_forward,
+            "math": _math_forward}
+_BACKWARD = {"cpu_flash": _cpu_flash_backward, "sdpa_flash": _sdpa_flash_backward,
+             "sdpa_efficient": _sdpa_efficient_backward, "flash_attn": _flash_attn_backward,
+             "math": _math_backward}
+
+
+def default_scale(head_dim: int, softmax_scale: float | None) -> float:
+    return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
+
+
+def attention_forward(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, *, causal: bool,
+                      softmax_scale: float, backend: str) -> tuple[Tensor, Tensor]:
+    """Run ``backend``'s forward. Returns ``(out_BSHD, lse_BHS)``; ``lse`` is float32.
+
+    ``causal`` needs ``Sq == Sk`` (the backends disagree on how to align a rectangular mask);
+    :func:`check_qkv` enforces it.
+    """
+    return _FORWARD[backend](q_BSHD, k_BSKD, v_BSKD, causal, softmax_scale)
+
+
+def attention_backward(dout_BSHD: Tensor, q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,
+                       out_BSHD: Tensor, lse_BHS: Tensor, *, causal: bool, softmax_scale: float,
+                       backend: str) -> tuple[Tensor, Tensor, Tensor]:
+    """Run ``backend``'s backward from the forward's ``out`` and ``lse``.
+
+    Returns ``(dq_BSHD, dk_BSKD, dv_BSKD)``, shaped like ``q``, ``k``, ``v``.
+    """
+    return _BACKWARD[backend](dout_BSHD, q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, causal,
+                              softmax_scale)
+
+
+class _AttentionFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, q, k, v, causal, scale, backend):
+        out, lse = attention_forward(q, k, v, causal=causal, softmax_scale=scale, backend=backend)
+        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.args = (causal, scale, backend)
+        ctx.mark_non_differentiable(lse)
+        return out, lse
+
+    @staticmethod
+    def backward(ctx, dout, _dlse):
+        q, k, v, out, lse = ctx.saved_tensors
+        causal, scale, backend = ctx.args
+        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=causal,
+                                        softmax_scale=scale, backend=backend)
+        return dq, dk, dv, None, None, None
+
+
+def local_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
+                    softmax_scale: float | None = None, backend: str | None = None,
+                    return_lse: bool = False):
+    """Single-rank attention with autograd, shaped like ``flash_attn_func``.
+
+    Args:
+        q: ``[B, S, H, D]``; k, v: ``[B, S, K, D]`` with ``H % K == 0``.
+        causal: mask future keys.
+        softmax_scale: defaults to ``1 / sqrt(D)``.
+        backend: a name from :data:`BACKENDS`, or ``None`` to choose by device and dtype.
+        return_lse: also return ``lse_BHS`` (float32, not differentiable).
+
+    Returns:
+        ``out_BSHD``, or ``(out_BSHD, lse_BHS)`` when ``return_lse``.
+    """
+    check_qkv(q, k, v, causal=causal)
+    backend = select_backend(q.device, q.dtype, q.shape[-1], backend)
+    out, lse = _AttentionFn.apply(q, k, v, causal, default_scale(q.shape[-1], softmax_scale),
+                                  backend)
+    return (out, lse) if return_lse else out
+
+
+def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False) -> None:
+    """Raise ``ValueError`` unless q, k, v are [B, S, H|K, D] tensors that fit together."""
+    for name, t in (("q", q), ("k", k), ("v", v)):
+        if t.dim() != 4:
+            raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape "
+                             f"{tuple(t.shape)}")
+    if k.shape != v.shape:
+        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
+                         f"{tuple(v.shape)}")
+    if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
+        raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch and "
+                         f"head_dim")
+    if q.shape[2] % k.shape[2] != 0:
+        raise ValueError(f"query heads ({q.shape[2]}) must be a multiple of kv heads "
+                         f"({k.shape[2]})")
+    if causal and q.shape[1] != k.shape[1]:
+        raise ValueError(f"causal attention needs equal q and kv lengths, got {q.shape[1]} and "
+                         f"{k.shape[1]}")
+    if not (q.dtype == k.dtype == v.dtype):
+        raise ValueError(f"q, k, v dtypes differ: {q.dtype}, {k.dtype}, {v.dtype}")
+    if not (q.device == k.device == v.device):
+        raise ValueError(f"q, k, v devices differ: {q.device}, {k.device}, {v.device}")

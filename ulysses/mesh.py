@@ -1,0 +1,152 @@
+"""Sequence-parallel degrees, the device mesh, and a DeepSpeed ``mpu`` view of it.
+
+The mesh has three axes, outermost first: ``("dp", "ring", "ulysses")``. Ulysses is the
+innermost axis, so a Ulysses group is made of adjacent ranks (one node, NVLink) and its
+all-to-alls stay inside the node; ring hops and data parallelism go across.
+
+There are no module globals: a mesh and its groups are values that are passed around, so two
+sequence-parallel configurations can live in one process.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch.distributed as dist
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+MESH_AXES = ("dp", "ring", "ulysses")
+
+
+def _check_degree(name: str, value: int) -> None:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{name} must be a positive int, got {value!r}")
+
+
+@dataclass(slots=True)
+class SequenceParallelDims:
+    """How ``world_size`` ranks split into data, ring and Ulysses parallelism.
+
+    ``dp = world_size // (ulysses_degree * ring_degree)``. Every sequence-parallel (SP) group
+    has ``ring_degree * ulysses_degree`` ranks, and those ranks also shard parameters.
+    """
+
+    world_size: int
+    """Total number of ranks."""
+    ulysses_degree: int
+    """Ranks in one Ulysses (all-to-all) group."""
+    ring_degree: int = 1
+    """Ranks in one ring (KV-passing) group; 1 means pure Ulysses."""
+
+    def __post_init__(self) -> None:
+        _check_degree("world_size", self.world_size)
+        _check_degree("ulysses_degree", self.ulysses_degree)
+        _check_degree("ring_degree", self.ring_degree)
+        sp = self.ulysses_degree * self.ring_degree
+        if self.world_size % sp != 0:
+            raise ValueError(
+                f"ulysses_degree ({self.ulysses_degree}) * ring_degree ({self.ring_degree}) = {sp} "
+                f"must divide world_size ({self.world_size}); choose degrees whose product divides "
+                f"{self.world_size}")
+
+    @property
+    def dp(self) -> int:
+        return self.world_size // (self.ulysses_degree * self.ring_degree)
+
+    @property
+    def sp(self) -> int:
+        """Sequence-parallel degree: ranks that share one sequence."""
+        return self.ulysses_degree * self.ring_degree
+
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """Build the ``("dp", "ring", "ulysses")`` DeviceMesh; every rank must call it.
+
+        Raises ``ValueError`` if the default process group is missing or its size is not
+        ``world_size``.
+        """
+        if not dist.is_initialized():
+            raise ValueError("torch.distributed is not initialized; call "
+                             "dist.init_process_group() before build_mesh()")
+        if dist.get_world_size() != self.world_size:
+            raise ValueError(f"SequenceParallelDims.world_size ({self.world_size}) does not match "
+                             f"the process group's world size ({dist.get_world_size()})")
+        mesh = init_device_mesh(device_type, (self.dp, self.ring_degree, self.ulysses_degree),
+                                mesh_dim_names=MESH_AXES)
+        # "sp" (ring x ulysses) is what a loss all-reduce and DeepSpeed's SP group use;
+        # "dp_sp" (every axis) is what ZeRO/FSDP shard over.
+        mesh["ring", "ulysses"]._flatten("sp")
+        mesh["dp", "ring", "ulysses"]._flatten("dp_sp")
+        return mesh
+
+
+def check_mesh(mesh: DeviceMesh) -> None:
+    """Raise ``ValueError`` unless ``mesh`` was built by :meth:`SequenceParallelDims.build_mesh`."""
+    if not isinstance(mesh, DeviceMesh):
+        raise ValueError(f"mesh must be a DeviceMesh from SequenceParallelDims.build_mesh(), "
+                         f"got {type(mesh).__name__}")
+    if mesh.mesh_dim_names != MESH_AXES:
+        raise ValueError(f"mesh axes must be {MESH_AXES}, got {mesh.mesh_dim_names}; build it with "
+                         f"SequenceParallelDims.build_mesh()")
+
+
+class DeepSpeedMPU:
+    """DeepSpeed's ``mpu`` interface, answered from a mesh instead of module globals.
+
+    Pass an instance as ``deepspeed.initialize(..., mpu=...)``. It mirrors
+    ``deepspeed.runtime.sequence_parallel.parallel_state_sp`` (which DeepSpeed recognises by
+    its ``initialize_sequence_parallel`` attribute), adds the data-parallel accessors, and like
+    that module aliases "model parallel" to the SP group.
+
+    - sequence parallel: the ring x ulysses ranks that share one sequence;
+    - data parallel: the ranks that hold the same SP position in different replicas;
+    - sequence data parallel: all of them, i.e. the ZeRO sharding group.
+    """
+
+    def __init__(self, mesh: DeviceMesh) -> None:
+        check_mesh(mesh)
+        self.mesh = mesh
+        self._sp = mesh["sp"]
+        self._dp = mesh["dp"]
+        self._dp_sp = mesh["dp_sp"]
+
+    def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:
+        """Groups already exist (they come from the mesh); only check the size agrees."""
+        if sequence_parallel_size != self._sp.size():
+            raise ValueError(f"sequence_parallel_size ({sequence_parallel_size}) does not match the "
+                             f"mesh's ring x ulysses size ({self._sp.size()})")
+
+    def get_sequence_parallel_group(self):
+        return self._sp.get_group()
+
+    def get_sequence_parallel_world_size(self) -> int:
+        return self._sp.size()
+
+    def get_sequence_parallel_rank(self) -> int:
+        return self._sp.get_local_rank()
+
+    def get_sequence_data_parallel_group(self):
+        return self._dp_sp.get_group()
+
+    def get_sequence_data_parallel_world_size(self) -> int:
+        return self._dp_sp.size()
+
+    def get_sequence_data_parallel_rank(self) -> int:
+        return self._dp_sp.get_local_rank()
+
+    def get_data_parallel_group(self):
+        return self._dp.get_group()
+
+    def get_data_parallel_world_size(self) -> int:
+        return self._dp.size()
+
+    def get_data_parallel_rank(self) -> int:
+        return self._dp.get_local_rank()
+
+    def get_data_parallel_group_ranks(self) -> list[int]:
+        return dist.get_process_group_ranks(self._dp.get_group())
+
+    # parallel_state_sp aliases model parallel to sequence parallel; DeepSpeed's checkpoint
+    # naming and grad-norm code read these names.
+    get_model_parallel_group = get_sequence_parallel_group
+    get_model_parallel_world_size = get_sequence_parallel_world_size
+    get_model_parallel_rank = get_sequence_parallel_rank
