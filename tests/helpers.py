@@ -1,0 +1,52 @@
+"""Helpers shared by tests; the rank-side ones run inside dist_pool workers."""
+
+from __future__ import annotations
+
+import torch
+
+from ulysses import SequenceParallelDims
+from ulysses.kernels import local_attention
+
+# Tolerances against the float64 reference, per input dtype. fp32: flash kernels reorder the
+# softmax sums, so ~1e-6 absolute is typical. bf16: inputs, outputs and gradients are rounded
+# to 8 mantissa bits (relative step 2^-8 = 3.9e-3); values here are O(1).
+TOL = {
+    torch.float32: dict(atol=2e-5, rtol=1e-4),
+    torch.bfloat16: dict(atol=3e-2, rtol=3e-2),
+    torch.float64: dict(atol=1e-9, rtol=1e-9),
+}
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+
+_MESHES: dict = {}
+
+
+def get_mesh(world_size: int, ulysses: int, ring: int = 1):
+    """One mesh per configuration per worker process (new_group is collective and not free)."""
+    key = (world_size, ulysses, ring)
+    if key not in _MESHES:
+        _MESHES[key] = SequenceParallelDims(world_size, ulysses, ring).build_mesh("cpu")
+    return _MESHES[key]
+
+
+def make_qkv(seed: int, B: int, S: int, H: int, K: int, D: int, dtype: torch.dtype):
+    """Full q [B,S,H,D], k/v [B,S,K,D] and dout [B,S,H,D], identical on every rank."""
+    g = torch.Generator().manual_seed(seed)
+    q, dout = (torch.randn(B, S, H, D, generator=g).to(dtype) for _ in range(2))
+    k, v = (torch.randn(B, S, K, D, generator=g).to(dtype) for _ in range(2))
+    return q, k, v, dout
+
+
+def reference(q, k, v, dout, *, causal: bool, softmax_scale=None):
+    """float64 out and (dq, dk, dv) of single-device attention on the full tensors."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    out = local_attention(q, k, v, causal=causal, softmax_scale=softmax_scale, backend="math")
+    out.backward(dout.double())
+    return out.detach(), q.grad, k.grad, v.grad
+
+
+def init_deepspeed_comm() -> None:
+    """Let deepspeed.comm wrap the worker's existing gloo group (once per process)."""
+    import deepspeed.comm as ds_dist
+
+    if not ds_dist.is_initialized():
+        ds_dist.init_distributed(dist_backend="gloo", verbose=False)

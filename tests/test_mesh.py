@@ -1,0 +1,97 @@
+"""SequenceParallelDims, build_mesh and the DeepSpeed mpu adapter."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import dist_pool
+from ulysses import DeepSpeedMPU, SequenceParallelDims, all_to_all
+
+
+@pytest.mark.parametrize("world,u,r,dp", [(8, 8, 1, 1), (8, 4, 1, 2), (8, 2, 2, 2), (1, 1, 1, 1)])
+def test_degrees(world, u, r, dp):
+    dims = SequenceParallelDims(world, u, r)
+    assert (dims.dp, dims.sp) == (dp, u * r)
+    assert SequenceParallelDims(world_size=world, ulysses_degree=u, ring_degree=r) == dims
+
+
+@pytest.mark.parametrize("kwargs,needle", [
+    (dict(world_size=6, ulysses_degree=4), "must divide world_size (6)"),
+    (dict(world_size=8, ulysses_degree=2, ring_degree=3), "ring_degree (3) = 6"),
+    (dict(world_size=8, ulysses_degree=0), "ulysses_degree must be a positive int"),
+    (dict(world_size=8, ulysses_degree=2.0), "positive int"),
+])
+def test_bad_degrees(kwargs, needle):
+    with pytest.raises(ValueError, match=None) as info:
+        SequenceParallelDims(**kwargs)
+    assert needle in str(info.value)
+
+
+def _rank_mpu(world, u, r):
+    mesh = SequenceParallelDims(world, u, r).build_mesh("cpu")
+    mpu = DeepSpeedMPU(mesh)
+    ranks = lambda g: dist.get_process_group_ranks(g)  # noqa: E731
+    return dict(
+        names=mesh.mesh_dim_names, shape=tuple(mesh.shape),
+        sp=(mpu.get_sequence_parallel_world_size(), mpu.get_sequence_parallel_rank(),
+            ranks(mpu.get_sequence_parallel_group())),
+        dp=(mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank(),
+            ranks(mpu.get_data_parallel_group()), mpu.get_data_parallel_group_ranks()),
+        sdp=(mpu.get_sequence_data_parallel_world_size(), mpu.get_sequence_data_parallel_rank(),
+             ranks(mpu.get_sequence_data_parallel_group())),
+        mp=mpu.get_model_parallel_world_size(),
+        ulysses=ranks(mesh["ulysses"].get_group()),
+    )
+
+
+def test_mpu_dp2_ulysses2():
+    res = dist_pool.run(_rank_mpu, 4, 2, 1, world_size=4)
+    for rank, r in enumerate(res):
+        assert r["names"] == ("dp", "ring", "ulysses") and r["shape"] == (2, 1, 2)
+        base = rank // 2 * 2
+        assert r["sp"] == (2, rank % 2, [base, base + 1])
+        assert r["ulysses"] == [base, base + 1]
+        assert r["dp"] == (2, rank // 2, [rank % 2, rank % 2 + 2], [rank % 2, rank % 2 + 2])
+        assert r["sdp"] == (4, rank, [0, 1, 2, 3])
+        assert r["mp"] == 2
+
+
+def test_mpu_ring2_ulysses2():
+    res = dist_pool.run(_rank_mpu, 4, 2, 2, world_size=4)
+    for rank, r in enumerate(res):
+        assert r["shape"] == (1, 2, 2)
+        assert r["sp"] == (4, rank, [0, 1, 2, 3])
+        assert r["ulysses"] == [rank // 2 * 2, rank // 2 * 2 + 1]
+        assert r["dp"][:3] == (1, 0, [rank])
+
+
+def _rank_two_meshes():
+    """Two SP configurations in one process, used interleaved: no shared global state."""
+    a = SequenceParallelDims(4, 4).build_mesh("cpu")
+    b = SequenceParallelDims(4, 2).build_mesh("cpu")
+    x = torch.arange(4 * 4, dtype=torch.float32).view(1, 4, 4, 1) + 100 * dist.get_rank()
+    ya = all_to_all(x, a["ulysses"].get_group(), scatter_dim=2, gather_dim=1)
+    yb = all_to_all(x, b["ulysses"].get_group(), scatter_dim=2, gather_dim=1)
+    mpus = DeepSpeedMPU(a), DeepSpeedMPU(b)
+    return tuple(ya.shape), tuple(yb.shape), [m.get_sequence_parallel_world_size() for m in mpus]
+
+
+def test_two_configurations_in_one_process():
+    for ya, yb, sizes in dist_pool.run(_rank_two_meshes, world_size=4):
+        assert ya == (1, 16, 1, 1) and yb == (1, 8, 2, 1) and sizes == [4, 2]
+
+
+def _rank_world_mismatch():
+    try:
+        SequenceParallelDims(8, 4).build_mesh("cpu")
+    except ValueError as e:
+        dist.barrier()
+        return str(e)
+    return None
+
+
+def test_build_mesh_world_mismatch_raises_on_every_rank():
+    for msg in dist_pool.run(_rank_world_mismatch, world_size=2):
+        assert msg is not None and "world_size (8)" in msg and "(2)" in msg
