@@ -80,3 +80,29 @@ def test_matches_deepspeed_with_rotary():
     for got_ds, got_ours, _ in dist_pool.run(_rank_parity, 2, 8, 2, 0, True, False, world_size=2):
         for a, b in zip(got_ours, got_ds):
             torch.testing.assert_close(a, b, **TOL[torch.float32])
+
+
+def _rank_peak_memory(H, K):
+    """MemTracker peak of one fwd+bwd, inputs allocated outside the tracker on both sides."""
+    from deepspeed.sequence.layer import DistributedAttention as DSDistributedAttention
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    init_deepspeed_comm()
+    mesh = get_mesh(2, 2)
+    q, k, v, dout = (shard_sequence(t, mesh).contiguous()
+                     for t in make_qkv(5, 1, 512, H, K, 32, torch.float32))
+    ds = DSDistributedAttention(_local_sdpa, mesh["ulysses"].get_group(), 2, 1)
+    peaks = {}
+    for name, fn in (("ours", lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, causal=True)),
+                     ("deepspeed", lambda q, k, v: ds(q, k, v, 0))):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        with MemTracker() as mt:
+            fn(*leaves).backward(dout)
+        peaks[name] = mt.get_tracker_snapshot("peak")[q.device]["Total"]
+    return peaks
+
+
+@pytest.mark.parametrize("H,K", [(8, 2), (2, 2)], ids=["gqa", "one-head-per-rank"])
+def test_peak_memory_not_above_deepspeed(H, K):
+    for peaks in dist_pool.run(_rank_peak_memory, H, K, world_size=2):
+        assert peaks["ours"] <= peaks["deepspeed"], peaks

@@ -28,13 +28,15 @@ def _rank_ulysses(world, ulysses, H, K, B, S, causal, dtype_name, seed, softmax_
                             unpadded_len=S if pad else None)
     out.backward(shard_sequence(dout, mesh, pad=pad))
     return dict(dp=dp_rank, sp=mesh["ulysses"].get_local_rank(), out=out.detach(),
-                dq=q.grad, dk=k.grad, dv=v.grad)
+                dq=q.grad, dk=k.grad, dv=v.grad,
+                contiguous=all(t.is_contiguous() for t in (out, q.grad, k.grad, v.grad)))
 
 
 def _check(results, H, K, B, S, causal, dtype_name, seed, softmax_scale=None):
     dtype = DTYPES[dtype_name]
     refs = {}
     for res in results:
+        assert res["contiguous"], "outputs and gradients must be contiguous"
         if res["dp"] not in refs:
             q, k, v, dout = make_qkv(seed + res["dp"], B, S, H, K, D, dtype)
             refs[res["dp"]] = reference(q, k, v, dout, causal=causal, softmax_scale=softmax_scale)
@@ -56,9 +58,9 @@ def test_matches_reference(world, causal, dtype_name):
     _check(results, **args)
 
 
-@pytest.mark.parametrize("H,K", [(8, 2), (8, 1), (6, 6), (6, 2), (12, 6), (10, 5)],
-                         ids=["gqa-replicated", "mqa", "uneven-mha", "uneven-replicated",
-                              "uneven-gqa", "uneven-gqa-odd"])
+@pytest.mark.parametrize("H,K", [(8, 2), (8, 1), (4, 4), (6, 6), (6, 2), (12, 6), (10, 5)],
+                         ids=["gqa-replicated", "mqa", "one-head-per-rank", "uneven-mha",
+                              "uneven-replicated", "uneven-gqa", "uneven-gqa-odd"])
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
 def test_gqa_and_uneven_heads_u4(H, K, causal):
     args = dict(H=H, K=K, B=2, S=32, causal=causal, dtype_name="fp32", seed=H * 10 + K)

@@ -109,7 +109,9 @@ def _unpack(recv: Tensor, plan: _Plan) -> Tensor:
         # [U, ..., g, ...] -> [..., (U g), ...]: one copy
         block_shape[gd] = plan.gather_sizes[0]
         blocks = recv.view(plan.world, *block_shape).movedim(0, gd)
-        return blocks.reshape(plan.out_shape)
+        # contiguous() rather than reshape(): with size-1 dims reshape can return a view with
+        # odd strides, which breaks a caller's .view() and makes autograd copy the gradient.
+        return blocks.contiguous().view(plan.out_shape)
     out = recv.new_empty(plan.out_shape)
     offset, flat = 0, 0
     for size, numel in zip(plan.gather_sizes, plan.recv_numels):

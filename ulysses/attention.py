@@ -14,7 +14,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ulysses.all_to_all import all_to_all
 from ulysses.kernels import _AttentionFn, check_qkv, default_scale, select_backend
-from ulysses.mesh import check_mesh
+from ulysses.mesh import axis_group, axis_size, check_mesh
 from ulysses.sharding import HeadLayout, head_layout
 
 
@@ -23,7 +23,7 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, causal: bool,
               unpadded_len: int | None) -> tuple[HeadLayout, str]:
     """Every check ``ulysses_attention`` makes, before any collective runs."""
     check_mesh(mesh)
-    if mesh["ring"].size() > 1:
+    if axis_size(mesh, "ring") > 1:
         raise NotImplementedError("ulysses_attention with ring_degree > 1 (hybrid Ulysses x "
                                   "Ring) is not implemented yet; use ring_degree=1")
     if head_chunk_size is not None:
@@ -33,7 +33,7 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, causal: bool,
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q and k must hold the same sequence piece, got lengths {q.shape[1]} "
                          f"and {k.shape[1]}")
-    degree = mesh["ulysses"].size()
+    degree = axis_size(mesh, "ulysses")
     if unpadded_len is not None and not 0 < unpadded_len <= q.shape[1] * degree:
         raise ValueError(f"unpadded_len ({unpadded_len}) must be in [1, {q.shape[1] * degree}] "
                          f"(the padded full sequence length)")
@@ -67,7 +67,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     divide ``U`` give uneven splits. Every ``ValueError`` is raised before any collective.
     """
     layout, backend = _validate(q, k, v, mesh, causal, head_chunk_size, backend, unpadded_len)
-    group = mesh["ulysses"].get_group()
+    group = axis_group(mesh, "ulysses")
     if layout.replicated:
         # [B, s, K, D] -> [B, s, sum(kv_sizes), D]: each rank's kv range in send order.
         index = torch.tensor(layout.kv_index(), device=k.device)

@@ -262,6 +262,9 @@ class _AttentionFn(torch.autograd.Function):
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.args = (causal, scale, backend)
         ctx.mark_non_differentiable(lse)
+        # lse has no gradient; without this autograd would hand backward a zero-filled
+        # [B, H, S] fp32 tensor for it, allocated at the peak of the backward pass.
+        ctx.set_materialize_grads(False)
         return out, lse
 
     @staticmethod

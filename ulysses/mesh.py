@@ -89,6 +89,21 @@ def check_mesh(mesh: DeviceMesh) -> None:
                          f"SequenceParallelDims.build_mesh()")
 
 
+def axis_size(mesh: DeviceMesh, axis: str) -> int:
+    """Size of one mesh axis. Cheaper than ``mesh[axis].size()``, which builds a sub-mesh."""
+    return mesh.size(MESH_AXES.index(axis))
+
+
+def axis_group(mesh: DeviceMesh, axis: str) -> dist.ProcessGroup:
+    """This rank's process group along ``axis``."""
+    return mesh.get_group(axis)
+
+
+def axis_rank(mesh: DeviceMesh, axis: str) -> int:
+    """This rank's index along ``axis``."""
+    return mesh.get_local_rank(axis)
+
+
 class DeepSpeedMPU:
     """DeepSpeed's ``mpu`` interface, answered from a mesh instead of module globals.
 

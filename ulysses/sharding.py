@@ -21,7 +21,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from ulysses.mesh import check_mesh
+from ulysses.mesh import axis_group, axis_rank, axis_size, check_mesh
 
 
 def _split_evenly(n: int, parts: int) -> list[int]:
@@ -91,10 +91,10 @@ def head_layout(num_q_heads: int, num_kv_heads: int, degree: int) -> HeadLayout:
 def _sp_coords(mesh: DeviceMesh) -> tuple[int, int]:
     """(sp size, this rank's sp index) of ``mesh``; ring > 1 is the hybrid issue's zigzag."""
     check_mesh(mesh)
-    if mesh["ring"].size() > 1:
+    if axis_size(mesh, "ring") > 1:
         raise NotImplementedError("sequence sharding with ring_degree > 1 (zigzag order) is not "
                                   "implemented yet; use ring_degree=1")
-    return mesh["ulysses"].size(), mesh["ulysses"].get_local_rank()
+    return axis_size(mesh, "ulysses"), axis_rank(mesh, "ulysses")
 
 
 def padded_len(seq_len: int, mesh: DeviceMesh) -> int:
@@ -164,7 +164,7 @@ def gather_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1, *,
     if unpadded_len is not None and unpadded_len > x.shape[dim] * sp:
         raise ValueError(f"unpadded_len ({unpadded_len}) exceeds the gathered length "
                          f"({x.shape[dim] * sp})")
-    full = x if sp == 1 else _GatherSequence.apply(x, mesh["ulysses"].get_group(), dim, rank)
+    full = x if sp == 1 else _GatherSequence.apply(x, axis_group(mesh, "ulysses"), dim, rank)
     if unpadded_len is not None:
         full = full.narrow(dim, 0, unpadded_len)
     return full
