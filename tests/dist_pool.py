@@ -29,6 +29,9 @@ def _worker(rank: int, world_size: int, init_file: str, tasks, results) -> None:
     import torch.distributed as dist
 
     torch.set_num_threads(1)
+    # What torchrun would set; DeepSpeed reads LOCAL_RANK.
+    os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
+                      LOCAL_WORLD_SIZE=str(world_size))
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=GLOO_TIMEOUT_S))
     while True:

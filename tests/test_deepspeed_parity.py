@@ -106,3 +106,37 @@ def _rank_peak_memory(H, K):
 def test_peak_memory_not_above_deepspeed(H, K):
     for peaks in dist_pool.run(_rank_peak_memory, H, K, world_size=2):
         assert peaks["ours"] <= peaks["deepspeed"], peaks
+
+
+def _rank_deepspeed_initialize(stage):
+    """deepspeed.initialize(mpu=DeepSpeedMPU(mesh)) builds its ZeRO groups from our mesh."""
+    import deepspeed
+    from deepspeed.utils import groups
+
+    init_deepspeed_comm()
+    mesh = get_mesh(4, 2)
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Linear(16, 2))
+    config = {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2,
+              "optimizer": {"type": "Adam", "params": {"lr": 1e-2, "torch_adam": True}},
+              "zero_optimization": {"stage": stage}}
+    try:
+        engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),
+                                          config=config, mpu=DeepSpeedMPU(mesh))
+        x = torch.randn(3, 8, generator=torch.Generator().manual_seed(1))
+        before = engine(x).sum().item()
+        engine.backward(engine(x).sum())
+        engine.step()
+        after = engine(x).sum().item()
+        return engine.seq_dp_world_size, engine.sequence_parallel_size, before, after
+    finally:
+        groups.mpu = None  # deepspeed.initialize installs it process-wide
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_deepspeed_initialize_with_mpu(stage):
+    results = dist_pool.run(_rank_deepspeed_initialize, stage, world_size=4)
+    for seq_dp, sp, before, after in results:
+        assert (seq_dp, sp) == (4, 2)
+        assert after < before  # one Adam step on sum(output) lowers it
+    assert len({r[2:] for r in results}) == 1  # every rank holds the same (synced) model
