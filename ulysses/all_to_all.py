@@ -18,12 +18,15 @@ copy after; either is skipped when the scattered/gathered dim is dim 0 and alrea
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Sequence
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
+
+from ulysses.buffer_pool import BufferPool
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,6 +122,68 @@ def _unpack(recv: Tensor, plan: _Plan) -> Tensor:
         out.narrow(gd, offset, size).copy_(recv[flat:flat + numel].view(block_shape))
         offset, flat = offset + size, flat + numel
     return out
+
+
+class PendingExchange:
+    """A block exchange in flight. :meth:`wait` returns the received blocks (views into one
+    flat buffer); :meth:`release` hands that buffer back to the pool once they are consumed."""
+
+    def __init__(self, work, send: Tensor, recv: Tensor, views: list[Tensor],
+                 pool: BufferPool | None) -> None:
+        self._work, self._send, self._recv, self._views, self._pool = work, send, recv, views, pool
+
+    def wait(self) -> list[Tensor]:
+        if self._work is not None:
+            self._work.wait()
+            self._work = None
+        if self._send is not None and self._send is not self._recv and self._pool is not None:
+            self._pool.release(self._send)  # the exchange no longer reads it
+        self._send = None
+        return self._views
+
+    def wait_flat(self) -> Tensor:
+        """Like :meth:`wait`, but the whole receive buffer: the blocks back to back, 1-D."""
+        self.wait()
+        return self._recv
+
+    def release(self) -> None:
+        if self._pool is not None and self._recv is not None:
+            self._pool.release(self._recv)
+        self._recv = self._views = None
+
+
+def exchange_blocks_async(send_blocks: Sequence[Tensor], recv_shapes: Sequence[Sequence[int]],
+                          group: dist.ProcessGroup | None, *,
+                          pool: BufferPool | None = None) -> PendingExchange:
+    """Send ``send_blocks[r]`` to rank r and receive a ``recv_shapes[r]`` block from rank r.
+
+    The lower-level form of :func:`all_to_all_async`, for callers that pick each rank's block
+    themselves (head chunks, whose heads are not one contiguous range). Blocks may be strided
+    views and may be empty; one copy packs them into a flat send buffer. Received blocks come
+    back as contiguous views of one flat buffer, in rank order. Both buffers come from
+    ``pool`` when given. No autograd.
+    """
+    first = send_blocks[0]
+    send_numels = [b.numel() for b in send_blocks]
+    recv_numels = [math.prod(shape) for shape in recv_shapes]
+    acquire = (lambda n: pool.acquire(n, first.dtype, first.device)) if pool is not None else (
+        lambda n: torch.empty(n, dtype=first.dtype, device=first.device))
+    send = acquire(sum(send_numels))
+    offset = 0
+    for block, numel in zip(send_blocks, send_numels):
+        send[offset:offset + numel].view(block.shape).copy_(block)
+        offset += numel
+    if len(send_blocks) == 1:
+        recv, work = send, None
+    else:
+        recv = acquire(sum(recv_numels))
+        work = dist.all_to_all_single(recv, send, output_split_sizes=recv_numels,
+                                      input_split_sizes=send_numels, group=group, async_op=True)
+    views, offset = [], 0
+    for shape, numel in zip(recv_shapes, recv_numels):
+        views.append(recv[offset:offset + numel].view(shape))
+        offset += numel
+    return PendingExchange(work, send, recv, views, pool)
 
 
 class PendingAllToAll:

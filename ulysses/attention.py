@@ -13,22 +13,21 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from ulysses.all_to_all import all_to_all
+from ulysses.buffer_pool import BufferPool
+from ulysses.head_chunking import (DEFAULT_CHUNK_BUDGET_BYTES, head_chunked_attention,
+                                   resolve_chunk_size)
 from ulysses.kernels import _AttentionFn, check_qkv, default_scale, select_backend
-from ulysses.mesh import axis_group, axis_size, check_mesh
+from ulysses.mesh import axis_group, axis_rank, axis_size, check_mesh
 from ulysses.sharding import HeadLayout, head_layout
 
 
 def _validate(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, causal: bool,
-              head_chunk_size, backend: str | None,
-              unpadded_len: int | None) -> tuple[HeadLayout, str]:
+              backend: str | None, unpadded_len: int | None) -> tuple[HeadLayout, str]:
     """Every check ``ulysses_attention`` makes, before any collective runs."""
     check_mesh(mesh)
     if axis_size(mesh, "ring") > 1:
         raise NotImplementedError("ulysses_attention with ring_degree > 1 (hybrid Ulysses x "
                                   "Ring) is not implemented yet; use ring_degree=1")
-    if head_chunk_size is not None:
-        raise NotImplementedError("head_chunk_size (head-chunked Ulysses) is not implemented "
-                                  "yet; pass head_chunk_size=None")
     check_qkv(q, k, v, causal=causal)
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q and k must hold the same sequence piece, got lengths {q.shape[1]} "
@@ -42,8 +41,11 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, causal: bool,
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, causal: bool,
-                      softmax_scale: float | None = None, head_chunk_size=None,
-                      backend: str | None = None, unpadded_len: int | None = None) -> Tensor:
+                      softmax_scale: float | None = None, head_chunk_size: int | str | None = None,
+                      backend: str | None = None, unpadded_len: int | None = None,
+                      buffer_pool: BufferPool | None = None,
+                      chunk_budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES,
+                      chunk_overlap: bool = True) -> Tensor:
     """Sequence-parallel attention over the mesh's ``"ulysses"`` axis.
 
     Args:
@@ -54,11 +56,17 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
         mesh: from :meth:`SequenceParallelDims.build_mesh`.
         causal: causal mask over the full sequence.
         softmax_scale: defaults to ``1 / sqrt(D)``.
-        head_chunk_size: ``None`` (plain Ulysses). Chunking is not implemented yet.
+        head_chunk_size: query heads each rank attends at a time. ``None``: all of them (plain
+            Ulysses). An int from :func:`ulysses.head_chunking.valid_chunk_sizes` (any
+            divisor of the local head count that fits the GQA groups), or ``"auto"``: the
+            largest whose chunk buffers fit ``chunk_budget_bytes`` (default 1 GiB).
         backend: attention kernel name (see :mod:`ulysses.kernels`), or ``None`` for automatic.
         unpadded_len: the real full-sequence length when the input was padded with
             ``shard_sequence(..., pad=True)``; padded keys are then masked out (only needed
             for non-causal attention, where the padded tail would otherwise be visible).
+        buffer_pool: chunk buffers to reuse across calls (layers); chunking only.
+        chunk_budget_bytes: the byte budget of ``head_chunk_size="auto"``.
+        chunk_overlap: exchange chunk i+1 while chunk i computes (chunking only).
 
     Returns:
         ``out_BsHD``, sharded like ``q``.
@@ -66,8 +74,17 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     Heads are split as in :func:`ulysses.sharding.head_layout`; head counts that do not
     divide ``U`` give uneven splits. Every ``ValueError`` is raised before any collective.
     """
-    layout, backend = _validate(q, k, v, mesh, causal, head_chunk_size, backend, unpadded_len)
+    layout, backend = _validate(q, k, v, mesh, causal, backend, unpadded_len)
     group = axis_group(mesh, "ulysses")
+    scale = default_scale(q.shape[-1], softmax_scale)
+    kv_len = unpadded_len if unpadded_len is not None and not causal else None
+    if head_chunk_size is not None:
+        c = resolve_chunk_size(head_chunk_size, layout, q.shape[0], q.shape[1] * len(
+            layout.q_sizes), q.shape[3], q.dtype, chunk_budget_bytes)
+        return head_chunked_attention(q, k, v, group=group, rank=axis_rank(mesh, "ulysses"),
+                                      layout=layout, head_chunk_size=c, causal=causal,
+                                      scale=scale, backend=backend, kv_len=kv_len,
+                                      pool=buffer_pool, overlap=chunk_overlap)
     if layout.replicated:
         # [B, s, K, D] -> [B, s, sum(kv_sizes), D]: each rank's kv range in send order.
         index = torch.tensor(layout.kv_index(), device=k.device)
@@ -77,10 +94,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     # [B, s, K', D] -> [B, S, k, D]
     k_BSkD = all_to_all(k, group, scatter_dim=2, gather_dim=1, scatter_sizes=layout.kv_sizes)
     v_BSkD = all_to_all(v, group, scatter_dim=2, gather_dim=1, scatter_sizes=layout.kv_sizes)
-    if unpadded_len is not None and not causal:
+    if kv_len is not None:
         # Queries may attend to real keys only; padded queries' outputs are discarded anyway.
-        k_BSkD, v_BSkD = k_BSkD[:, :unpadded_len], v_BSkD[:, :unpadded_len]
-    scale = default_scale(q.shape[-1], softmax_scale)
+        k_BSkD, v_BSkD = k_BSkD[:, :kv_len], v_BSkD[:, :kv_len]
     out_BShD, _ = _AttentionFn.apply(q_BShD, k_BSkD, v_BSkD, causal, scale, backend)
     # [B, S, h, D] -> [B, s, H, D]
     return all_to_all(out_BShD, group, scatter_dim=1, gather_dim=2, gather_sizes=layout.q_sizes)
