@@ -53,8 +53,12 @@ def _cases(mesh):
         "da_too_few_heads": lambda: DistributedAttention(sdpa, group)(
             _t(8, 1, 2, 8), _t(8, 1, 2, 8), _t(8, 1, 2, 8), 1),
         "da_scatter_idx": lambda: DistributedAttention(sdpa, group, scatter_idx=1),
-        "chunking_not_yet": lambda: attn(_t(1, 8, 4, 8), _t(1, 8, 4, 8), _t(1, 8, 4, 8),
-                                         causal=True, head_chunk_size=1),
+        "chunk_not_divisor": lambda: attn(_t(1, 8, 8, 8), _t(1, 8, 8, 8), _t(1, 8, 8, 8),
+                                          causal=True, head_chunk_size=3),
+        "chunk_uneven_heads": lambda: attn(_t(1, 8, 6, 8), _t(1, 8, 6, 8), _t(1, 8, 6, 8),
+                                           causal=True, head_chunk_size=2),
+        "chunk_bad_type": lambda: attn(_t(1, 8, 4, 8), _t(1, 8, 4, 8), _t(1, 8, 4, 8),
+                                       causal=True, head_chunk_size="big"),
     }
 
 
@@ -91,7 +95,9 @@ EXPECTED = {
     "da_num_kv_heads": ("ValueError", ["num_kv_heads (2)", "(4)"]),
     "da_too_few_heads": ("ValueError", ["(2)", "ulysses_degree (4)"]),
     "da_scatter_idx": ("ValueError", ["scatter_idx", "1"]),
-    "chunking_not_yet": ("NotImplementedError", ["head_chunk_size"]),
+    "chunk_not_divisor": ("ValueError", ["head_chunk_size=3", "[2, 2, 2, 2]", "valid values: [1, 2]"]),
+    "chunk_uneven_heads": ("ValueError", ["[2, 2, 1, 1]", "valid values: [1]"]),
+    "chunk_bad_type": ("ValueError", ["'big'"]),
 }
 
 

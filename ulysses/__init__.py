@@ -8,6 +8,7 @@ Public API::
 
 from ulysses.all_to_all import all_to_all, all_to_all_async
 from ulysses.attention import ulysses_attention
+from ulysses.buffer_pool import BufferPool
 from ulysses.kernels import BACKENDS, local_attention, select_backend
 from ulysses.layer import DistributedAttention
 from ulysses.mesh import DeepSpeedMPU, SequenceParallelDims
@@ -15,6 +16,7 @@ from ulysses.sharding import gather_sequence, head_layout, padded_len, shard_seq
 
 __all__ = [
     "BACKENDS",
+    "BufferPool",
     "DeepSpeedMPU",
     "DistributedAttention",
     "SequenceParallelDims",

@@ -30,10 +30,12 @@ class BufferPool:
 
     Args:
         max_free: most buffers kept while not in use; releasing beyond it frees the oldest,
-            so the pool never grows without bound. Buffers in use are the caller's.
+            so the pool never grows without bound. Buffers in use are the caller's. The
+            default covers head chunking's steady state with overlap (the next step's five
+            exchanges in flight while this step's inputs and gradient exchanges are live).
     """
 
-    def __init__(self, max_free: int = 16) -> None:
+    def __init__(self, max_free: int = 32) -> None:
         if max_free < 0:
             raise ValueError(f"max_free must be >= 0, got {max_free}")
         self.max_free = max_free

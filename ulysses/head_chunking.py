@@ -213,6 +213,11 @@ def _forward(q, k, v, cfg: ChunkConfig, pool: BufferPool):
                                            backend=cfg.backend)
             lse[:, j * st.q[me][1]:(j + 1) * st.q[me][1]] = lse_j
         pq.release()
+        # The next step's exchanges ran during this compute: finishing them now returns
+        # their send buffers to the pool before this step's output exchange takes new ones.
+        for p in nxt or ():
+            if p is not None:
+                p.wait()
         if pend_out is not None:
             _scatter_into(pend_out, out, pend_out_ranges, add=False)
         if o_j is None:
@@ -288,6 +293,8 @@ def _backward(dout, q, k, v, out, lse, cfg: ChunkConfig, pool: BufferPool):
             dkv_sum = (dk_j, dv_j) if st.kv_new[me] else (dkv_sum[0] + dk_j, dkv_sum[1] + dv_j)
         for p in pend[:3]:
             p.release()
+        for p in nxt or ():  # as in _forward: free the next step's send buffers now
+            p.wait()
         if sent is not None:
             finish(sent)
         empty_kv = q.new_empty(B, s * U, 0, D)

@@ -1,0 +1,132 @@
+"""Head-chunked Ulysses: equal to unchunked and to the fp64 reference; buffers are reused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dist_pool
+from helpers import DTYPES, TOL, get_mesh, make_qkv, reference
+from ulysses import BufferPool, shard_sequence, ulysses_attention
+from ulysses.head_chunking import build_schedule, resolve_chunk_size, valid_chunk_sizes
+from ulysses.sharding import head_layout
+
+D = 16
+
+
+def _rank_chunked(world, H, K, B, S, causal, dtype_name, chunk, overlap, seed):
+    """Chunked and unchunked fwd+bwd on the same shards; returns both sets of local shards."""
+    mesh = get_mesh(world, world)
+    full = make_qkv(seed, B, S, H, K, D, DTYPES[dtype_name])
+    q, k, v, dout = (shard_sequence(t, mesh) for t in full)
+    got = {}
+    for name, c in (("chunked", chunk), ("plain", None)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ulysses_attention(*leaves, mesh=mesh, causal=causal, head_chunk_size=c,
+                                chunk_overlap=overlap)
+        out.backward(dout)
+        got[name] = [out.detach()] + [t.grad for t in leaves]
+    return mesh["ulysses"].get_local_rank(), got
+
+
+def _check(results, H, K, B, S, causal, dtype_name, seed):
+    dtype = DTYPES[dtype_name]
+    ref = reference(*make_qkv(seed, B, S, H, K, D, dtype), causal=causal)
+    for rank, got in results:
+        n = S // len(results)
+        for name, a, b, r in zip(("out", "dq", "dk", "dv"), got["chunked"], got["plain"], ref):
+            msg = lambda m: f"{name} rank {rank}: {m}"  # noqa: E731
+            torch.testing.assert_close(a.double(), r[:, rank * n:(rank + 1) * n], **TOL[dtype],
+                                       msg=msg)
+            torch.testing.assert_close(a, b, **TOL[dtype], msg=msg)
+
+
+@pytest.mark.parametrize("dtype_name", ["fp32", "bf16"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("world,chunk", [(2, 1), (2, 2), (2, 4), (4, 1), (4, 2)],
+                         ids=["u2-c1", "u2-c2", "u2-cH/U", "u4-c1", "u4-cH/U"])
+def test_gqa_matches_unchunked_and_reference(world, chunk, causal, dtype_name):
+    """Hq=8, Hkv=2 (U=4 replicates kv), B=2, c in {1, 2, H/U}."""
+    args = dict(H=8, K=2, B=2, S=32, causal=causal, dtype_name=dtype_name, seed=chunk + world)
+    results = dist_pool.run(_rank_chunked, world, **args, chunk=chunk, overlap=True,
+                            world_size=world)
+    _check(results, **args)
+
+
+@pytest.mark.parametrize("H,K,chunk", [(8, 2, 1), (6, 6, 1), (16, 4, 4), (8, 1, 2), (12, 6, 1)],
+                         ids=["gqa", "uneven-mha", "chunk>group", "mqa", "uneven-gqa"])
+def test_no_overlap_and_uneven(H, K, chunk):
+    args = dict(H=H, K=K, B=2, S=32, causal=True, dtype_name="fp32", seed=H + K)
+    results = dist_pool.run(_rank_chunked, 4, **args, chunk=chunk, overlap=False, world_size=4)
+    _check(results, **args)
+
+
+def test_auto_uses_budget():
+    layout = head_layout(32, 8, 2)                     # 16 q heads, 4 kv heads per rank
+    assert valid_chunk_sizes(layout) == [1, 2, 4, 8, 16]
+    big = resolve_chunk_size("auto", layout, 1, 16384, 64, torch.float32, budget_bytes=1 << 40)
+    small = resolve_chunk_size("auto", layout, 1, 16384, 64, torch.float32, budget_bytes=1 << 26)
+    tiny = resolve_chunk_size("auto", layout, 1, 16384, 64, torch.float32, budget_bytes=1)
+    assert (big, tiny) == (16, 1) and 1 <= small < 16
+
+
+def test_schedule_sends_each_kv_chunk_once():
+    """Hq=8, Hkv=2 at U=4: every rank shares one kv head across its 2 q chunks (c=1)."""
+    steps = build_schedule(head_layout(8, 2, 4), 1)
+    assert [s.kv_new for s in steps] == [(True,) * 4, (False,) * 4]
+    assert [s.kv_done for s in steps] == [(False,) * 4, (True,) * 4]
+    steps = build_schedule(head_layout(32, 8, 2), 1)  # group 4: kv resent every 4 q chunks
+    assert sum(s.kv_new[0] for s in steps) == 4 and len(steps) == 16
+
+
+def _bytes(*tensors):
+    return sum(t.numel() * t.element_size() for t in tensors)
+
+
+def _rank_pool(H):
+    """c=1 over H/2 chunks per rank, two calls (layers) sharing one pool, under MemTracker.
+
+    The inputs are registered with MemTracker up front (it would otherwise count a storage
+    only once an op touches it), so the transient peak is the peak minus the inputs and what
+    every implementation must hold afterwards (out, dq, dk, dv).
+    """
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    mesh = get_mesh(2, 2)
+    B, S = 1, 256
+    q, k, v, dout = (shard_sequence(t, mesh).contiguous()
+                     for t in make_qkv(9, B, S, H, H, D, torch.float32))
+    pool = BufferPool()
+    stats, transients = [], []
+    for _layer in range(2):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        mt = MemTracker()
+        mt.track_external(*leaves, dout)
+        with mt:
+            base = mt.get_tracker_snapshot("current")[q.device]["Total"]
+            out = ulysses_attention(*leaves, mesh=mesh, causal=True, head_chunk_size=1,
+                                    buffer_pool=pool)
+            out.backward(dout)
+        peak = mt.get_tracker_snapshot("peak")[q.device]["Total"]
+        transients.append(peak - base - _bytes(out, *[t.grad for t in leaves]))
+        stats.append((pool.stats.allocated, pool.stats.reused))
+    return stats, transients, B * S * D * 4, pool.max_free
+
+
+def test_pool_reuses_buffers_across_chunks_and_layers():
+    """8 chunks per rank, then 16: the same buffers, and the same transient memory."""
+    eight = dist_pool.run(_rank_pool, 16, world_size=2)
+    sixteen = dist_pool.run(_rank_pool, 32, world_size=2)
+    for (stats, transients, unit, pool_size), (stats16, transients16, _, _) in zip(eight, sixteen):
+        (alloc1, reused1), (alloc2, reused2) = stats
+        # 8 chunks x (forward + backward) x several exchanges, served by the pool's buffers:
+        assert alloc1 <= pool_size and reused1 > 4 * alloc1, stats
+        # the second layer allocates nothing new,
+        assert alloc2 == alloc1 and reused2 > reused1, stats
+        # and MemTracker agrees with the pool's count: the transient peak is the pool's
+        # buffers (one full-sequence head each, `unit` bytes) plus a few kernel temporaries.
+        assert transients[1] <= (alloc1 + 8) * unit, (transients, alloc1, unit)
+        # Twice the chunks: no new buffers, and the transient grows only by the fp32 lse
+        # (h x S x 4 bytes: half a unit here).
+        assert stats16[1][0] == alloc1, (stats, stats16)
+        assert transients16[1] <= transients[1] + unit, (transients, transients16, unit)
