@@ -136,7 +136,7 @@ class PendingExchange:
         if self._work is not None:
             self._work.wait()
             self._work = None
-        if self._send is not None and self._send is not self._recv and self._pool is not None:
+        if self._send is not None and self._pool is not None:
             self._pool.release(self._send)  # the exchange no longer reads it
         self._send = None
         return self._views
@@ -159,30 +159,44 @@ def exchange_blocks_async(send_blocks: Sequence[Tensor], recv_shapes: Sequence[S
 
     The lower-level form of :func:`all_to_all_async`, for callers that pick each rank's block
     themselves (head chunks, whose heads are not one contiguous range). Blocks may be strided
-    views and may be empty; one copy packs them into a flat send buffer. Received blocks come
-    back as contiguous views of one flat buffer, in rank order. Both buffers come from
-    ``pool`` when given. No autograd.
+    views and may be empty. Received blocks come back as contiguous views of one flat buffer,
+    in rank order. This rank's own block never enters the send buffer: it is copied straight
+    into its place in the receive buffer. Both buffers come from ``pool`` when given.
+    No autograd.
     """
     first = send_blocks[0]
-    send_numels = [b.numel() for b in send_blocks]
+    world = len(send_blocks)
+    me = dist.get_rank(group) if world > 1 else 0
     recv_numels = [math.prod(shape) for shape in recv_shapes]
+    # gloo's list all-to-all needs equal sizes; it lets this rank's own block skip the send
+    # buffer (copied straight into place). Uneven blocks go through all_to_all_single, whose
+    # cumulative offsets need the self block in the send buffer too.
+    uniform = len({b.numel() for b in send_blocks} | set(recv_numels)) == 1
+    skip = me if uniform else -1
+    send_numels = [0 if r == skip else b.numel() for r, b in enumerate(send_blocks)]
     acquire = (lambda n: pool.acquire(n, first.dtype, first.device)) if pool is not None else (
         lambda n: torch.empty(n, dtype=first.dtype, device=first.device))
-    send = acquire(sum(send_numels))
+    send, recv = acquire(sum(send_numels)), acquire(sum(recv_numels))
     offset = 0
-    for block, numel in zip(send_blocks, send_numels):
-        send[offset:offset + numel].view(block.shape).copy_(block)
+    for r, (block, numel) in enumerate(zip(send_blocks, send_numels)):
+        if r != skip:
+            send[offset:offset + numel].view(block.shape).copy_(block)
         offset += numel
-    if len(send_blocks) == 1:
-        recv, work = send, None
+    recvs, offset = [], 0
+    for numel in recv_numels:
+        recvs.append(recv[offset:offset + numel])
+        offset += numel
+    work = None
+    if uniform:
+        recvs[me].view(send_blocks[me].shape).copy_(send_blocks[me])
+        if world > 1:
+            sends = list(send.split(send_numels))
+            sends[me] = recvs[me]  # the exchange's self copy is then a no-op onto itself
+            work = dist.all_to_all(recvs, sends, group=group, async_op=True)
     else:
-        recv = acquire(sum(recv_numels))
         work = dist.all_to_all_single(recv, send, output_split_sizes=recv_numels,
                                       input_split_sizes=send_numels, group=group, async_op=True)
-    views, offset = [], 0
-    for shape, numel in zip(recv_shapes, recv_numels):
-        views.append(recv[offset:offset + numel].view(shape))
-        offset += numel
+    views = [r.view(shape) for r, shape in zip(recvs, recv_shapes)]
     return PendingExchange(work, send, recv, views, pool)
 
 

@@ -4,11 +4,14 @@ Head-chunked attention needs the same few full-sequence chunk buffers at every c
 layer. Allocating them once and handing them back keeps the peak at a fixed number of chunk
 buffers, however many chunks or layers run. The pool is an ordinary object passed explicitly
 (no module state): one per model, or one per call when none is given.
+
+A request is served by the smallest free buffer of the same dtype and device that is large
+enough (as a prefix view), so the different sizes a chunk step needs (q vs kv heads, send vs
+receive) share buffers instead of each keeping their own.
 """
 
 from __future__ import annotations
 
-from collections import defaultdict, deque
 from dataclasses import dataclass
 
 import torch
@@ -19,6 +22,8 @@ from torch import Tensor
 class PoolStats:
     allocated: int = 0
     """Distinct buffers the pool has created (each is one allocation)."""
+    allocated_bytes: int = 0
+    """Bytes of those buffers."""
     reused: int = 0
     """acquire() calls served from a free buffer."""
     freed: int = 0
@@ -26,13 +31,12 @@ class PoolStats:
 
 
 class BufferPool:
-    """Flat buffers keyed by ``(numel, dtype, device)``.
+    """Flat buffers, reused best-fit per ``(dtype, device)``.
 
     Args:
-        max_free: most buffers kept while not in use; releasing beyond it frees the oldest,
+        max_free: most buffers kept while not in use; releasing beyond it frees the smallest,
             so the pool never grows without bound. Buffers in use are the caller's. The
-            default covers head chunking's steady state with overlap (the next step's five
-            exchanges in flight while this step's inputs and gradient exchanges are live).
+            default covers head chunking's steady state with overlap.
     """
 
     def __init__(self, max_free: int = 32) -> None:
@@ -40,36 +44,39 @@ class BufferPool:
             raise ValueError(f"max_free must be >= 0, got {max_free}")
         self.max_free = max_free
         self.stats = PoolStats()
-        self._free: dict[tuple, deque[Tensor]] = defaultdict(deque)
-        self._order: deque[tuple] = deque()  # keys of free buffers, oldest first
+        self._free: list[Tensor] = []  # base buffers, not in use
 
     def acquire(self, numel: int, dtype: torch.dtype, device: torch.device) -> Tensor:
         """A 1-D buffer of ``numel`` elements; its contents are undefined."""
-        key = (numel, dtype, torch.device(device))
-        if self._free[key]:
+        device = torch.device(device)
+        fits = [i for i, b in enumerate(self._free)
+                if b.dtype == dtype and b.device == device and b.numel() >= numel]
+        if fits:
+            base = self._free.pop(min(fits, key=lambda i: self._free[i].numel()))
             self.stats.reused += 1
-            self._order.remove(key)
-            return self._free[key].pop()
-        self.stats.allocated += 1
-        return torch.empty(numel, dtype=dtype, device=device)
+        else:
+            base = torch.empty(numel, dtype=dtype, device=device)
+            self.stats.allocated += 1
+            self.stats.allocated_bytes += base.numel() * base.element_size()
+        return base[:numel]
 
     def release(self, buf: Tensor) -> None:
         """Return ``buf`` (from :meth:`acquire`); the caller must not use it afterwards."""
-        key = (buf.numel(), buf.dtype, buf.device)
-        self._free[key].append(buf)
-        self._order.append(key)
-        while len(self._order) > self.max_free:
-            self._free[self._order.popleft()].popleft()
+        base = buf if buf._base is None else buf._base
+        if any(b is base for b in self._free):
+            raise ValueError("buffer released twice")
+        self._free.append(base)
+        if len(self._free) > self.max_free:
+            self._free.pop(min(range(len(self._free)), key=lambda i: self._free[i].numel()))
             self.stats.freed += 1
 
     def num_free(self) -> int:
-        return len(self._order)
+        return len(self._free)
 
     def free_bytes(self) -> int:
-        return sum(b.numel() * b.element_size() for q in self._free.values() for b in q)
+        return sum(b.numel() * b.element_size() for b in self._free)
 
     def clear(self) -> None:
         """Drop every free buffer (memory returns to the allocator)."""
-        self.stats.freed += len(self._order)
+        self.stats.freed += len(self._free)
         self._free.clear()
-        self._order.clear()

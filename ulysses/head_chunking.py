@@ -175,62 +175,73 @@ def _kv_view(t: Tensor, cfg: ChunkConfig) -> Tensor:
     return t if cfg.kv_len is None else t[:, :cfg.kv_len]
 
 
+def _new_kv(st: Step) -> list[tuple[int, int]] | None:
+    """Per rank, the kv range to send at this step (count 0 where it keeps its chunk)."""
+    if not any(st.kv_new):
+        return None
+    return [kv if new else (kv[0], 0) for kv, new in zip(st.kv, st.kv_new)]
+
+
+def _take_kv(pending: list[PendingExchange], kv_cur, st: Step, me: int, shape, U: int):
+    """Adopt a kv exchange's buffers as this rank's current kv chunk if it got one."""
+    if not st.kv_new[me]:
+        for p in pending:
+            p.wait(), p.release()
+        return kv_cur, None
+    for p in kv_cur[0] if kv_cur else ():
+        p.release()
+    return (pending, tuple(_as_BSnD(p, shape, U) for p in pending)), None
+
+
+# Buffer lifetimes (why the loops are ordered as they are): while step j computes, only its
+# own inputs, the kernel's outputs and the next step's q-like exchanges are alive. The previous
+# step's output/gradient exchange and the next kv exchange are finished before the kernel runs,
+# and kernel outputs are dropped as soon as they are packed for sending.
+
 def _forward(q, k, v, cfg: ChunkConfig, pool: BufferPool):
     """Returns ``out_BsHD`` and ``lse_BhS`` (fp32, this rank's h query heads)."""
-    U, me = len(cfg.layout.q_sizes), cfg.rank
+    U, me, steps = len(cfg.layout.q_sizes), cfg.rank, cfg.schedule
     B, s, _, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(B, cfg.layout.q_sizes[me], s * U, dtype=torch.float32, device=q.device)
 
     def launch(j):
-        st = cfg.schedule[j]
+        st, ranges = steps[j], _new_kv(steps[j])
         pq = _to_heads(q, st.q, st.q[me][1], cfg.group, pool)
-        if not any(st.kv_new):
-            return pq, None, None
-        ranges = [kv if new else (kv[0], 0) for kv, new in zip(st.kv, st.kv_new)]
-        mine = ranges[me][1]
-        return (pq, _to_heads(k, ranges, mine, cfg.group, pool),
-                _to_heads(v, ranges, mine, cfg.group, pool))
+        if ranges is None:
+            return pq, []
+        return pq, [_to_heads(t, ranges, ranges[me][1], cfg.group, pool) for t in (k, v)]
 
-    kv_cur, pend_out, nxt = None, None, launch(0)
-    for j, st in enumerate(cfg.schedule):
-        pq, pk, pv = nxt
-        nxt = launch(j + 1) if cfg.overlap and j + 1 < len(cfg.schedule) else None
-        q_j = _as_BSnD(pq, (s, B, st.q[me][1], D), U)
-        if pk is not None:
-            if st.kv_new[me]:
-                for p in kv_cur or ():
-                    p.release()
-                kv_cur = (pk, pv)
-                kv_shape = (s, B, st.kv[me][1], D)
-                k_j, v_j = _as_BSnD(pk, kv_shape, U), _as_BSnD(pv, kv_shape, U)
-            else:
-                pk.wait(), pv.wait(), pk.release(), pv.release()
-        o_j = None
-        if st.q[me][1]:
-            o_j, lse_j = attention_forward(q_j, _kv_view(k_j, cfg), _kv_view(v_j, cfg),
-                                           causal=cfg.causal, softmax_scale=cfg.scale,
-                                           backend=cfg.backend)
-            lse[:, j * st.q[me][1]:(j + 1) * st.q[me][1]] = lse_j
-        pq.release()
-        # The next step's exchanges ran during this compute: finishing them now returns
-        # their send buffers to the pool before this step's output exchange takes new ones.
-        for p in nxt or ():
-            if p is not None:
-                p.wait()
+    kv, pend_out, nxt = None, None, launch(0)
+    for j, st in enumerate(steps):
+        (pq, pkv), nxt = nxt, (launch(j + 1) if cfg.overlap and j + 1 < len(steps) else None)
+        n = st.q[me][1]
+        q_j = _as_BSnD(pq, (s, B, n, D), U)
+        if pkv:
+            kv, _ = _take_kv(pkv, kv, st, me, (s, B, st.kv[me][1], D), U)
+        for p in nxt[1] if nxt else ():
+            p.wait()  # next kv exchange: done before the kernel, its send buffers freed
         if pend_out is not None:
-            _scatter_into(pend_out, out, pend_out_ranges, add=False)
-        if o_j is None:
-            o_j = q.new_empty(B, s * U, 0, D)
-        pend_out, pend_out_ranges = _to_seq(o_j, st.q, cfg.group, pool), st.q
+            _scatter_into(*pend_out, add=False)
+        o_j = q.new_empty(B, s * U, 0, D)
+        if n:
+            k_j, v_j = kv[1]
+            o_j, lse[:, j * n:(j + 1) * n] = attention_forward(
+                q_j, _kv_view(k_j, cfg), _kv_view(v_j, cfg), causal=cfg.causal,
+                softmax_scale=cfg.scale, backend=cfg.backend)
+        del q_j
+        pq.release()
+        if nxt:
+            nxt[0].wait()  # ran during the kernel; frees its send buffer
+        pend_out = (_to_seq(o_j, st.q, cfg.group, pool), out, st.q)
+        del o_j
         if not cfg.overlap:
-            _scatter_into(pend_out, out, st.q, add=False)
+            _scatter_into(*pend_out, add=False)
             pend_out = None
-            if j + 1 < len(cfg.schedule):
-                nxt = launch(j + 1)
+            nxt = launch(j + 1) if j + 1 < len(steps) else None
     if pend_out is not None:
-        _scatter_into(pend_out, out, pend_out_ranges, add=False)
-    for p in kv_cur or ():
+        _scatter_into(*pend_out, add=False)
+    for p in kv[0] if kv else ():
         p.release()
     return out, lse
 
@@ -238,50 +249,35 @@ def _forward(q, k, v, cfg: ChunkConfig, pool: BufferPool):
 def _backward(dout, q, k, v, out, lse, cfg: ChunkConfig, pool: BufferPool):
     """Per chunk: redo the exchanges of q, k, v, out and dout, run the kernel backward with the
     saved lse, and send dq (and, once per kv chunk, the summed dk/dv) back into place."""
-    U, me = len(cfg.layout.q_sizes), cfg.rank
+    U, me, steps = len(cfg.layout.q_sizes), cfg.rank, cfg.schedule
     B, s, _, D = q.shape
     dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
     def launch(j):
-        st = cfg.schedule[j]
+        st, ranges = steps[j], _new_kv(steps[j])
         mine = st.q[me][1]
-        pend = [_to_heads(t, st.q, mine, cfg.group, pool) for t in (q, out, dout)]
-        if any(st.kv_new):
-            ranges = [kv if new else (kv[0], 0) for kv, new in zip(st.kv, st.kv_new)]
-            pend += [_to_heads(t, ranges, ranges[me][1], cfg.group, pool) for t in (k, v)]
-        return pend
-
-    def launch_grads(j, dq_j, dk_sum, dv_sum):
-        st = cfg.schedule[j]
-        sent = [(_to_seq(dq_j, st.q, cfg.group, pool), dq, st.q, False)]
-        if any(st.kv_done):
-            ranges = [kv if done else (kv[0], 0) for kv, done in zip(st.kv, st.kv_done)]
-            sent += [(_to_seq(d, ranges, cfg.group, pool), dest, ranges, True)
-                     for d, dest in ((dk_sum, dk), (dv_sum, dv))]
-        return sent
+        pqs = [_to_heads(t, st.q, mine, cfg.group, pool) for t in (q, out, dout)]
+        if ranges is None:
+            return pqs, []
+        return pqs, [_to_heads(t, ranges, ranges[me][1], cfg.group, pool) for t in (k, v)]
 
     def finish(sent):
         for pending, dest, ranges, add in sent:
             _scatter_into(pending, dest, ranges, add)
 
-    kv_cur, dkv_sum, sent, nxt = None, None, None, launch(0)
-    for j, st in enumerate(cfg.schedule):
-        pend = nxt
-        nxt = launch(j + 1) if cfg.overlap and j + 1 < len(cfg.schedule) else None
+    kv, dkv_sum, sent, nxt = None, None, [], launch(0)
+    for j, st in enumerate(steps):
+        (pqs, pkv), nxt = nxt, (launch(j + 1) if cfg.overlap and j + 1 < len(steps) else None)
         n = st.q[me][1]
-        q_j, out_j, dout_j = (_as_BSnD(p, (s, B, n, D), U) for p in pend[:3])
-        if len(pend) > 3:
-            if st.kv_new[me]:
-                for p in kv_cur or ():
-                    p.release()
-                kv_cur = tuple(pend[3:])
-                kv_shape = (s, B, st.kv[me][1], D)
-                k_j, v_j = (_as_BSnD(p, kv_shape, U) for p in kv_cur)
-            else:
-                for p in pend[3:]:
-                    p.wait(), p.release()
+        q_j, out_j, dout_j = (_as_BSnD(p, (s, B, n, D), U) for p in pqs)
+        if pkv:
+            kv, _ = _take_kv(pkv, kv, st, me, (s, B, st.kv[me][1], D), U)
+        for p in nxt[1] if nxt else ():
+            p.wait()
+        finish(sent)
         dq_j = q.new_empty(B, s * U, 0, D)
         if n:
+            k_j, v_j = kv[1]
             dq_j, dk_j, dv_j = attention_backward(
                 dout_j, q_j, _kv_view(k_j, cfg), _kv_view(v_j, cfg), out_j,
                 lse[:, j * n:(j + 1) * n].contiguous(), causal=cfg.causal,
@@ -289,25 +285,35 @@ def _backward(dout, q, k, v, out, lse, cfg: ChunkConfig, pool: BufferPool):
             if cfg.kv_len is not None:  # keys past kv_len were not attended: zero gradient
                 dk_j, dv_j = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, s * U - cfg.kv_len))
                               for t in (dk_j, dv_j))
-            # Sum dk/dv over the q chunks that share this kv chunk; send once, when done.
-            dkv_sum = (dk_j, dv_j) if st.kv_new[me] else (dkv_sum[0] + dk_j, dkv_sum[1] + dv_j)
-        for p in pend[:3]:
+            # Sum dk/dv over the q chunks sharing this kv chunk (in place); send once, when done.
+            if st.kv_new[me]:
+                dkv_sum = (dk_j, dv_j)
+            else:
+                dkv_sum[0].add_(dk_j), dkv_sum[1].add_(dv_j)
+            del dk_j, dv_j
+        del q_j, out_j, dout_j
+        for p in pqs:
             p.release()
-        for p in nxt or ():  # as in _forward: free the next step's send buffers now
-            p.wait()
-        if sent is not None:
-            finish(sent)
-        empty_kv = q.new_empty(B, s * U, 0, D)
-        dk_send, dv_send = dkv_sum if st.kv_done[me] else (empty_kv, empty_kv)
-        sent = launch_grads(j, dq_j, dk_send, dv_send)
+        if nxt:
+            for p in nxt[0]:
+                p.wait()
+        sent = [(_to_seq(dq_j, st.q, cfg.group, pool), dq, st.q, False)]
+        del dq_j
+        if any(st.kv_done):
+            ranges = [kv_r if done else (kv_r[0], 0) for kv_r, done in zip(st.kv, st.kv_done)]
+            empty = q.new_empty(B, s * U, 0, D)
+            sends = dkv_sum if st.kv_done[me] else (empty, empty)
+            sent += [(_to_seq(d, ranges, cfg.group, pool), dest, ranges, True)
+                     for d, dest in zip(sends, (dk, dv))]
+            if st.kv_done[me]:
+                dkv_sum = None
+            del sends
         if not cfg.overlap:
             finish(sent)
-            sent = None
-            if j + 1 < len(cfg.schedule):
-                nxt = launch(j + 1)
-    if sent is not None:
-        finish(sent)
-    for p in kv_cur or ():
+            sent = []
+            nxt = launch(j + 1) if j + 1 < len(steps) else None
+    finish(sent)
+    for p in kv[0] if kv else ():
         p.release()
     return dq, dk, dv
 
