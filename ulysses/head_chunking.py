@@ -61,11 +61,13 @@ def chunk_buffer_bytes(layout: HeadLayout, c: int, batch: int, seq_len: int, hea
                        dtype: torch.dtype) -> int:
     """Estimated bytes of full-sequence chunk buffers alive at the backward peak.
 
-    With overlap, two steps' inputs are live: q, out, dout (c heads each) and k, v (ck), and
-    one step's outputs: dq (c), dk, dv (ck), the dk/dv sums (ck) and the send buffers.
+    While a step's kernel runs: its inputs q, out, dout (c heads each) and k, v (ck), the next
+    step's q and dout in flight (receive + send, ~3c), and the kernel's dq (c), dk, dv (ck each)
+    plus the dk/dv sums (ck each): about 7c + 6ck heads of ``[B, S, D]`` (measured: 13.8 at
+    c=ck=1 and 66 at c=8, ck=2 for 64 predicted).
     """
     ck = max(1, -(-c // min(_groups(layout))))
-    units = 2 * (3 * c + 2 * ck) + 2 * c + 6 * ck
+    units = 7 * c + 6 * ck
     return units * batch * seq_len * head_dim * torch.empty((), dtype=dtype).element_size()
 
 
@@ -182,21 +184,36 @@ def _new_kv(st: Step) -> list[tuple[int, int]] | None:
     return [kv if new else (kv[0], 0) for kv, new in zip(st.kv, st.kv_new)]
 
 
-def _take_kv(pending: list[PendingExchange], kv_cur, st: Step, me: int, shape, U: int):
-    """Adopt a kv exchange's buffers as this rank's current kv chunk if it got one."""
+def _exchange_kv(k, v, st: Step, me: int, U: int, cfg, pool):
+    """Step ``st``'s kv exchange (synchronous), if any rank needs a new kv chunk.
+
+    Returns ``(pending, (k_BSkD, v_BSkD))`` for this rank's new chunk, or None if it keeps its
+    current one (or there was no exchange)."""
+    ranges = _new_kv(st)
+    if ranges is None:
+        return None
+    B, s, _, D = k.shape
+    pend = [_to_heads(t, ranges, ranges[me][1], cfg.group, pool) for t in (k, v)]
     if not st.kv_new[me]:
-        for p in pending:
+        for p in pend:
             p.wait(), p.release()
-        return kv_cur, None
-    for p in kv_cur[0] if kv_cur else ():
+        return None
+    return pend, tuple(_as_BSnD(p, (s, B, ranges[me][1], D), U) for p in pend)
+
+
+def _release(kv) -> None:
+    for p in kv[0] if kv else ():
         p.release()
-    return (pending, tuple(_as_BSnD(p, shape, U) for p in pending)), None
 
 
-# Buffer lifetimes (why the loops are ordered as they are): while step j computes, only its
-# own inputs, the kernel's outputs and the next step's q-like exchanges are alive. The previous
-# step's output/gradient exchange and the next kv exchange are finished before the kernel runs,
-# and kernel outputs are dropped as soon as they are packed for sending.
+# Buffer lifetimes (why the loops are ordered as they are). The pool keeps its high-water
+# set of buffers, so what matters is what is alive at once:
+# - while step j computes: its inputs, the kernel's outputs, and the next step's q (and, in
+#   backward, dout) exchange, which is the part overlapped with compute;
+# - kv chunks are exchanged at the step that needs them (every g / c steps), after the
+#   previous chunk was released at its last use; backward fetches `out` at the step too;
+# - the previous step's output/gradient exchange finishes at the top of the next step, before
+#   anything new is acquired, and kernel outputs are dropped as soon as they are packed.
 
 def _forward(q, k, v, cfg: ChunkConfig, pool: BufferPool):
     """Returns ``out_BsHD`` and ``lse_BhS`` (fp32, this rank's h query heads)."""
@@ -204,25 +221,16 @@ def _forward(q, k, v, cfg: ChunkConfig, pool: BufferPool):
     B, s, _, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(B, cfg.layout.q_sizes[me], s * U, dtype=torch.float32, device=q.device)
-
-    def launch(j):
-        st, ranges = steps[j], _new_kv(steps[j])
-        pq = _to_heads(q, st.q, st.q[me][1], cfg.group, pool)
-        if ranges is None:
-            return pq, []
-        return pq, [_to_heads(t, ranges, ranges[me][1], cfg.group, pool) for t in (k, v)]
+    launch = lambda j: _to_heads(q, steps[j].q, steps[j].q[me][1], cfg.group, pool)  # noqa: E731
 
     kv, pend_out, nxt = None, None, launch(0)
     for j, st in enumerate(steps):
-        (pq, pkv), nxt = nxt, (launch(j + 1) if cfg.overlap and j + 1 < len(steps) else None)
-        n = st.q[me][1]
-        q_j = _as_BSnD(pq, (s, B, n, D), U)
-        if pkv:
-            kv, _ = _take_kv(pkv, kv, st, me, (s, B, st.kv[me][1], D), U)
-        for p in nxt[1] if nxt else ():
-            p.wait()  # next kv exchange: done before the kernel, its send buffers freed
         if pend_out is not None:
             _scatter_into(*pend_out, add=False)
+        kv = _exchange_kv(k, v, st, me, U, cfg, pool) or kv
+        pq, n = nxt, st.q[me][1]
+        q_j = _as_BSnD(pq, (s, B, n, D), U)  # waits before the next launch
+        nxt = launch(j + 1) if cfg.overlap and j + 1 < len(steps) else None
         o_j = q.new_empty(B, s * U, 0, D)
         if n:
             k_j, v_j = kv[1]
@@ -231,8 +239,11 @@ def _forward(q, k, v, cfg: ChunkConfig, pool: BufferPool):
                 softmax_scale=cfg.scale, backend=cfg.backend)
         del q_j
         pq.release()
-        if nxt:
-            nxt[0].wait()  # ran during the kernel; frees its send buffer
+        if st.kv_done[me]:
+            _release(kv)
+            kv = None
+        if nxt is not None:
+            nxt.wait()  # ran during the kernel; frees its send buffer
         pend_out = (_to_seq(o_j, st.q, cfg.group, pool), out, st.q)
         del o_j
         if not cfg.overlap:
@@ -241,8 +252,7 @@ def _forward(q, k, v, cfg: ChunkConfig, pool: BufferPool):
             nxt = launch(j + 1) if j + 1 < len(steps) else None
     if pend_out is not None:
         _scatter_into(*pend_out, add=False)
-    for p in kv[0] if kv else ():
-        p.release()
+    _release(kv)
     return out, lse
 
 
@@ -254,12 +264,8 @@ def _backward(dout, q, k, v, out, lse, cfg: ChunkConfig, pool: BufferPool):
     dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
 
     def launch(j):
-        st, ranges = steps[j], _new_kv(steps[j])
-        mine = st.q[me][1]
-        pqs = [_to_heads(t, st.q, mine, cfg.group, pool) for t in (q, out, dout)]
-        if ranges is None:
-            return pqs, []
-        return pqs, [_to_heads(t, ranges, ranges[me][1], cfg.group, pool) for t in (k, v)]
+        st = steps[j]
+        return [_to_heads(t, st.q, st.q[me][1], cfg.group, pool) for t in (q, dout)]
 
     def finish(sent):
         for pending, dest, ranges, add in sent:
@@ -267,14 +273,14 @@ def _backward(dout, q, k, v, out, lse, cfg: ChunkConfig, pool: BufferPool):
 
     kv, dkv_sum, sent, nxt = None, None, [], launch(0)
     for j, st in enumerate(steps):
-        (pqs, pkv), nxt = nxt, (launch(j + 1) if cfg.overlap and j + 1 < len(steps) else None)
-        n = st.q[me][1]
-        q_j, out_j, dout_j = (_as_BSnD(p, (s, B, n, D), U) for p in pqs)
-        if pkv:
-            kv, _ = _take_kv(pkv, kv, st, me, (s, B, st.kv[me][1], D), U)
-        for p in nxt[1] if nxt else ():
-            p.wait()
         finish(sent)
+        kv = _exchange_kv(k, v, st, me, U, cfg, pool) or kv
+        n = st.q[me][1]
+        p_out = _to_heads(out, st.q, n, cfg.group, pool)
+        out_j = _as_BSnD(p_out, (s, B, n, D), U)  # waits: frees its send buffer
+        pqs = nxt + [p_out]
+        q_j, dout_j = (_as_BSnD(p, (s, B, n, D), U) for p in pqs[:2])  # waits before next
+        nxt = launch(j + 1) if cfg.overlap and j + 1 < len(steps) else None
         dq_j = q.new_empty(B, s * U, 0, D)
         if n:
             k_j, v_j = kv[1]
@@ -294,9 +300,11 @@ def _backward(dout, q, k, v, out, lse, cfg: ChunkConfig, pool: BufferPool):
         del q_j, out_j, dout_j
         for p in pqs:
             p.release()
-        if nxt:
-            for p in nxt[0]:
-                p.wait()
+        if st.kv_done[me]:
+            _release(kv)
+            kv = None
+        for p in nxt or ():
+            p.wait()
         sent = [(_to_seq(dq_j, st.q, cfg.group, pool), dq, st.q, False)]
         del dq_j
         if any(st.kv_done):
@@ -313,8 +321,7 @@ def _backward(dout, q, k, v, out, lse, cfg: ChunkConfig, pool: BufferPool):
             sent = []
             nxt = launch(j + 1) if j + 1 < len(steps) else None
     finish(sent)
-    for p in kv[0] if kv else ():
-        p.release()
+    _release(kv)
     return dq, dk, dv
 
 
