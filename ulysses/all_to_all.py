@@ -212,6 +212,20 @@ class PendingAllToAll:
         return _unpack(self._recv, self._plan)
 
 
+def _start(x: Tensor, group, scatter_dim: int, gather_dim: int, scatter_sizes, gather_sizes,
+           async_op: bool) -> PendingAllToAll:
+    world, rank = dist.get_world_size(group), dist.get_rank(group)
+    plan = _make_plan(x.shape, world, rank, scatter_dim, gather_dim, scatter_sizes, gather_sizes)
+    if world == 1:
+        return PendingAllToAll(None, x.contiguous().view(-1), plan)
+    send = _pack(x, plan)
+    recv = x.new_empty(sum(plan.recv_numels))
+    work = dist.all_to_all_single(recv, send, output_split_sizes=list(plan.recv_numels),
+                                  input_split_sizes=list(plan.send_numels), group=group,
+                                  async_op=async_op)
+    return PendingAllToAll(work, recv, plan)
+
+
 def all_to_all_async(x: Tensor, group: dist.ProcessGroup | None, *, scatter_dim: int,
                      gather_dim: int, scatter_sizes: Sequence[int] | None = None,
                      gather_sizes: Sequence[int] | None = None) -> PendingAllToAll:
@@ -229,22 +243,14 @@ def all_to_all_async(x: Tensor, group: dist.ProcessGroup | None, *, scatter_dim:
         but with ``scatter_dim`` of size ``scatter_sizes[rank]`` and ``gather_dim`` of size
         ``sum(gather_sizes)``.
     """
-    world, rank = dist.get_world_size(group), dist.get_rank(group)
-    plan = _make_plan(x.shape, world, rank, scatter_dim, gather_dim, scatter_sizes, gather_sizes)
-    if world == 1:
-        return PendingAllToAll(None, x.contiguous().view(-1), plan)
-    send = _pack(x, plan)
-    recv = x.new_empty(sum(plan.recv_numels))
-    work = dist.all_to_all_single(recv, send, output_split_sizes=list(plan.recv_numels),
-                                  input_split_sizes=list(plan.send_numels), group=group,
-                                  async_op=True)
-    return PendingAllToAll(work, recv, plan)
+    return _start(x, group, scatter_dim, gather_dim, scatter_sizes, gather_sizes, True)
 
 
 def _all_to_all(x: Tensor, group, scatter_dim: int, gather_dim: int, scatter_sizes,
                 gather_sizes) -> Tensor:
-    return all_to_all_async(x, group, scatter_dim=scatter_dim, gather_dim=gather_dim,
-                            scatter_sizes=scatter_sizes, gather_sizes=gather_sizes).wait()
+    # The blocking collective, not async + wait: the backend then drops its reference to the
+    # send buffer before returning, so buffer lifetimes (and peak memory) are deterministic.
+    return _start(x, group, scatter_dim, gather_dim, scatter_sizes, gather_sizes, False).wait()
 
 
 class _AllToAll(torch.autograd.Function):
