@@ -161,3 +161,29 @@ def test_c1_transient_is_at_most_a_quarter_of_unchunked():
     D=64), on a short sequence: memory is deterministic and every term scales with S."""
     for t in dist_pool.run(_rank_transients, 32, 8, [None, 1], world_size=2):
         assert t[1] <= 0.25 * t[None], t
+
+
+def _rank_chunked_padded(world, H, K, S, causal, chunk):
+    """S that does not divide: pad=True shards, unpadded_len masks padded keys."""
+    mesh = get_mesh(world, world)
+    full = make_qkv(21, 2, S, H, K, D, torch.float32)
+    q, k, v, dout = (shard_sequence(t, mesh, pad=True).clone() for t in full)
+    q, k, v = (t.requires_grad_() for t in (q, k, v))
+    out = ulysses_attention(q, k, v, mesh=mesh, causal=causal, head_chunk_size=chunk,
+                            unpadded_len=S)
+    out.backward(dout)
+    return mesh["ulysses"].get_local_rank(), [out.detach(), q.grad, k.grad, v.grad]
+
+
+@pytest.mark.parametrize("world,chunk", [(1, 2), (4, 1)], ids=["w1-c2", "w4-c1"])
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_padded_and_single_rank(world, chunk, causal):
+    H, K, S = 8, 2, 30
+    ref = reference(*make_qkv(21, 2, S, H, K, D, torch.float32), causal=causal)
+    for rank, got in dist_pool.run(_rank_chunked_padded, world, H, K, S, causal, chunk,
+                                   world_size=world):
+        n = got[0].shape[1]
+        valid = max(0, min(n, S - rank * n))
+        for name, a, r in zip(("out", "dq", "dk", "dv"), got, ref):
+            torch.testing.assert_close(a[:, :valid].double(), r[:, rank * n:rank * n + valid],
+                                       **TOL[torch.float32], msg=lambda m: f"{name}: {m}")
