@@ -95,10 +95,16 @@ def _rank_peak_memory(H, K):
     peaks = {}
     for name, fn in (("ours", lambda q, k, v: ulysses_attention(q, k, v, mesh=mesh, causal=True)),
                      ("deepspeed", lambda q, k, v: ds(q, k, v, 0))):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        with MemTracker() as mt:
-            fn(*leaves).backward(dout)
-        peaks[name] = mt.get_tracker_snapshot("peak")[q.device]["Total"]
+        runs = []
+        for _ in range(3):
+            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+            with MemTracker() as mt:
+                fn(*leaves).backward(dout)
+            runs.append(mt.get_tracker_snapshot("peak")[q.device]["Total"])
+        # gloo's worker thread drops its reference to a collective's buffers just after it
+        # signals completion, so a buffer can now and then outlive its last use by a moment
+        # (either side). That only ever adds memory: the minimum is the deterministic peak.
+        peaks[name] = min(runs)
     return peaks
 
 

@@ -84,33 +84,19 @@ def _bytes(*tensors):
 
 
 def _rank_pool(H):
-    """c=1 over H/2 chunks per rank, two calls (layers) sharing one pool, under MemTracker.
-
-    The inputs are registered with MemTracker up front (it would otherwise count a storage
-    only once an op touches it), so the transient peak is the peak minus the inputs and what
-    every implementation must hold afterwards (out, dq, dk, dv).
-    """
-    from torch.distributed._tools.mem_tracker import MemTracker
-
+    """c=1 over H/2 chunks per rank, two calls (layers) sharing one pool, under MemTracker."""
     mesh = get_mesh(2, 2)
-    B, S = 1, 256
     q, k, v, dout = (shard_sequence(t, mesh).contiguous()
-                     for t in make_qkv(9, B, S, H, H, D, torch.float32))
+                     for t in make_qkv(9, 1, 256, H, H, D, torch.float32))
     pool = BufferPool()
     stats, transients = [], []
     for _layer in range(2):
-        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-        mt = MemTracker()
-        mt.track_external(*leaves, dout)
-        with mt:
-            base = mt.get_tracker_snapshot("current")[q.device]["Total"]
-            out = ulysses_attention(*leaves, mesh=mesh, causal=True, head_chunk_size=1,
-                                    buffer_pool=pool)
-            out.backward(dout)
-        peak = mt.get_tracker_snapshot("peak")[q.device]["Total"]
-        transients.append(peak - base - _bytes(out, *[t.grad for t in leaves]))
+        transients.append(_transient(mesh, pool, q, k, v, dout, chunk=1))
         stats.append((pool.stats.allocated, pool.stats.reused))
-    return stats, transients, B * S * D * 4, pool.max_free
+    # One more warm call: gloo's worker thread can keep a finished exchange's buffer a moment
+    # past its last use (that only ever adds memory), so the warm transient is a min of two.
+    transients[1] = min(transients[1], _transient(mesh, pool, q, k, v, dout, chunk=1))
+    return stats, transients, 256 * D * 4, pool.max_free
 
 
 def test_pool_reuses_buffers_across_chunks_and_layers():
@@ -132,27 +118,35 @@ def test_pool_reuses_buffers_across_chunks_and_layers():
         assert transients16[1] <= transients[1] + unit, (transients, transients16, unit)
 
 
-def _rank_transients(H, K, chunks):
-    """Transient peak (MemTracker; beyond inputs, output and input grads) per chunk size."""
+def _transient(mesh, pool, q, k, v, dout, chunk):
+    """Transient peak of one fwd+bwd: MemTracker peak beyond the inputs, minus the output and
+    input gradients."""
     from torch.distributed._tools.mem_tracker import MemTracker
 
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    mt = MemTracker()
+    mt.track_external(*leaves, dout)
+    with mt:
+        base = mt.get_tracker_snapshot("current")[q.device]["Total"]
+        out = ulysses_attention(*leaves, mesh=mesh, causal=True, head_chunk_size=chunk,
+                                buffer_pool=pool)
+        out.backward(dout)
+    peak = mt.get_tracker_snapshot("peak")[q.device]["Total"] - base
+    return peak - _bytes(out, *[t.grad for t in leaves])
+
+
+def _rank_transients(H, K, chunks):
+    """Warm transient peak per chunk size (None = unchunked)."""
     mesh = get_mesh(2, 2)
     q, k, v, dout = (shard_sequence(t, mesh).contiguous()
                      for t in make_qkv(4, 1, 512, H, K, 64, torch.float32))
     result = {}
     for c in chunks:
         pool = BufferPool()
-        for _layer in range(2):  # the second call runs on a warm pool, as later layers do
-            leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            mt = MemTracker()
-            mt.track_external(*leaves, dout)
-            with mt:
-                base = mt.get_tracker_snapshot("current")[q.device]["Total"]
-                out = ulysses_attention(*leaves, mesh=mesh, causal=True, head_chunk_size=c,
-                                        buffer_pool=pool)
-                out.backward(dout)
-            peak = mt.get_tracker_snapshot("peak")[q.device]["Total"] - base
-        result[c] = peak - _bytes(out, *[t.grad for t in leaves])
+        _transient(mesh, pool, q, k, v, dout, c)  # the first call fills the pool, as layer 1
+        # Warm calls, as later layers; min over repeats (a late buffer release by gloo's
+        # worker thread only ever adds memory).
+        result[c] = min(_transient(mesh, pool, q, k, v, dout, c) for _ in range(3))
     return result
 
 
