@@ -20,7 +20,8 @@ def _t(*shape):
     return torch.randn(*shape)
 
 
-def _cases(mesh):
+def _cases(mesh, hybrid, ring4):
+    """``mesh``: U=4; ``hybrid``: U=2 x R=2; ``ring4``: U=1 x R=4 (all zigzag)."""
     group = mesh["ulysses"].get_group()
     sdpa = lambda q, k, v: q  # noqa: E731 - never reached: validation fails first
     attn = lambda q, k, v, **kw: ulysses_attention(q, k, v, mesh=mesh, **kw)  # noqa: E731
@@ -59,13 +60,21 @@ def _cases(mesh):
                                            causal=True, head_chunk_size=2),
         "chunk_bad_type": lambda: attn(_t(1, 8, 4, 8), _t(1, 8, 4, 8), _t(1, 8, 4, 8),
                                        causal=True, head_chunk_size="big"),
+        "shard_bad_dim": lambda: shard_sequence(_t(32), mesh, dim=1),
+        "zigzag_seq_not_divisible": lambda: shard_sequence(_t(2, 12, 4, 8), hybrid),
+        "zigzag_odd_rows": lambda: ulysses_attention(_t(1, 3, 4, 8), _t(1, 3, 4, 8),
+                                                     _t(1, 3, 4, 8), mesh=ring4, causal=True),
+        "hybrid_unpadded_len": lambda: ulysses_attention(
+            _t(1, 8, 4, 8), _t(1, 8, 4, 8), _t(1, 8, 4, 8), mesh=hybrid, causal=False,
+            unpadded_len=33),
+        "gather_zigzag_bad_len": lambda: gather_sequence(_t(1, 3, 4), hybrid),
     }
 
 
 def _rank_errors():
-    mesh = get_mesh(4, 4)
+    mesh, hybrid, ring4 = get_mesh(4, 4), get_mesh(4, 2, 2), get_mesh(4, 1, 4)
     raised = {}
-    for name, thunk in _cases(mesh).items():
+    for name, thunk in _cases(mesh, hybrid, ring4).items():
         try:
             thunk()
             raised[name] = ("no error", "")
@@ -74,6 +83,7 @@ def _rank_errors():
     # Still in step: a real exchange works on every rank.
     q = torch.randn(1, 8, 4, 8, generator=torch.Generator().manual_seed(dist.get_rank()))
     out = ulysses_attention(q, q, q, mesh=mesh, causal=True)
+    ulysses_attention(q, q, q, mesh=hybrid, causal=True)  # and a hybrid ring exchange
     dist.barrier()
     return raised, tuple(out.shape)
 
@@ -98,6 +108,11 @@ EXPECTED = {
     "chunk_not_divisor": ("ValueError", ["head_chunk_size=3", "[2, 2, 2, 2]", "valid values: [1, 2]"]),
     "chunk_uneven_heads": ("ValueError", ["[2, 2, 1, 1]", "valid values: [1]"]),
     "chunk_bad_type": ("ValueError", ["'big'"]),
+    "shard_bad_dim": ("ValueError", ["dim 1", "1-D"]),
+    "zigzag_seq_not_divisible": ("ValueError", ["12", "2 * ring * ulysses = 8", "pad=True"]),
+    "zigzag_odd_rows": ("ValueError", ["zigzag", "got 3", "pad=True"]),
+    "hybrid_unpadded_len": ("ValueError", ["33", "32"]),
+    "gather_zigzag_bad_len": ("ValueError", ["3", "12", "8"]),
 }
 
 

@@ -1,9 +1,12 @@
 """Ulysses attention: all-to-all to full-sequence/local-heads, attend, all-to-all back.
 
-Shape legend: B batch, S full sequence, s = S / U this rank's sequence piece, H all query
-heads, K all kv heads, h / k this rank's query / kv heads, D head dim, U the mesh's
-``"ulysses"`` axis size. ``q_BsHD`` is sharded on the sequence; ``q_BShD`` (after the
-all-to-all) is sharded on heads.
+When the mesh has a ring (R > 1), "attend" is ring attention across the ring axis, which
+makes this hybrid Ulysses x Ring (see :mod:`ulysses.hybrid`).
+
+Shape legend: B batch, s this rank's sequence piece, S = U s the rows of this rank's ring
+position (the full sequence when R = 1), H all query heads, K all kv heads, h / k this rank's
+query / kv heads, D head dim, U / R the mesh's ``"ulysses"`` / ``"ring"`` axis sizes.
+``q_BsHD`` is sharded on the sequence; ``q_BShD`` (after the all-to-all) on heads.
 """
 
 from __future__ import annotations
@@ -16,26 +19,27 @@ from ulysses.all_to_all import all_to_all
 from ulysses.buffer_pool import BufferPool
 from ulysses.head_chunking import (DEFAULT_CHUNK_BUDGET_BYTES, head_chunked_attention,
                                    resolve_chunk_size)
-from ulysses.kernels import _AttentionFn, check_qkv, default_scale, select_backend
+from ulysses.hybrid import check_hybrid, inner_attention
+from ulysses.kernels import attention_with_lse, check_qkv, default_scale, select_backend
 from ulysses.mesh import axis_group, axis_rank, axis_size, check_mesh
 from ulysses.sharding import HeadLayout, head_layout
 
 
 def _validate(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, causal: bool,
-              backend: str | None, unpadded_len: int | None) -> tuple[HeadLayout, str]:
+              backend: str | None, unpadded_len: int | None,
+              zigzag: bool) -> tuple[HeadLayout, str]:
     """Every check ``ulysses_attention`` makes, before any collective runs."""
     check_mesh(mesh)
-    if axis_size(mesh, "ring") > 1:
-        raise NotImplementedError("ulysses_attention with ring_degree > 1 (hybrid Ulysses x "
-                                  "Ring) is not implemented yet; use ring_degree=1")
     check_qkv(q, k, v, causal=causal)
     if q.shape[1] != k.shape[1]:
         raise ValueError(f"q and k must hold the same sequence piece, got lengths {q.shape[1]} "
                          f"and {k.shape[1]}")
     degree = axis_size(mesh, "ulysses")
-    if unpadded_len is not None and not 0 < unpadded_len <= q.shape[1] * degree:
-        raise ValueError(f"unpadded_len ({unpadded_len}) must be in [1, {q.shape[1] * degree}] "
+    full = q.shape[1] * degree * axis_size(mesh, "ring")
+    if unpadded_len is not None and not 0 < unpadded_len <= full:
+        raise ValueError(f"unpadded_len ({unpadded_len}) must be in [1, {full}] "
                          f"(the padded full sequence length)")
+    check_hybrid(q.shape[1], mesh, zigzag)
     layout = head_layout(q.shape[2], k.shape[2], degree)
     return layout, select_backend(q.device, q.dtype, q.shape[-1], backend)
 
@@ -45,8 +49,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
                       backend: str | None = None, unpadded_len: int | None = None,
                       buffer_pool: BufferPool | None = None,
                       chunk_budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES,
-                      chunk_overlap: bool = True) -> Tensor:
-    """Sequence-parallel attention over the mesh's ``"ulysses"`` axis.
+                      chunk_overlap: bool = True, zigzag: bool = True) -> Tensor:
+    """Sequence-parallel attention over the mesh's ``"ulysses"`` and ``"ring"`` axes.
 
     Args:
         q: ``q_BsHD``, this rank's sequence piece (from :func:`shard_sequence`).
@@ -55,6 +59,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
             replicas' gradients are summed.
         mesh: from :meth:`SequenceParallelDims.build_mesh`.
         causal: causal mask over the full sequence.
+            With R > 1 the attention between the all-to-alls is ring attention over the
+            ``"ring"`` axis (hybrid Ulysses x Ring); R = 1 is plain Ulysses and U = 1 pure
+            ring.
         softmax_scale: defaults to ``1 / sqrt(D)``.
         head_chunk_size: query heads each rank attends at a time. ``None``: all of them (plain
             Ulysses). An int from :func:`ulysses.head_chunking.valid_chunk_sizes` (any
@@ -67,6 +74,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
         buffer_pool: chunk buffers to reuse across calls (layers); chunking only.
         chunk_budget_bytes: the byte budget of ``head_chunk_size="auto"``.
         chunk_overlap: exchange chunk i+1 while chunk i computes (chunking only).
+        zigzag: the sequence layout when R > 1; must match ``shard_sequence(zigzag=...)``.
+            The zigzag default balances causal work across ring ranks.
 
     Returns:
         ``out_BsHD``, sharded like ``q``.
@@ -74,17 +83,21 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     Heads are split as in :func:`ulysses.sharding.head_layout`; head counts that do not
     divide ``U`` give uneven splits. Every ``ValueError`` is raised before any collective.
     """
-    layout, backend = _validate(q, k, v, mesh, causal, backend, unpadded_len)
+    layout, backend = _validate(q, k, v, mesh, causal, backend, unpadded_len, zigzag)
     group = axis_group(mesh, "ulysses")
-    scale = default_scale(q.shape[-1], softmax_scale)
+    # Padded keys can only be seen without a causal mask (the padding is the sequence's tail).
     kv_len = unpadded_len if unpadded_len is not None and not causal else None
+    attn = inner_attention(mesh, causal=causal, scale=default_scale(q.shape[-1], softmax_scale),
+                           backend=backend, kv_len=kv_len, zigzag=zigzag)
     if head_chunk_size is not None:
         c = resolve_chunk_size(head_chunk_size, layout, q.shape[0], q.shape[1] * len(
             layout.q_sizes), q.shape[3], q.dtype, chunk_budget_bytes)
         return head_chunked_attention(q, k, v, group=group, rank=axis_rank(mesh, "ulysses"),
-                                      layout=layout, head_chunk_size=c, causal=causal,
-                                      scale=scale, backend=backend, kv_len=kv_len,
+                                      layout=layout, head_chunk_size=c, attn=attn,
                                       pool=buffer_pool, overlap=chunk_overlap)
+    if len(layout.q_sizes) == 1:  # U = 1: nothing to exchange (pure ring, or one rank)
+        out, _ = attention_with_lse(q, k, v, attn)
+        return out
     if layout.replicated:
         # [B, s, K, D] -> [B, s, sum(kv_sizes), D]: each rank's kv range in send order.
         index = torch.tensor(layout.kv_index(), device=k.device)
@@ -94,9 +107,6 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     # [B, s, K', D] -> [B, S, k, D]
     k_BSkD = all_to_all(k, group, scatter_dim=2, gather_dim=1, scatter_sizes=layout.kv_sizes)
     v_BSkD = all_to_all(v, group, scatter_dim=2, gather_dim=1, scatter_sizes=layout.kv_sizes)
-    if kv_len is not None:
-        # Queries may attend to real keys only; padded queries' outputs are discarded anyway.
-        k_BSkD, v_BSkD = k_BSkD[:, :kv_len], v_BSkD[:, :kv_len]
-    out_BShD, _ = _AttentionFn.apply(q_BShD, k_BSkD, v_BSkD, causal, scale, backend)
+    out_BShD, _ = attention_with_lse(q_BShD, k_BSkD, v_BSkD, attn)
     # [B, S, h, D] -> [B, s, H, D]
     return all_to_all(out_BShD, group, scatter_dim=1, gather_dim=2, gather_sizes=layout.q_sizes)

@@ -26,7 +26,6 @@ from torch import Tensor
 
 from ulysses.all_to_all import PendingExchange, exchange_blocks_async
 from ulysses.buffer_pool import BufferPool
-from ulysses.kernels import attention_backward, attention_forward
 from ulysses.sharding import HeadLayout
 
 DEFAULT_CHUNK_BUDGET_BYTES = 1 << 30
@@ -165,16 +164,9 @@ class ChunkConfig:
     rank: int
     layout: HeadLayout
     schedule: tuple[Step, ...]
-    causal: bool
-    scale: float
-    backend: str
-    kv_len: int | None
-    """Attend to the first kv_len keys only (padding); None = all."""
+    attn: object
+    """The inner attention of one chunk: ``LocalAttention`` or ``RingAttention`` (hybrid)."""
     overlap: bool
-
-
-def _kv_view(t: Tensor, cfg: ChunkConfig) -> Tensor:
-    return t if cfg.kv_len is None else t[:, :cfg.kv_len]
 
 
 def _new_kv(st: Step) -> list[tuple[int, int]] | None:
@@ -234,9 +226,7 @@ def _forward(q, k, v, cfg: ChunkConfig, pool: BufferPool):
         o_j = q.new_empty(B, s * U, 0, D)
         if n:
             k_j, v_j = kv[1]
-            o_j, lse[:, j * n:(j + 1) * n] = attention_forward(
-                q_j, _kv_view(k_j, cfg), _kv_view(v_j, cfg), causal=cfg.causal,
-                softmax_scale=cfg.scale, backend=cfg.backend)
+            o_j, lse[:, j * n:(j + 1) * n] = cfg.attn.forward(q_j, k_j, v_j)
         del q_j
         pq.release()
         if st.kv_done[me]:
@@ -284,13 +274,8 @@ def _backward(dout, q, k, v, out, lse, cfg: ChunkConfig, pool: BufferPool):
         dq_j = q.new_empty(B, s * U, 0, D)
         if n:
             k_j, v_j = kv[1]
-            dq_j, dk_j, dv_j = attention_backward(
-                dout_j, q_j, _kv_view(k_j, cfg), _kv_view(v_j, cfg), out_j,
-                lse[:, j * n:(j + 1) * n].contiguous(), causal=cfg.causal,
-                softmax_scale=cfg.scale, backend=cfg.backend)
-            if cfg.kv_len is not None:  # keys past kv_len were not attended: zero gradient
-                dk_j, dv_j = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, s * U - cfg.kv_len))
-                              for t in (dk_j, dv_j))
+            dq_j, dk_j, dv_j = cfg.attn.backward(dout_j, q_j, k_j, v_j, out_j,
+                                                 lse[:, j * n:(j + 1) * n].contiguous())
             # Sum dk/dv over the q chunks sharing this kv chunk (in place); send once, when done.
             if st.kv_new[me]:
                 dkv_sum = (dk_j, dv_j)
@@ -342,8 +327,7 @@ class _HeadChunkedFn(torch.autograd.Function):
 
 
 def head_chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, group, rank: int,
-                           layout: HeadLayout, head_chunk_size: int, causal: bool, scale: float,
-                           backend: str, kv_len: int | None = None,
+                           layout: HeadLayout, head_chunk_size: int, attn,
                            pool: BufferPool | None = None, overlap: bool = True) -> Tensor:
     """Head-chunked Ulysses on already-validated inputs; see ``ulysses_attention``.
 
@@ -352,6 +336,9 @@ def head_chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, group, rank: int,
         group, rank: the Ulysses process group and this rank's index in it.
         layout: :func:`ulysses.sharding.head_layout` of the head counts.
         head_chunk_size: local query heads per step, from :func:`valid_chunk_sizes`.
+        attn: what attends one chunk's full-sequence heads: a
+            :class:`ulysses.kernels.LocalAttention`, or a :class:`ulysses.ring.RingAttention`
+            across the ring axis (hybrid Ulysses x Ring).
         pool: reused chunk buffers; a fresh one (this call only) when ``None``.
         overlap: exchange step j+1 while step j computes.
 
@@ -359,6 +346,6 @@ def head_chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, group, rank: int,
         ``out_BsHD``.
     """
     cfg = ChunkConfig(group=group, rank=rank, layout=layout,
-                      schedule=tuple(build_schedule(layout, head_chunk_size)), causal=causal,
-                      scale=scale, backend=backend, kv_len=kv_len, overlap=overlap)
+                      schedule=tuple(build_schedule(layout, head_chunk_size)), attn=attn,
+                      overlap=overlap)
     return _HeadChunkedFn.apply(q, k, v, cfg, pool if pool is not None else BufferPool())

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import inspect
 import math
+from dataclasses import dataclass
 from typing import Literal
 
 import torch
@@ -255,12 +256,50 @@ def attention_backward(dout_BSHD: Tensor, q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD
                               softmax_scale)
 
 
+@dataclass(frozen=True, slots=True)
+class LocalAttention:
+    """Single-rank attention as an object with ``forward``/``backward``: the inner step of
+    Ulysses. :class:`ulysses.ring.RingAttention` has the same two methods, so the Ulysses
+    exchange (plain or head-chunked) wraps either one.
+    """
+
+    causal: bool
+    scale: float
+    backend: str
+    kv_len: int | None = None
+    """Attend to the first ``kv_len`` keys only (a padded tail); ``None``: all keys."""
+
+    def forward(self, q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor) -> tuple[Tensor, Tensor]:
+        """Returns ``(out_BSHD, lse_BHS)``."""
+        n = self.kv_len
+        if n is not None:
+            k_BSKD, v_BSKD = k_BSKD[:, :n], v_BSKD[:, :n]
+        return attention_forward(q_BSHD, k_BSKD, v_BSKD, causal=self.causal,
+                                 softmax_scale=self.scale, backend=self.backend)
+
+    def backward(self, dout_BSHD: Tensor, q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,
+                 out_BSHD: Tensor, lse_BHS: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Returns ``(dq, dk, dv)`` shaped like ``q, k, v``; keys past ``kv_len`` get zero."""
+        n, S = self.kv_len, k_BSKD.shape[1]
+        if n is not None:
+            k_BSKD, v_BSKD = k_BSKD[:, :n], v_BSKD[:, :n]
+        dq, dk, dv = attention_backward(dout_BSHD, q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS,
+                                        causal=self.causal, softmax_scale=self.scale,
+                                        backend=self.backend)
+        if n is not None and n < S:
+            # [B, n, K, D] -> [B, S, K, D]: unattended keys have zero gradient.
+            dk, dv = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, S - n)) for t in (dk, dv))
+        return dq, dk, dv
+
+
 class _AttentionFn(torch.autograd.Function):
+    """Autograd around any inner attention (``LocalAttention``, ``RingAttention``)."""
+
     @staticmethod
-    def forward(ctx, q, k, v, causal, scale, backend):
-        out, lse = attention_forward(q, k, v, causal=causal, softmax_scale=scale, backend=backend)
+    def forward(ctx, q, k, v, attn):
+        out, lse = attn.forward(q, k, v)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.args = (causal, scale, backend)
+        ctx.attn = attn
         ctx.mark_non_differentiable(lse)
         # lse has no gradient; without this autograd would hand backward a zero-filled
         # [B, H, S] fp32 tensor for it, allocated at the peak of the backward pass.
@@ -270,10 +309,13 @@ class _AttentionFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout, _dlse):
         q, k, v, out, lse = ctx.saved_tensors
-        causal, scale, backend = ctx.args
-        dq, dk, dv = attention_backward(dout, q, k, v, out, lse, causal=causal,
-                                        softmax_scale=scale, backend=backend)
-        return dq, dk, dv, None, None, None
+        dq, dk, dv = ctx.attn.backward(dout, q, k, v, out, lse)
+        return dq, dk, dv, None
+
+
+def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn) -> tuple[Tensor, Tensor]:
+    """``attn.forward`` with autograd (through ``attn.backward``); lse is not differentiable."""
+    return _AttentionFn.apply(q, k, v, attn)
 
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
@@ -293,8 +335,9 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
     """
     check_qkv(q, k, v, causal=causal)
     backend = select_backend(q.device, q.dtype, q.shape[-1], backend)
-    out, lse = _AttentionFn.apply(q, k, v, causal, default_scale(q.shape[-1], softmax_scale),
-                                  backend)
+    attn = LocalAttention(causal=causal, scale=default_scale(q.shape[-1], softmax_scale),
+                          backend=backend)
+    out, lse = attention_with_lse(q, k, v, attn)
     return (out, lse) if return_lse else out
 
 

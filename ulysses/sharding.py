@@ -9,7 +9,10 @@ rank that holds the kv head it reads, and each rank's local heads form a standar
   consecutive ranks, which split its query heads as evenly as possible.
 
 Sequence (:func:`shard_sequence` / :func:`gather_sequence`): the sequence dim is cut into
-``sp = ring x ulysses`` contiguous pieces in sp-rank order.
+``sp = ring x ulysses`` pieces in sp-rank order (``ring_rank * ulysses + ulysses_rank``).
+Without a ring they are contiguous. With ring R > 1 the default is zigzag: 2R chunks, ring
+rank r owning chunks r and 2R-1-r, so that causal attention costs every ring rank the same.
+A Ulysses group's all-to-all then reassembles exactly its ring rank's chunk pair.
 """
 
 from __future__ import annotations
@@ -88,48 +91,103 @@ def head_layout(num_q_heads: int, num_kv_heads: int, degree: int) -> HeadLayout:
     return HeadLayout(q_sizes=tuple(q_sizes), kv_ranges=tuple(kv_ranges), num_kv_heads=K)
 
 
-def _sp_coords(mesh: DeviceMesh) -> tuple[int, int]:
-    """(sp size, this rank's sp index) of ``mesh``; ring > 1 is the hybrid issue's zigzag."""
+@dataclass(frozen=True, slots=True)
+class _SeqSplit:
+    """How a mesh cuts the sequence: ``sp = ring * ulysses`` pieces; sp index
+    ``ring_rank * ulysses + ulysses_rank``."""
+
+    ring: int
+    ulysses: int
+    zigzag: bool
+
+    @property
+    def sp(self) -> int:
+        return self.ring * self.ulysses
+
+    @property
+    def multiple(self) -> int:
+        """Lengths that split evenly are the multiples of this."""
+        return 2 * self.sp if self.zigzag else self.sp
+
+    def runs(self, seq_len: int, sp_rank: int) -> list[tuple[int, int]]:
+        """The ``(start, length)`` runs of global positions that sp rank ``sp_rank`` holds,
+        in order. Zigzag: ring rank r owns chunks r and 2R-1-r of 2R (concatenated), and its
+        Ulysses ranks split that pair evenly, so a piece spans at most both chunks."""
+        n = seq_len // self.sp
+        if not self.zigzag:
+            return [(sp_rank * n, n)]
+        c, R = seq_len // (2 * self.ring), self.ring
+        r, lo = divmod(sp_rank * n, 2 * c)  # ring rank, offset into its chunk pair
+        chunk_starts = (r * c, (2 * R - 1 - r) * c)
+        runs = []
+        for i, start in enumerate(chunk_starts):
+            a, b = max(lo, i * c), min(lo + n, (i + 1) * c)
+            if a < b:
+                runs.append((start + a - i * c, b - a))
+        return runs
+
+    def chunk_offsets(self, seq_len: int) -> list[int]:
+        """Zigzag only: where each of the 2R global chunks sits in the sp-ordered gather."""
+        c, R = seq_len // (2 * self.ring), self.ring
+        return [(m if m < R else 2 * R - 1 - m) * 2 * c + (0 if m < R else c)
+                for m in range(2 * R)]
+
+
+def _seq_split(mesh: DeviceMesh, zigzag: bool) -> _SeqSplit:
     check_mesh(mesh)
-    if axis_size(mesh, "ring") > 1:
-        raise NotImplementedError("sequence sharding with ring_degree > 1 (zigzag order) is not "
-                                  "implemented yet; use ring_degree=1")
-    return axis_size(mesh, "ulysses"), axis_rank(mesh, "ulysses")
+    ring = axis_size(mesh, "ring")
+    return _SeqSplit(ring=ring, ulysses=axis_size(mesh, "ulysses"), zigzag=zigzag and ring > 1)
 
 
-def padded_len(seq_len: int, mesh: DeviceMesh) -> int:
-    """The smallest length >= ``seq_len`` that the mesh's sp ranks split evenly."""
-    sp, _ = _sp_coords(mesh)
-    return -(-seq_len // sp) * sp
+def _sp_rank(mesh: DeviceMesh) -> int:
+    return axis_rank(mesh, "ring") * axis_size(mesh, "ulysses") + axis_rank(mesh, "ulysses")
+
+
+def padded_len(seq_len: int, mesh: DeviceMesh, *, zigzag: bool = True) -> int:
+    """The smallest length >= ``seq_len`` that the mesh's sp ranks split evenly: a multiple of
+    ``ring * ulysses``, or of ``2 * ring * ulysses`` for the zigzag layout (ring > 1)."""
+    m = _seq_split(mesh, zigzag).multiple
+    return -(-seq_len // m) * m
 
 
 def shard_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1, *, pad: bool = False,
-                   pad_value: float = 0) -> Tensor:
-    """This rank's contiguous piece of ``x`` along ``dim``; no communication.
+                   pad_value: float = 0, zigzag: bool = True) -> Tensor:
+    """This rank's piece of ``x`` along ``dim``; no communication.
 
     Args:
-        x: the full tensor, identical on every rank of the sp group (e.g. ``[B, S, ...]``).
-        mesh: from :meth:`SequenceParallelDims.build_mesh`; pieces follow the sp rank.
+        x: the full tensor, identical on every rank of the sp group: ``[B, S, ...]`` inputs,
+            labels and ``position_ids`` alike (they must be sharded the same way).
+        mesh: from :meth:`SequenceParallelDims.build_mesh`; pieces follow the sp index
+            ``ring_rank * ulysses + ulysses_rank``.
         dim: the sequence dim.
-        pad: if the length does not divide by sp, pad the end with ``pad_value`` up to
+        pad: if the length does not split evenly, pad the end with ``pad_value`` up to
             :func:`padded_len` instead of raising. Causal attention never lets a real token see
             the padded tail; for non-causal attention pass ``unpadded_len`` to
             ``ulysses_attention``. Give labels a pad value your loss ignores (e.g. -100).
+        zigzag: with ring > 1, cut the sequence into 2R chunks and give ring rank r chunks r
+            and 2R-1-r (split among its Ulysses ranks), which balances causal attention; it
+            must match ``ulysses_attention(zigzag=...)``. Without a ring it changes nothing.
 
     Returns:
-        ``x.narrow(dim, rank * n, n)`` (a view) with ``n = padded length / sp``.
+        ``[..., S / sp, ...]``: a view when the piece is one run of positions (always without
+        zigzag), else the concatenation of its two runs.
     """
-    sp, rank = _sp_coords(mesh)
+    split = _seq_split(mesh, zigzag)
+    if not -x.dim() <= dim < x.dim():
+        raise ValueError(f"dim {dim} is out of range for a {x.dim()}-D tensor of shape "
+                         f"{tuple(x.shape)}")
     seq_len = x.shape[dim]
-    if seq_len % sp != 0:
+    if seq_len % split.multiple != 0:
         if not pad:
-            raise ValueError(f"sequence length {seq_len} (dim {dim}) is not divisible by the "
-                             f"sequence-parallel size {sp}; pad it to {padded_len(seq_len, mesh)} "
-                             f"or pass pad=True")
-        widths = [0, 0] * (x.dim() - dim % x.dim() - 1) + [0, padded_len(seq_len, mesh) - seq_len]
+            layout = "2 * ring * ulysses" if split.zigzag else "ring * ulysses"
+            raise ValueError(f"sequence length {seq_len} (dim {dim}) is not divisible by "
+                             f"{layout} = {split.multiple}; pad it to "
+                             f"{padded_len(seq_len, mesh, zigzag=zigzag)} or pass pad=True")
+        widths = [0, 0] * (x.dim() - dim % x.dim() - 1)
+        widths += [0, padded_len(seq_len, mesh, zigzag=zigzag) - seq_len]
         x = torch.nn.functional.pad(x, widths, value=pad_value)
-    n = x.shape[dim] // sp
-    return x.narrow(dim, rank * n, n)
+    pieces = [x.narrow(dim, start, n) for start, n in split.runs(x.shape[dim], _sp_rank(mesh))]
+    return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
 class _GatherSequence(torch.autograd.Function):
@@ -148,23 +206,35 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def gather_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1, *,
-                    unpadded_len: int | None = None) -> Tensor:
-    """Inverse of :func:`shard_sequence`: all-gather the pieces over the sp group.
+                    unpadded_len: int | None = None, zigzag: bool = True) -> Tensor:
+    """Inverse of :func:`shard_sequence`: all-gather the pieces over the sp group and undo the
+    zigzag order.
 
     Args:
         x: this rank's piece; every rank's must have the same shape.
         unpadded_len: trim the result to this length (the original length before
             ``shard_sequence(..., pad=True)``).
+        zigzag: as given to :func:`shard_sequence`.
 
     Returns:
-        The full tensor on every rank. Autograd treats it as replicated: the backward hands
-        each rank the gradient of its own piece.
+        The full tensor, in natural order, on every rank. Autograd treats it as replicated:
+        the backward hands each rank the gradient of its own piece.
     """
-    sp, rank = _sp_coords(mesh)
-    if unpadded_len is not None and unpadded_len > x.shape[dim] * sp:
-        raise ValueError(f"unpadded_len ({unpadded_len}) exceeds the gathered length "
-                         f"({x.shape[dim] * sp})")
-    full = x if sp == 1 else _GatherSequence.apply(x, axis_group(mesh, "ulysses"), dim, rank)
+    split = _seq_split(mesh, zigzag)
+    total = x.shape[dim] * split.sp
+    if unpadded_len is not None and unpadded_len > total:
+        raise ValueError(f"unpadded_len ({unpadded_len}) exceeds the gathered length ({total})")
+    if split.zigzag and total % split.multiple != 0:
+        raise ValueError(f"piece length {x.shape[dim]} cannot come from a zigzag shard_sequence "
+                         f"(the gathered length {total} must divide by {split.multiple})")
+    full = x
+    if split.sp > 1:
+        full = _GatherSequence.apply(x, axis_group(mesh, "sp"), dim, _sp_rank(mesh))
+    if split.zigzag:
+        # sp order holds ring rank r's chunk pair (r, 2R-1-r) at [2rc, 2(r+1)c); put the 2R
+        # chunks back in position order.
+        c = total // (2 * split.ring)
+        full = torch.cat([full.narrow(dim, off, c) for off in split.chunk_offsets(total)], dim)
     if unpadded_len is not None:
         full = full.narrow(dim, 0, unpadded_len)
     return full

@@ -1,0 +1,230 @@
+"""Ring attention over a process group (the mesh's ``"ring"`` axis), with zigzag balancing.
+
+Each of the R ring ranks holds L query rows and the L keys/values at the same positions. At
+step t rank r attends its queries to the kv block of rank ``(r - t) mod R`` while the next
+block is already travelling (``batch_isend_irecv``, one hop along the ring). Partial results
+are folded in with the log-sum-exp update, in float32. Only kv heads travel, so GQA moves
+``K / H`` of what a query ring would.
+
+The backward rotates the kv blocks again and sends a float32 dk/dv accumulator along with
+them: each holder adds its contribution and passes the sum on, and after R hops it arrives
+back at the block's owner. Every kernel backward uses the final (merged) ``out`` and ``lse``.
+
+Layouts (positions of the ring-global sequence of length ``R * L``):
+
+- contiguous: rank r holds ``[r L, (r + 1) L)``. Causal attention skips the blocks of later
+  ranks, so rank R-1 does R - 1/2 blocks of work and rank 0 only 1/2.
+- zigzag (causal load balancing): the sequence is cut into 2R chunks of ``c = L / 2`` and
+  rank r holds chunks r and 2R-1-r. Off the diagonal, a block from an earlier rank is seen
+  by all local queries through its first chunk only, and a block from a later rank is seen
+  by the second local chunk only: c x 2c of work at every step, on every rank.
+  :func:`ulysses.sharding.shard_sequence` produces this order.
+
+Shape legend: B batch, L this rank's rows, h / k local query / kv heads, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from ulysses.kernels import (attention_backward, attention_forward, attention_with_lse,
+                             check_qkv, default_scale, select_backend)
+
+
+@dataclass(frozen=True, slots=True)
+class RingAttention:
+    """The ring as an inner attention (same ``forward``/``backward`` as ``LocalAttention``)."""
+
+    group: Any
+    rank: int
+    """This rank's index in ``group``."""
+    size: int
+    """R, the ring size."""
+    causal: bool
+    scale: float
+    backend: str
+    zigzag: bool = True
+    """Rows are in zigzag order (chunks r and 2R-1-r); False: one contiguous block."""
+    kv_len: int | None = None
+    """Non-causal only: keys at ring-global positions >= kv_len are padding, never attended."""
+
+    def forward(self, q_BLhD: Tensor, k_BLkD: Tensor, v_BLkD: Tensor) -> tuple[Tensor, Tensor]:
+        """Returns ``(out_BLhD, lse_BhL)`` over the whole ring-global sequence."""
+        return _forward(q_BLhD, k_BLkD, v_BLkD, self)
+
+    def backward(self, dout_BLhD: Tensor, q_BLhD: Tensor, k_BLkD: Tensor, v_BLkD: Tensor,
+                 out_BLhD: Tensor, lse_BhL: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        """Returns ``(dq, dk, dv)`` shaped like ``q, k, v``."""
+        return _backward(dout_BLhD, q_BLhD, k_BLkD, v_BLkD, out_BLhD, lse_BhL, self)
+
+
+def _valid_keys(cfg: RingAttention, owner: int, L: int) -> int:
+    """How many keys of ``owner``'s block are real (not padding). The padding is the tail of
+    the global sequence, so the real keys are always a prefix of the block, in both layouts:
+    under zigzag the second chunk holds real keys only if the first is entirely real."""
+    if cfg.kv_len is None or cfg.causal:
+        return L
+    if not cfg.zigzag:
+        return min(max(cfg.kv_len - owner * L, 0), L)
+    c, R = L // 2, cfg.size
+    first = min(max(cfg.kv_len - owner * c, 0), c)
+    second = min(max(cfg.kv_len - (2 * R - 1 - owner) * c, 0), c)
+    return first + second
+
+
+def _block(cfg: RingAttention, t: int, L: int) -> tuple[int, int, bool] | None:
+    """Step ``t``'s kernel call as ``(first query row, number of keys, causal)``, or None when
+    every (query, key) pair of the step is masked."""
+    owner = (cfg.rank - t) % cfg.size
+    if not cfg.causal:
+        n = _valid_keys(cfg, owner, L)
+        return (0, n, False) if n else None
+    if t == 0:  # the diagonal block; plain causal also holds for the zigzag chunk pair
+        return 0, L, True
+    if cfg.zigzag:
+        # Earlier owner: everything here sees its first chunk only. Later owner: only the
+        # second local chunk (positions past both of its chunks) sees it, whole.
+        return (0, L // 2, False) if owner < cfg.rank else (L // 2, L, False)
+    return (0, L, False) if owner < cfg.rank else None
+
+
+class _Hop:
+    """One ring hop in flight: tensors sent to the next rank, buffers filled by the previous."""
+
+    def __init__(self, tensors: tuple[Tensor, ...], recv: tuple[Tensor, ...] | None,
+                 cfg: RingAttention) -> None:
+        # gloo and NCCL need contiguous buffers; the send copies stay referenced until wait().
+        self._sent = tuple(t.contiguous() for t in tensors)
+        self.recv = recv or tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device)
+                                  for t in tensors)
+        nxt = dist.get_global_rank(cfg.group, (cfg.rank + 1) % cfg.size)
+        prv = dist.get_global_rank(cfg.group, (cfg.rank - 1) % cfg.size)
+        ops = [dist.P2POp(dist.isend, t, nxt, cfg.group) for t in self._sent]
+        ops += [dist.P2POp(dist.irecv, r, prv, cfg.group) for r in self.recv]
+        self._works = dist.batch_isend_irecv(ops)
+
+    def wait(self) -> tuple[Tensor, ...]:
+        for w in self._works:
+            w.wait()
+        self._sent = ()
+        return self.recv
+
+
+def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
+    """Fold a block's ``(out_b [B,l,h,D], lse_b [B,h,l])`` into the float32 running
+    ``(out, lse)`` in place: the softmax over the union of both key sets."""
+    new = torch.logaddexp(lse, lse_b)
+    # [B, h, l] -> [B, l, h, 1]: per-row weights broadcast over D.
+    w_old = torch.exp(lse - new).transpose(1, 2).unsqueeze(-1)
+    w_blk = torch.exp(lse_b - new).transpose(1, 2).unsqueeze(-1)
+    out.mul_(w_old).addcmul_(out_b, w_blk)
+    lse.copy_(new)
+
+
+def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
+    # Half-precision sums over R blocks lose bits with every hop (ring-flash-attention #42).
+    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
+
+
+def _forward(q, k, v, cfg: RingAttention) -> tuple[Tensor, Tensor]:
+    L = q.shape[1]
+    out = lse = None  # running [B, L, h, D] (float32 for half inputs) and [B, h, L] float32
+    cur, spare = (k, v), None
+    for t in range(cfg.size):
+        hop = _Hop(cur, spare, cfg) if t + 1 < cfg.size else None
+        blk = _block(cfg, t, L)
+        if blk is not None:
+            q0, nk, causal = blk
+            out_b, lse_b = attention_forward(q[:, q0:], cur[0][:, :nk], cur[1][:, :nk],
+                                             causal=causal, softmax_scale=cfg.scale,
+                                             backend=cfg.backend)
+            if out is None:
+                assert q0 == 0, "the first computed block covers every row"
+                out, lse = out_b.to(_acc_dtype(q.dtype)), lse_b
+            else:
+                _merge(out[:, q0:], lse[:, :, q0:], out_b, lse_b)
+            del out_b, lse_b
+        if hop is not None:
+            # The block just used becomes the next receive buffer (never the caller's k, v).
+            spare = cur if t > 0 else None
+            cur = hop.wait()
+    assert out is not None, "some block holds a real key"
+    return out.to(q.dtype), lse
+
+
+def _backward(dout, q, k, v, out, lse, cfg: RingAttention) -> tuple[Tensor, Tensor, Tensor]:
+    L = q.shape[1]
+    acc = _acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    cur, spare, dkv_hop = (k, v), None, None
+    for t in range(cfg.size):
+        hop = _Hop(cur, spare, cfg) if t + 1 < cfg.size else None
+        blk = _block(cfg, t, L)
+        if blk is not None:
+            q0, nk, causal = blk
+            lse_b = lse[:, :, q0:] if q0 == 0 else lse[:, :, q0:].contiguous()
+            dq_b, dk_b, dv_b = attention_backward(
+                dout[:, q0:], q[:, q0:], cur[0][:, :nk], cur[1][:, :nk], out[:, q0:], lse_b,
+                causal=causal, softmax_scale=cfg.scale, backend=cfg.backend)
+            dq[:, q0:].add_(dq_b)
+            del dq_b
+        # The partial dk/dv of the block in hand: fresh at step 0, else what the previous
+        # holder passed on (it travelled one hop behind the block itself).
+        if dkv_hop is None:
+            dkv = tuple(torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))
+        else:
+            dkv = dkv_hop.wait()
+        if blk is not None:
+            dkv[0][:, :nk].add_(dk_b)
+            dkv[1][:, :nk].add_(dv_b)
+            del dk_b, dv_b
+        dkv_hop = _Hop(dkv, None, cfg)  # after the last step this lands at the block's owner
+        del dkv
+        if hop is not None:
+            spare = cur if t > 0 else None
+            cur = hop.wait()
+    dk, dv = dkv_hop.wait()
+    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+
+
+def check_ring_rows(rows: int, size: int, zigzag: bool) -> None:
+    """Raise ``ValueError`` unless ``rows`` per ring rank fit the layout."""
+    if zigzag and size > 1 and rows % 2 != 0:
+        raise ValueError(f"zigzag ring attention needs an even number of rows per ring rank "
+                         f"(two chunks), got {rows}; shard with shard_sequence(..., pad=True) "
+                         f"so the sequence divides by 2 * ring_degree * ulysses_degree")
+
+
+def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, causal: bool,
+                   softmax_scale: float | None = None, zigzag: bool = True,
+                   backend: str | None = None) -> Tensor:
+    """Ring attention over ``group``, shaped like ``flash_attn_func``.
+
+    Args:
+        q: ``q_BLHD``, this rank's rows of the sequence; with ``zigzag`` they are chunks r and
+            2R-1-r of 2R (as ``shard_sequence`` cuts them on a mesh with ``ulysses=1``),
+            otherwise block r of R.
+        k, v: ``k_BLKD``, ``v_BLKD`` at the same positions; ``H % K == 0``.
+        group: the ring's process group (e.g. the mesh's ``"ring"`` axis).
+        causal: causal mask over the ring-global sequence.
+        softmax_scale: defaults to ``1 / sqrt(D)``.
+        zigzag: the row layout, which must match how the sequence was sharded.
+        backend: attention kernel name (see :mod:`ulysses.kernels`), or ``None``.
+
+    Returns:
+        ``out_BLHD``, sharded like ``q``.
+    """
+    check_qkv(q, k, v, causal=causal)
+    size = dist.get_world_size(group)
+    check_ring_rows(q.shape[1], size, zigzag)
+    attn = RingAttention(group=group, rank=dist.get_rank(group), size=size, causal=causal,
+                         scale=default_scale(q.shape[-1], softmax_scale),
+                         backend=select_backend(q.device, q.dtype, q.shape[-1], backend),
+                         zigzag=zigzag)
+    out, _ = attention_with_lse(q, k, v, attn)
+    return out
