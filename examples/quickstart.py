@@ -2,6 +2,7 @@
 
     torchrun --nproc_per_node 2 examples/quickstart.py
     deepspeed --num_gpus 2 examples/quickstart.py
+    torchrun --nproc_per_node 4 examples/quickstart.py --ring-degree 2   # hybrid U=2 x R=2
 
 Every rank builds the same full q/k/v from one seed and keeps its sequence piece. It runs
 ``ulysses_attention`` and gathers the output and the gradients, then checks them against
@@ -23,6 +24,7 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=1001, help="full length; need not divide W")
     p.add_argument("--heads", type=int, default=8)
     p.add_argument("--kv-heads", type=int, default=2)
+    p.add_argument("--ring-degree", type=int, default=1, help="R; Ulysses gets W // R")
     p.add_argument("--local_rank", type=int, default=None, help=argparse.SUPPRESS)  # deepspeed
     args = p.parse_args()
 
@@ -31,14 +33,16 @@ def main() -> None:
         torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
     dist.init_process_group("nccl" if cuda else "gloo")
     device = torch.device("cuda" if cuda else "cpu")
-    mesh = SequenceParallelDims(dist.get_world_size(), dist.get_world_size()).build_mesh(device.type)
+    world, ring = dist.get_world_size(), args.ring_degree
+    mesh = SequenceParallelDims(world, world // ring, ring).build_mesh(device.type)
 
     g = torch.Generator().manual_seed(0)
     B, S, H, K, D = 1, args.seq, args.heads, args.kv_heads, 64
     q_full = torch.randn(B, S, H, D, generator=g).to(device)
     k_full, v_full = (torch.randn(B, S, K, D, generator=g).to(device) for _ in range(2))
 
-    # [B, S, H, D] -> [B, S_pad / W, H, D]; the padded tail is invisible to causal attention.
+    # [B, S, H, D] -> [B, S_pad / W, H, D] (zigzag order when R > 1); the padded tail is
+    # invisible to causal attention.
     q, k, v = (shard_sequence(t, mesh, dim=1, pad=True).detach().requires_grad_()
                for t in (q_full, k_full, v_full))
     out = ulysses_attention(q, k, v, mesh=mesh, causal=True)
@@ -53,7 +57,8 @@ def main() -> None:
     err_out = (out_full - ref).abs().max().item()
     err_dq = (dq_full - qr.grad).abs().max().item()
     if dist.get_rank() == 0:
-        print(f"W={dist.get_world_size()} S={S} H={H} K={K}: max |out - ref| = {err_out:.2e}, "
+        print(f"W={world} (U={world // ring}, R={ring}) S={S} H={H} K={K}: "
+              f"max |out - ref| = {err_out:.2e}, "
               f"max |dq - ref| = {err_dq:.2e}")
     torch.testing.assert_close(out_full, ref, atol=1e-4, rtol=1e-4)
     torch.testing.assert_close(dq_full, qr.grad, atol=1e-4, rtol=1e-4)

@@ -3,7 +3,7 @@
 Public API::
 
     from ulysses import SequenceParallelDims, ulysses_attention, DistributedAttention
-    from ulysses import shard_sequence, gather_sequence
+    from ulysses import shard_sequence, gather_sequence, ring_attention
 """
 
 from ulysses.all_to_all import all_to_all, all_to_all_async
@@ -12,6 +12,7 @@ from ulysses.buffer_pool import BufferPool
 from ulysses.kernels import BACKENDS, local_attention, select_backend
 from ulysses.layer import DistributedAttention
 from ulysses.mesh import DeepSpeedMPU, SequenceParallelDims
+from ulysses.ring import ring_attention
 from ulysses.sharding import gather_sequence, head_layout, padded_len, shard_sequence
 
 __all__ = [
@@ -26,6 +27,7 @@ __all__ = [
     "head_layout",
     "local_attention",
     "padded_len",
+    "ring_attention",
     "select_backend",
     "shard_sequence",
     "ulysses_attention",

@@ -160,8 +160,7 @@ def _forward(q, k, v, cfg: RingAttention) -> tuple[Tensor, Tensor]:
 def _backward(dout, q, k, v, out, lse, cfg: RingAttention) -> tuple[Tensor, Tensor, Tensor]:
     L = q.shape[1]
     acc = _acc_dtype(q.dtype)
-    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-    cur, spare, dkv_hop = (k, v), None, None
+    dq, cur, spare, dkv_hop = None, (k, v), None, None
     for t in range(cfg.size):
         hop = _Hop(cur, spare, cfg) if t + 1 < cfg.size else None
         blk = _block(cfg, t, L)
@@ -171,7 +170,12 @@ def _backward(dout, q, k, v, out, lse, cfg: RingAttention) -> tuple[Tensor, Tens
             dq_b, dk_b, dv_b = attention_backward(
                 dout[:, q0:], q[:, q0:], cur[0][:, :nk], cur[1][:, :nk], out[:, q0:], lse_b,
                 causal=causal, softmax_scale=cfg.scale, backend=cfg.backend)
-            dq[:, q0:].add_(dq_b)
+            if dq is None and q0 == 0 and dq_b.dtype == acc:
+                dq = dq_b  # the first block covers every row: accumulate into its output
+            else:
+                if dq is None:
+                    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+                dq[:, q0:].add_(dq_b)
             del dq_b
         # The partial dk/dv of the block in hand: fresh at step 0, else what the previous
         # holder passed on (it travelled one hop behind the block itself).
@@ -189,6 +193,7 @@ def _backward(dout, q, k, v, out, lse, cfg: RingAttention) -> tuple[Tensor, Tens
             spare = cur if t > 0 else None
             cur = hop.wait()
     dk, dv = dkv_hop.wait()
+    assert dq is not None, "some block holds a real key"
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
