@@ -1,0 +1,59 @@
+"""Token-weighted loss across the ranks of a sequence-parallel group.
+
+Each SP rank holds a piece of one sequence and the summed loss of its own tokens. The loss of
+the sequence is ``sum over ranks of loss_sum / sum over ranks of num_valid``: a mean over
+tokens, not a mean of per-rank means (which would overweight a rank with few valid labels,
+and divide by zero on a rank with none).
+
+Gradients: DDP, ZeRO and FSDP average gradients over every rank they span (dp x sp). Rank r's
+true share of the sequence gradient is ``d(loss_sum_r) / N``; averaging over the sp ranks
+divides it by sp, so the backward scales it by sp to compensate. After the framework's
+average, the gradients equal those of single-device training on the whole sequence (and
+with dp > 1, the mean over the dp replicas' sequences, as in plain data parallelism).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+
+class _SPTokenLoss(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, loss_sum, num_valid, group):
+        sp = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
+        totals = torch.stack([loss_sum.detach().float(), num_valid.detach().float()])
+        if sp > 1:
+            dist.all_reduce(totals, group=group)
+        # No valid label anywhere in the group: the loss is 0 and so are the gradients.
+        count = totals[1].clamp(min=1.0)
+        ctx.scale = sp / count
+        return totals[0] / count
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None, None
+
+
+def sp_token_loss(loss_sum: Tensor, num_valid: Tensor | int, *,
+                  group: dist.ProcessGroup | None) -> Tensor:
+    """The group's token-mean loss, with gradients scaled for dp x sp averaging.
+
+    Args:
+        loss_sum: this rank's summed token loss (a differentiable scalar), e.g. from
+            :func:`arctic.tiling.tiled_logits_loss` or ``cross_entropy(..., reduction="sum")``.
+        num_valid: this rank's count of labels that are not -100 (may be 0).
+        group: the sequence-parallel group (the mesh's ``"sp"`` axis); ``None`` with an
+            uninitialized process group means a single rank.
+
+    Returns:
+        A scalar equal on every rank of the group: ``sum(loss_sum) / max(1, sum(num_valid))``.
+        Backward gives this rank's ``loss_sum`` the gradient ``sp / sum(num_valid)``. Every
+        rank must call this (it all-reduces), including ranks with no valid label.
+    """
+    if loss_sum.dim() != 0:
+        raise ValueError(f"loss_sum must be a scalar, got shape {tuple(loss_sum.shape)}")
+    if not torch.is_tensor(num_valid):
+        num_valid = torch.tensor(num_valid, device=loss_sum.device)
+    return _SPTokenLoss.apply(loss_sum, num_valid.to(loss_sum.device), group)

@@ -1,0 +1,207 @@
+"""Sequence tiling for the two activations that dominate memory at long sequences.
+
+- :class:`TiledMLP` runs a decoder MLP over sequence tiles without autograd, saves only its
+  input, and recomputes tile by tile in backward, so the ``[B, S_local, ffn]`` intermediate
+  never exists whole (at 625K local tokens and ffn 14336 it is 17.9 GB in bf16).
+- :func:`tiled_logits_loss` computes lm_head logits and the cross-entropy tile by tile, so
+  the ``[S_local, vocab]`` logits never exist whole (320 GB in fp32 for Llama-3 at 625K). Its
+  backward recomputes each tile's logits and produces the hidden-state gradient tile by tile
+  and the lm_head weight gradient by accumulation.
+
+Tile counts are an int or ``"auto"`` (the fewest tiles whose per-tile bytes fit a budget).
+"auto" is agreed across a process group with a MAX all-reduce: under ZeRO-3 every call of a
+wrapped module gathers its parameters, so ranks running different tile counts would issue
+different numbers of gathers and deadlock.
+
+Shape legend: B batch, S this rank's sequence piece, E hidden size, F MLP intermediate size,
+V vocab, N = B * S tokens.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+IGNORE_INDEX = -100
+DEFAULT_TILE_BUDGET_BYTES = 256 << 20
+"""Per-tile budget of ``tiles="auto"`` for the tile's largest temporaries (256 MiB)."""
+
+
+def resolve_tiles(tiles: int | str, rows: int, bytes_per_row: int, *,
+                  budget_bytes: int = DEFAULT_TILE_BUDGET_BYTES,
+                  group: dist.ProcessGroup | None = None) -> int:
+    """The tile count for ``rows`` rows, from an int or ``"auto"``.
+
+    ``"auto"``: ``ceil(rows * bytes_per_row / budget_bytes)``, then the MAX over ``group``
+    (every rank of it must call this; skipped when torch.distributed is not initialized). An
+    int is used as given. The count is never capped by a rank's own rows: a rank with fewer
+    rows than tiles runs empty tiles, so every rank makes the same number of module calls.
+    """
+    if tiles == "auto":
+        n = max(1, -(-rows * bytes_per_row // budget_bytes))
+        if dist.is_initialized():
+            t = torch.tensor(n, dtype=torch.int64)
+            if dist.get_backend(group) == "nccl":
+                t = t.cuda()
+            dist.all_reduce(t, op=dist.ReduceOp.MAX, group=group)
+            n = int(t)
+        return n
+    if isinstance(tiles, bool) or not isinstance(tiles, int) or tiles < 1:
+        raise ValueError(f"tiles must be a positive int or 'auto', got {tiles!r}")
+    return tiles
+
+
+# --- tiled MLP -------------------------------------------------------------------------------
+
+class _TiledMLPFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_BSE, mlp, tiles):
+        ctx.mlp, ctx.tiles = mlp, tiles
+        ctx.save_for_backward(x_BSE)
+        out = None
+        with torch.no_grad():
+            for x_t, start in _tiles(x_BSE.detach(), tiles):
+                y_t = mlp(x_t)                      # [B, s_t, F] lives only inside the call
+                if out is None:
+                    out = x_BSE.new_empty(x_BSE.shape[:2] + y_t.shape[2:], dtype=y_t.dtype)
+                out[:, start:start + x_t.shape[1]] = y_t
+                del y_t
+        return out
+
+    @staticmethod
+    def backward(ctx, dout_BSE):
+        (x_BSE,) = ctx.saved_tensors
+        dx = torch.empty_like(x_BSE)
+        for x_t, start in _tiles(x_BSE, ctx.tiles):
+            n = x_t.shape[1]
+            with torch.enable_grad():
+                leaf = x_t.detach().requires_grad_()
+                y_t = ctx.mlp(leaf)
+            # Parameter gradients accumulate into .grad here, tile by tile.
+            torch.autograd.backward(y_t, dout_BSE[:, start:start + n])
+            dx[:, start:start + n] = leaf.grad
+            del y_t, leaf
+        return dx, None, None
+
+
+def _tiles(x_BSE: Tensor, tiles: int):
+    """``(tile view, start row)`` for ``tiles`` near-equal tiles of the sequence dim."""
+    start = 0
+    for t in x_BSE.tensor_split(tiles, dim=1):
+        yield t, start
+        start += t.shape[1]
+
+
+class TiledMLP(nn.Module):
+    """Wraps a ``[B, S, E] -> [B, S, E]`` MLP; runs and recomputes it over sequence tiles.
+
+    Args:
+        mlp: the module to tile (e.g. a HF ``LlamaMLP``); it is called once per tile in
+            forward and again in backward.
+        tiles: an int, or ``"auto"``: enough tiles that one tile's ``[B, s, F]``
+            intermediates (about 3 of them, in the activation dtype) fit ``budget_bytes``.
+        intermediate_size: F for ``"auto"``; read from ``mlp.intermediate_size`` or
+            ``mlp.config.intermediate_size`` when not given.
+        group: the group that must agree on ``"auto"`` (all ranks sharing ZeRO-3 gathers;
+            default: the world).
+    """
+
+    def __init__(self, mlp: nn.Module, *, tiles: int | str = "auto",
+                 intermediate_size: int | None = None,
+                 budget_bytes: int = DEFAULT_TILE_BUDGET_BYTES,
+                 group: dist.ProcessGroup | None = None) -> None:
+        super().__init__()
+        if tiles != "auto":
+            resolve_tiles(tiles, 1, 1)  # type check, before any forward
+        if intermediate_size is None:
+            intermediate_size = getattr(mlp, "intermediate_size", None) or getattr(
+                getattr(mlp, "config", None), "intermediate_size", None)
+        if tiles == "auto" and intermediate_size is None:
+            raise ValueError("tiles='auto' needs intermediate_size (the MLP's F); pass it or "
+                             "an int tile count")
+        self.mlp, self.tiles, self.intermediate_size = mlp, tiles, intermediate_size
+        self.budget_bytes, self.group = budget_bytes, group
+
+    def forward(self, x_BSE: Tensor) -> Tensor:
+        if x_BSE.dim() != 3:
+            raise ValueError(f"TiledMLP expects [batch, seq, hidden], got {tuple(x_BSE.shape)}")
+        row = 3 * x_BSE.shape[0] * (self.intermediate_size or 0) * x_BSE.element_size()
+        tiles = resolve_tiles(self.tiles, x_BSE.shape[1], row, budget_bytes=self.budget_bytes,
+                              group=self.group)
+        if not torch.is_grad_enabled():
+            return torch.cat([self.mlp(t) for t, _ in _tiles(x_BSE, tiles)], dim=1)
+        return _TiledMLPFn.apply(x_BSE, self.mlp, tiles)
+
+
+# --- tiled logits + loss ---------------------------------------------------------------------
+
+def _tile_logits(h_tE: Tensor, weight_VE: Tensor) -> Tensor:
+    """``[t, E] @ [V, E]^T`` -> float32 ``[t, V]`` (the loss is computed in float32)."""
+    return (h_tE @ weight_VE.t()).float()
+
+
+class _TiledLossFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, h_NE, weight_VE, labels_N, tiles):
+        ctx.tiles = tiles
+        ctx.save_for_backward(h_NE, weight_VE, labels_N)
+        total = torch.zeros((), dtype=torch.float32, device=h_NE.device)
+        for h_t, y_t in zip(h_NE.tensor_split(tiles), labels_N.tensor_split(tiles)):
+            total += F.cross_entropy(_tile_logits(h_t, weight_VE), y_t,
+                                     ignore_index=IGNORE_INDEX, reduction="sum")
+        return total
+
+    @staticmethod
+    def backward(ctx, grad_total):
+        h_NE, weight_VE, labels_N = ctx.saved_tensors
+        dh = torch.empty_like(h_NE)
+        dw = torch.zeros(weight_VE.shape, dtype=torch.float32, device=weight_VE.device)
+        start = 0
+        for h_t, y_t in zip(h_NE.tensor_split(ctx.tiles), labels_N.tensor_split(ctx.tiles)):
+            n = h_t.shape[0]
+            # d(sum of CE)/d logits = softmax - onehot(label), zero on ignored rows.
+            g = torch.softmax(_tile_logits(h_t, weight_VE), dim=-1)        # [t, V] float32
+            valid = y_t != IGNORE_INDEX
+            rows = valid.nonzero().squeeze(1)
+            g[rows, y_t[rows]] -= 1.0
+            g[~valid] = 0.0
+            g *= grad_total
+            dh[start:start + n] = (g.to(h_NE.dtype) @ weight_VE)
+            dw.addmm_(g.t(), h_t.float())
+            start += n
+            del g
+        return dh, dw.to(weight_VE.dtype), None, None
+
+
+def tiled_logits_loss(hidden_BSE: Tensor, weight_VE: Tensor, labels_BS: Tensor, *,
+                      tiles: int | str = "auto",
+                      budget_bytes: int = DEFAULT_TILE_BUDGET_BYTES,
+                      group: dist.ProcessGroup | None = None) -> tuple[Tensor, Tensor]:
+    """Summed cross-entropy of ``hidden @ weight^T`` against ``labels``, tile by tile.
+
+    Args:
+        hidden_BSE: final hidden states (after the last norm), this rank's sequence piece.
+        weight_VE: the lm_head weight (no bias).
+        labels_BS: already shifted labels (``labels[i]`` is the token after position i), with
+            ``-100`` where no loss is taken; see :mod:`arctic.data`.
+        tiles: an int, or ``"auto"``: enough tiles that one tile's float32 logits and
+            softmax fit ``budget_bytes``; agreed over ``group`` (default: the world).
+
+    Returns:
+        ``(loss_sum, num_valid)``: the float32 sum of token losses (differentiable w.r.t.
+        hidden and weight) and the int64 count of labels that are not -100. Combine ranks with
+        :func:`arctic.loss.sp_token_loss`.
+    """
+    if hidden_BSE.shape[:-1] != labels_BS.shape:
+        raise ValueError(f"hidden {tuple(hidden_BSE.shape)} and labels {tuple(labels_BS.shape)} "
+                         f"must agree on [batch, seq]")
+    if hidden_BSE.shape[-1] != weight_VE.shape[-1]:
+        raise ValueError(f"hidden size {hidden_BSE.shape[-1]} does not match the lm_head "
+                         f"weight {tuple(weight_VE.shape)}")
+    h_NE, labels_N = hidden_BSE.reshape(-1, hidden_BSE.shape[-1]), labels_BS.reshape(-1)
+    n = resolve_tiles(tiles, h_NE.shape[0], 2 * weight_VE.shape[0] * 4,
+                      budget_bytes=budget_bytes, group=group)
+    loss_sum = _TiledLossFn.apply(h_NE, weight_VE, labels_N, n)
+    return loss_sum, (labels_N != IGNORE_INDEX).sum()

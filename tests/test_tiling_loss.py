@@ -1,0 +1,202 @@
+"""arctic.tiling (TiledMLP, tiled logits+loss) and arctic.loss (token-weighted SP loss).
+
+Tiled modules must match the untiled ones in value and in every gradient; the tiled loss must
+never hold whole logits (MemTracker); the SP loss must give single-device gradients after
+averaging over ranks, also when a rank holds no valid label.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.distributed._tools.mem_tracker import MemTracker
+
+import dist_pool
+from arctic.loss import sp_token_loss
+from arctic.tiling import TiledMLP, resolve_tiles, tiled_logits_loss
+from helpers import get_mesh
+from ulysses import shard_sequence
+
+
+class _GatedMLP(nn.Module):
+    """Llama's MLP shape: down(silu(gate(x)) * up(x))."""
+
+    def __init__(self, hidden: int, ffn: int) -> None:
+        super().__init__()
+        self.intermediate_size = ffn
+        self.gate = nn.Linear(hidden, ffn, bias=False)
+        self.up = nn.Linear(hidden, ffn, bias=False)
+        self.down = nn.Linear(ffn, hidden, bias=False)
+
+    def forward(self, x):
+        return self.down(F.silu(self.gate(x)) * self.up(x))
+
+
+@pytest.mark.parametrize("tiles", [1, 3, 7, "auto"])
+def test_tiled_mlp_matches_untiled(tiles):
+    torch.manual_seed(0)
+    mlp = _GatedMLP(16, 64)
+    x = torch.randn(2, 50, 16, requires_grad=True)
+    dout = torch.randn(2, 50, 16)
+    ref = mlp(x)
+    ref.backward(dout)
+    ref_grads = [x.grad.clone()] + [p.grad.clone() for p in mlp.parameters()]
+    x.grad = None
+    mlp.zero_grad()
+    out = TiledMLP(mlp, tiles=tiles, budget_bytes=4096)(x)
+    out.backward(dout)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=1e-5)
+    for got, want in zip([x.grad] + [p.grad for p in mlp.parameters()], ref_grads):
+        torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def test_tiled_mlp_never_holds_the_whole_intermediate():
+    torch.manual_seed(0)
+    S, E, Fs = 2048, 32, 1024
+    mlp = _GatedMLP(E, Fs)
+    x = torch.randn(1, S, E, requires_grad=True)
+    peaks = {}
+    for name, module in (("plain", mlp), ("tiled", TiledMLP(mlp, tiles=16))):
+        mt = MemTracker()
+        mt.track_external(x, *mlp.parameters())
+        with mt:
+            base = mt.get_tracker_snapshot("current")[x.device]["Total"]
+            module(x).sum().backward()
+        peaks[name] = mt.get_tracker_snapshot("peak")[x.device]["Total"] - base
+        x.grad = None
+        mlp.zero_grad(set_to_none=False)
+    intermediate = S * Fs * 4
+    assert peaks["plain"] > 2 * intermediate
+    assert peaks["tiled"] < intermediate / 2, peaks
+
+
+def _loss_inputs(N=300, E=16, V=50, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    h = torch.randn(1, N, E, generator=g, requires_grad=True)
+    w = (torch.randn(V, E, generator=g) * 0.3).requires_grad_()
+    labels = torch.randint(0, V, (1, N), generator=g)
+    labels[0, ::7] = -100
+    return h, w, labels
+
+
+@pytest.mark.parametrize("tiles", [1, 4, 9, "auto"])
+def test_tiled_loss_matches_cross_entropy(tiles):
+    h, w, labels = _loss_inputs()
+    ref = F.cross_entropy((h @ w.t()).view(-1, w.shape[0]), labels.view(-1), reduction="sum")
+    ref.backward()
+    ref_dh, ref_dw = h.grad.clone(), w.grad.clone()
+    h.grad = w.grad = None
+    loss, n = tiled_logits_loss(h, w, labels, tiles=tiles, budget_bytes=2048)
+    (loss * 0.5).backward()  # a non-unit upstream gradient
+    assert int(n) == int((labels != -100).sum())
+    torch.testing.assert_close(loss, ref, atol=1e-4, rtol=1e-5)
+    torch.testing.assert_close(h.grad, 0.5 * ref_dh, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(w.grad, 0.5 * ref_dw, atol=1e-6, rtol=1e-5)
+
+
+def test_tiled_loss_peak_is_a_quarter_of_untiled():
+    """vocab 32000, S_local 4096: the tiled loss's MemTracker peak (fwd+bwd) is <= 1/4 of the
+    untiled logits + cross_entropy peak."""
+    V, S, E = 32000, 4096, 64
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(1, S, E, generator=g, requires_grad=True)
+    w = (torch.randn(V, E, generator=g) * 0.05).requires_grad_()
+    labels = torch.randint(0, V, (1, S), generator=g)
+
+    def untiled():
+        return F.cross_entropy((h @ w.t()).view(S, V), labels.view(-1), reduction="sum")
+
+    def tiled():
+        return tiled_logits_loss(h, w, labels, tiles="auto")[0]
+
+    peaks = {}
+    for name, fn in (("untiled", untiled), ("tiled", tiled)):
+        runs = []
+        for _ in range(2):
+            mt = MemTracker()
+            mt.track_external(h, w, labels)
+            with mt:
+                base = mt.get_tracker_snapshot("current")[h.device]["Total"]
+                fn().backward()
+            runs.append(mt.get_tracker_snapshot("peak")[h.device]["Total"] - base)
+            h.grad = w.grad = None
+        peaks[name] = min(runs)
+    assert peaks["untiled"] >= S * V * 4  # the whole fp32 logits existed
+    assert peaks["tiled"] <= peaks["untiled"] / 4, peaks
+
+
+def test_resolve_tiles_rejects_bad_values():
+    for bad in (0, -1, 2.5, True, "many"):
+        with pytest.raises(ValueError, match="tiles must be"):
+            resolve_tiles(bad, 10, 1)
+    with pytest.raises(ValueError, match="intermediate_size"):
+        TiledMLP(nn.Linear(4, 4), tiles="auto")
+
+
+# --- multi-rank ------------------------------------------------------------------------------
+
+def _rank_auto_tiles(rows_by_rank):
+    import torch.distributed as dist
+
+    return resolve_tiles("auto", rows_by_rank[dist.get_rank()], 100, budget_bytes=1000)
+
+
+def test_auto_tiles_agree_across_ranks():
+    """Ranks with different local lengths agree on the largest count (ZeRO-3 gathers)."""
+    got = dist_pool.run(_rank_auto_tiles, [10, 95, 40, 1], world_size=4)
+    assert got == [10, 10, 10, 10]
+
+
+def _rank_sp_loss(sp, S, E, V, empty_rank, tiles):
+    """An embedding -> lm_head model on a sequence sharded over sp ranks; the rank
+    ``empty_rank`` holds only -100 labels. Returns the loss and the sp-averaged grads."""
+    import torch.distributed as dist
+
+    mesh = get_mesh(sp, sp)
+    g = torch.Generator().manual_seed(0)
+    emb = torch.randn(V, E, generator=g).requires_grad_()
+    head = (torch.randn(V, E, generator=g) * 0.3).requires_grad_()
+    tokens = torch.randint(0, V, (1, S), generator=g)
+    labels = torch.randint(0, V, (1, S), generator=g)
+    n = S // sp
+    labels[:, empty_rank * n:(empty_rank + 1) * n] = -100
+    labels[:, 3] = -100
+    tok, lab = shard_sequence(tokens, mesh), shard_sequence(labels, mesh)
+    loss_sum, num_valid = tiled_logits_loss(emb[tok], head, lab, tiles=tiles)
+    loss = sp_token_loss(loss_sum, num_valid, group=mesh["ulysses"].get_group())
+    loss.backward()
+    grads = []
+    for p in (emb, head):  # what DDP/ZeRO do: average over every rank
+        dist.all_reduce(p.grad)
+        grads.append(p.grad / sp)
+    # Single-device reference on the whole sequence.
+    e, h = emb.detach().requires_grad_(), head.detach().requires_grad_()
+    ref = F.cross_entropy(e[tokens[0]] @ h.t(), labels[0], reduction="mean")
+    ref.backward()
+    return loss.detach(), ref.detach(), grads, [e.grad, h.grad]
+
+
+@pytest.mark.parametrize("sp,tiles", [(2, 3), (4, "auto")])
+def test_sp_loss_equals_single_device_with_an_all_ignored_rank(sp, tiles):
+    for loss, ref, grads, ref_grads in dist_pool.run(_rank_sp_loss, sp, 64, 8, 40, 1, tiles,
+                                                     world_size=sp):
+        assert torch.isfinite(loss)
+        torch.testing.assert_close(loss, ref, atol=1e-5, rtol=1e-5)
+        for got, want in zip(grads, ref_grads):
+            torch.testing.assert_close(got, want, atol=1e-6, rtol=1e-5)
+
+
+def _rank_all_ignored(sp):
+    mesh = get_mesh(sp, sp)
+    h = torch.randn(1, 4, 8, requires_grad=True)
+    w = torch.randn(10, 8, requires_grad=True)
+    loss_sum, n = tiled_logits_loss(h, w, torch.full((1, 4), -100), tiles=2)
+    loss = sp_token_loss(loss_sum, n, group=mesh["ulysses"].get_group())
+    loss.backward()
+    return loss.item(), h.grad.abs().max().item(), w.grad.abs().max().item()
+
+
+def test_sp_loss_with_no_valid_label_anywhere_is_zero_not_nan():
+    assert dist_pool.run(_rank_all_ignored, 2, world_size=2) == [(0.0, 0.0, 0.0)] * 2
