@@ -1,1 +1,28 @@
-"""Training recipe around real models (DeepSpeed/HF glue). Filled in by later issues."""
+"""The training recipe around real models: HF attention, SP data, tiling, the SP loss.
+
+torch-only pieces import eagerly; :func:`apply_sequence_parallel` imports transformers on
+first use (``pip install ".[hf]"``).
+"""
+
+from arctic.data import SequenceParallelDataLoader, prepare_sp_batch
+from arctic.loss import causal_lm_loss, sp_token_loss
+from arctic.tiling import TiledMLP, apply_tiled_mlp, tiled_logits_loss
+
+__all__ = [
+    "SequenceParallelDataLoader",
+    "TiledMLP",
+    "apply_sequence_parallel",
+    "apply_tiled_mlp",
+    "causal_lm_loss",
+    "prepare_sp_batch",
+    "sp_token_loss",
+    "tiled_logits_loss",
+]
+
+
+def __getattr__(name: str):
+    if name == "apply_sequence_parallel":
+        from arctic.hf_attention import apply_sequence_parallel
+
+        return apply_sequence_parallel
+    raise AttributeError(f"module 'arctic' has no attribute {name!r}")

@@ -57,3 +57,25 @@ def sp_token_loss(loss_sum: Tensor, num_valid: Tensor | int, *,
     if not torch.is_tensor(num_valid):
         num_valid = torch.tensor(num_valid, device=loss_sum.device)
     return _SPTokenLoss.apply(loss_sum, num_valid.to(loss_sum.device), group)
+
+
+def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Tensor], *,
+                   group: dist.ProcessGroup | None, tiles: int | str = "auto") -> Tensor:
+    """The SP loss of a HF causal LM on a batch from :func:`arctic.data.prepare_sp_batch`.
+
+    Runs the base model for hidden states, then :func:`arctic.tiling.tiled_logits_loss`
+    against the lm_head weight (logits are never whole) and :func:`sp_token_loss` over
+    ``group`` (the mesh's ``"sp"`` axis).
+    """
+    from arctic.tiling import tiled_logits_loss
+
+    if "shift_labels" not in batch:
+        raise ValueError("batch needs shift_labels; prepare it with arctic.data.prepare_sp_batch")
+    head = model.get_output_embeddings()
+    if getattr(head, "bias", None) is not None:
+        raise ValueError("the tiled loss supports an lm_head without bias")
+    hidden = model.base_model(input_ids=batch["input_ids"],
+                              position_ids=batch["position_ids"]).last_hidden_state
+    loss_sum, num_valid = tiled_logits_loss(hidden, head.weight, batch["shift_labels"],
+                                            tiles=tiles, group=group)
+    return sp_token_loss(loss_sum, num_valid, group=group)

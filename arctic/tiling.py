@@ -58,6 +58,7 @@ def resolve_tiles(tiles: int | str, rows: int, bytes_per_row: int, *,
 class _TiledMLPFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x_BSE, mlp, tiles):
+        # mlp: any [B, s, E] -> [B, s, E] callable (a module, or a module's own forward).
         ctx.mlp, ctx.tiles = mlp, tiles
         ctx.save_for_backward(x_BSE)
         out = None
@@ -125,14 +126,56 @@ class TiledMLP(nn.Module):
         self.budget_bytes, self.group = budget_bytes, group
 
     def forward(self, x_BSE: Tensor) -> Tensor:
-        if x_BSE.dim() != 3:
-            raise ValueError(f"TiledMLP expects [batch, seq, hidden], got {tuple(x_BSE.shape)}")
-        row = 3 * x_BSE.shape[0] * (self.intermediate_size or 0) * x_BSE.element_size()
-        tiles = resolve_tiles(self.tiles, x_BSE.shape[1], row, budget_bytes=self.budget_bytes,
-                              group=self.group)
-        if not torch.is_grad_enabled():
-            return torch.cat([self.mlp(t) for t, _ in _tiles(x_BSE, tiles)], dim=1)
-        return _TiledMLPFn.apply(x_BSE, self.mlp, tiles)
+        return _tiled_call(self.mlp, x_BSE, self.tiles, self.intermediate_size,
+                           self.budget_bytes, self.group)
+
+
+def _tiled_call(fn, x_BSE: Tensor, tiles, intermediate_size, budget_bytes, group) -> Tensor:
+    if x_BSE.dim() != 3:
+        raise ValueError(f"a tiled MLP expects [batch, seq, hidden], got {tuple(x_BSE.shape)}")
+    row = 3 * x_BSE.shape[0] * (intermediate_size or 0) * x_BSE.element_size()
+    n = resolve_tiles(tiles, x_BSE.shape[1], row, budget_bytes=budget_bytes, group=group)
+    if not torch.is_grad_enabled():
+        return torch.cat([fn(t) for t, _ in _tiles(x_BSE, n)], dim=1)
+    return _TiledMLPFn.apply(x_BSE, fn, n)
+
+
+class _TiledForward:
+    """Replaces one module instance's ``forward``: the original forward, run over tiles."""
+
+    def __init__(self, forward, tiles, intermediate_size, budget_bytes, group) -> None:
+        self.inner = forward
+        self.args = (tiles, intermediate_size, budget_bytes, group)
+
+    def __call__(self, x_BSE: Tensor) -> Tensor:
+        return _tiled_call(self.inner, x_BSE, *self.args)
+
+
+def apply_tiled_mlp(model: nn.Module, *, tiles: int | str = "auto",
+                    budget_bytes: int = DEFAULT_TILE_BUDGET_BYTES,
+                    group: dist.ProcessGroup | None = None) -> nn.Module:
+    """Tile the ``mlp`` of every decoder layer of a HF model in place.
+
+    Each mlp keeps its class, parameters and state_dict keys (checkpoints stay loadable); only
+    the instance's ``forward`` is replaced by the tiled run of the original. The per-tile
+    calls and the backward recompute call the original ``forward`` directly, so module hooks
+    fire once per layer call, not per tile. Parameter sharding that frees parameters after
+    forward (ZeRO-3, FSDP2) is not handled here yet. Apply after
+    :func:`arctic.apply_sequence_parallel` and before activation checkpointing. Returns
+    ``model``; ``ValueError`` if it has no decoder layer with an ``mlp``.
+    """
+    intermediate = getattr(model.config, "intermediate_size", None)
+    layers = [m for m in model.modules()
+              if isinstance(getattr(m, "mlp", None), nn.Module) and hasattr(m, "self_attn")]
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no decoder layer with an mlp to tile")
+    if tiles != "auto":
+        resolve_tiles(tiles, 1, 1)  # type check before touching the model
+    for layer in layers:
+        mlp = layer.mlp
+        if not isinstance(mlp.forward, _TiledForward):
+            mlp.forward = _TiledForward(mlp.forward, tiles, intermediate, budget_bytes, group)
+    return model
 
 
 # --- tiled logits + loss ---------------------------------------------------------------------

@@ -20,7 +20,8 @@ from ulysses.buffer_pool import BufferPool
 from ulysses.head_chunking import (DEFAULT_CHUNK_BUDGET_BYTES, head_chunked_attention,
                                    resolve_chunk_size)
 from ulysses.hybrid import check_hybrid, inner_attention
-from ulysses.kernels import attention_with_lse, check_qkv, default_scale, select_backend
+from ulysses.kernels import (SegmentedAttention, attention_with_lse, check_qkv, check_segments,
+                             default_scale, select_backend)
 from ulysses.mesh import axis_group, axis_rank, axis_size, check_mesh
 from ulysses.sharding import HeadLayout, head_layout
 
@@ -49,7 +50,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
                       backend: str | None = None, unpadded_len: int | None = None,
                       buffer_pool: BufferPool | None = None,
                       chunk_budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES,
-                      chunk_overlap: bool = True, zigzag: bool = True) -> Tensor:
+                      chunk_overlap: bool = True, zigzag: bool = True,
+                      segments=None) -> Tensor:
     """Sequence-parallel attention over the mesh's ``"ulysses"`` and ``"ring"`` axes.
 
     Args:
@@ -76,6 +78,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
         chunk_overlap: exchange chunk i+1 while chunk i computes (chunking only).
         zigzag: the sequence layout when R > 1; must match ``shard_sequence(zigzag=...)``.
             The zigzag default balances causal work across ring ranks.
+        segments: packed documents: per batch row, the start offsets (in the full sequence,
+            beginning with 0) of its documents; no token attends across a boundary. Needs
+            R = 1 (``NotImplementedError`` otherwise) and no ``unpadded_len``.
 
     Returns:
         ``out_BsHD``, sharded like ``q``.
@@ -87,8 +92,19 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     group = axis_group(mesh, "ulysses")
     # Padded keys can only be seen without a causal mask (the padding is the sequence's tail).
     kv_len = unpadded_len if unpadded_len is not None and not causal else None
-    attn = inner_attention(mesh, causal=causal, scale=default_scale(q.shape[-1], softmax_scale),
-                           backend=backend, kv_len=kv_len, zigzag=zigzag)
+    scale = default_scale(q.shape[-1], softmax_scale)
+    if segments is not None:
+        if axis_size(mesh, "ring") > 1:
+            raise NotImplementedError("packed documents (segments) with ring_degree > 1: the ring "
+                                      "kernels cannot mask across documents; use ring_degree=1")
+        if unpadded_len is not None:
+            raise ValueError("pass either segments or unpadded_len: make the padded tail its own "
+                             "segment instead")
+        attn = SegmentedAttention(causal=causal, scale=scale, backend=backend, starts=check_segments(
+            segments, q.shape[0], q.shape[1] * len(layout.q_sizes)))
+    else:
+        attn = inner_attention(mesh, causal=causal, scale=scale, backend=backend, kv_len=kv_len,
+                               zigzag=zigzag)
     if head_chunk_size is not None:
         c = resolve_chunk_size(head_chunk_size, layout, q.shape[0], q.shape[1] * len(
             layout.q_sizes), q.shape[3], q.dtype, chunk_budget_bytes)

@@ -1,0 +1,130 @@
+"""Turn ordinary causal-LM batches into sequence-parallel ones.
+
+:func:`prepare_sp_batch` works on the full batch, identical on every rank of an SP group:
+
+1. ``position_ids``: given ones are kept (packed documents restart them); otherwise
+   ``arange(S)`` per row.
+2. ``shift_labels``: ``labels[:, 1:]`` moved left, ``-100`` at the end of every row and of
+   every document (a document's last token must not predict the next document's first), and
+   wherever ``attention_mask`` is 0.
+3. Padding up to what the mesh splits evenly (``2 R U`` with a zigzag ring): ``input_ids``
+   get ``pad_token_id``, ``shift_labels`` -100, and positions continue counting, so the
+   padded tail is part of the last document and invisible to causal attention.
+4. Each tensor is cut with :func:`ulysses.shard_sequence`, so zigzag order applies when the
+   mesh has a ring.
+
+Shifting before sharding matters: after sharding, the label of a piece's last token lives on
+the next rank.
+
+:class:`SequenceParallelDataLoader` feeds every rank of an SP group the same samples (the
+sampler is split over the ``"dp"`` axis only) and counts samples, not samples x SP.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import torch
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+from ulysses import padded_len, shard_sequence
+from ulysses.mesh import axis_rank, axis_size, check_mesh
+
+IGNORE_INDEX = -100
+
+
+def _pad_right(x: Tensor, length: int, value) -> Tensor:
+    return torch.nn.functional.pad(x, (0, length - x.shape[1]), value=value)
+
+
+def prepare_sp_batch(batch: dict[str, Any], mesh: DeviceMesh, *, pad_token_id: int = 0,
+                     zigzag: bool = True) -> dict[str, Tensor]:
+    """This rank's shard of a causal-LM batch; see the module doc for the steps.
+
+    Args:
+        batch: ``input_ids [B, S]`` (required), optional ``labels [B, S]`` (default: the
+            input ids), ``attention_mask [B, S]`` (right padding only) and ``position_ids``.
+        mesh: the SP mesh.
+
+    Returns:
+        ``input_ids``, ``position_ids`` and ``shift_labels``, each ``[B, S_pad / sp]``.
+        Pass the first two to the model and ``shift_labels`` to the loss.
+    """
+    check_mesh(mesh)
+    if "input_ids" not in batch:
+        raise ValueError(f"batch needs input_ids, got keys {sorted(batch)}")
+    input_ids = torch.as_tensor(batch["input_ids"])
+    if input_ids.dim() != 2:
+        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
+    B, S = input_ids.shape
+    labels = torch.as_tensor(batch.get("labels", input_ids)).clone()
+    for name in ("labels", "attention_mask", "position_ids"):
+        if name in batch and tuple(torch.as_tensor(batch[name]).shape) != (B, S):
+            raise ValueError(f"{name} shape {tuple(torch.as_tensor(batch[name]).shape)} does not "
+                             f"match input_ids {(B, S)}")
+    mask = batch.get("attention_mask")
+    if mask is not None:
+        mask = torch.as_tensor(mask).bool()
+        if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+            raise ValueError("attention_mask has left or inner padding; sequence parallelism "
+                             "supports right padding only (or pack without padding)")
+        labels[~mask] = IGNORE_INDEX
+    position_ids = batch.get("position_ids")
+    if position_ids is None:
+        position_ids = torch.arange(S).expand(B, S)
+    position_ids = torch.as_tensor(position_ids)
+
+    shift = torch.full_like(labels, IGNORE_INDEX)
+    shift[:, :-1] = labels[:, 1:]
+    # The last token of a document has no next token of its own.
+    shift[:, :-1][position_ids[:, 1:] != position_ids[:, :-1] + 1] = IGNORE_INDEX
+
+    n = padded_len(S, mesh, zigzag=zigzag)
+    tail = position_ids[:, -1:] + torch.arange(1, n - S + 1)
+    full = {"input_ids": _pad_right(input_ids, n, pad_token_id),
+            "position_ids": torch.cat([position_ids, tail], dim=1),
+            "shift_labels": _pad_right(shift, n, IGNORE_INDEX)}
+    return {k: shard_sequence(v, mesh, dim=1, zigzag=zigzag).contiguous() for k, v in full.items()}
+
+
+class SequenceParallelDataLoader:
+    """A DataLoader whose batches are already SP shards.
+
+    Samples are split over the mesh's ``"dp"`` axis only: the ranks of one SP group read the
+    same samples and each keeps its piece of the sequence. ``len()`` is the number of batches
+    per epoch of one dp rank, and :meth:`set_epoch` reshuffles, as with
+    ``DistributedSampler``.
+
+    Args:
+        dataset: yields what ``collate_fn`` turns into a batch dict with ``input_ids``.
+        mesh: the SP mesh.
+        batch_size: samples per batch on each dp rank.
+        collate_fn: default stacks the samples' tensors per key.
+        shuffle, seed, drop_last: as for ``DistributedSampler``.
+    """
+
+    def __init__(self, dataset: Dataset, mesh: DeviceMesh, *, batch_size: int = 1,
+                 collate_fn: Callable | None = None, shuffle: bool = True, seed: int = 0,
+                 drop_last: bool = False, pad_token_id: int = 0, zigzag: bool = True,
+                 num_workers: int = 0) -> None:
+        check_mesh(mesh)
+        self.mesh, self.pad_token_id, self.zigzag = mesh, pad_token_id, zigzag
+        self.sampler = DistributedSampler(dataset, num_replicas=axis_size(mesh, "dp"),
+                                          rank=axis_rank(mesh, "dp"), shuffle=shuffle,
+                                          seed=seed, drop_last=drop_last)
+        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler,
+                                 collate_fn=collate_fn, drop_last=drop_last,
+                                 num_workers=num_workers)
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+    def __len__(self) -> int:
+        return len(self.loader)
+
+    def __iter__(self):
+        for batch in self.loader:
+            yield prepare_sp_batch(batch, self.mesh, pad_token_id=self.pad_token_id,
+                                   zigzag=self.zigzag)

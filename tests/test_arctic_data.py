@@ -1,0 +1,94 @@
+"""arctic.data: label shifting before sharding, padding, zigzag, and sample accounting."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dist_pool
+from helpers import get_mesh
+
+
+def _rank_prepare(ulysses, ring, S, packed):
+    from arctic.data import prepare_sp_batch
+    from ulysses import gather_sequence
+
+    mesh = get_mesh(ulysses * ring, ulysses, ring)
+    ids = torch.arange(100, 100 + S)[None].repeat(2, 1)
+    batch = {"input_ids": ids, "attention_mask": torch.ones(2, S, dtype=torch.long)}
+    batch["attention_mask"][1, S - 3:] = 0  # row 1 is right-padded by 3
+    if packed:
+        batch["position_ids"] = torch.cat([torch.arange(5), torch.arange(S - 5)])[None].repeat(2, 1)
+    local = prepare_sp_batch(batch, mesh)
+    return {k: gather_sequence(v, mesh, dim=1) for k, v in local.items()}, \
+        {k: tuple(v.shape) for k, v in local.items()}
+
+
+@pytest.mark.parametrize("ulysses,ring,packed", [(2, 1, False), (2, 2, False), (1, 4, True)])
+def test_prepare_shifts_before_sharding_and_pads(ulysses, ring, packed):
+    S = 21
+    sp = ulysses * ring
+    n = -(-S // (2 * sp if ring > 1 else sp)) * (2 * sp if ring > 1 else sp)
+    for full, shapes in dist_pool.run(_rank_prepare, ulysses, ring, S, packed, world_size=sp):
+        assert all(s == (2, n // sp) for s in shapes.values())
+        ids, pos, lab = full["input_ids"], full["position_ids"], full["shift_labels"]
+        assert ids[:, :S].tolist() == [list(range(100, 100 + S))] * 2 and (ids[:, S:] == 0).all()
+        want = torch.arange(101, 101 + S)[None].repeat(2, 1)
+        want[:, -1] = -100                   # the last token predicts nothing
+        want[1, S - 4:] = -100               # right padding (labels of masked tokens)
+        if packed:
+            want[:, 4] = -100                # end of the first document
+            assert pos[0, :S].tolist() == list(range(5)) + list(range(S - 5))
+        else:
+            assert pos[0, :S].tolist() == list(range(S))
+        assert lab[:, :S].tolist() == want.tolist() and (lab[:, S:] == -100).all()
+        # Padded positions continue the last document (no new segment for padding).
+        assert (pos[:, S:] == pos[:, S - 1:S] + torch.arange(1, n - S + 1)).all()
+
+
+def _rank_bad_batches():
+    from arctic.data import prepare_sp_batch
+
+    mesh, ids = get_mesh(1, 1), torch.zeros(1, 4, dtype=torch.long)
+    cases = {"input_ids": {"labels": ids},
+             "left or inner padding": {"input_ids": ids,
+                                       "attention_mask": torch.tensor([[0, 1, 1, 1]])},
+             "labels shape": {"input_ids": ids, "labels": torch.zeros(1, 5, dtype=torch.long)}}
+    got = {}
+    for needle, batch in cases.items():
+        try:
+            prepare_sp_batch(batch, mesh)
+            got[needle] = "no error"
+        except ValueError as e:
+            got[needle] = str(e)
+    return got
+
+
+def test_prepare_rejects_bad_batches():
+    (got,) = dist_pool.run(_rank_bad_batches, world_size=1)
+    for needle, msg in got.items():
+        assert needle in msg, msg
+
+
+def _rank_loader(world, ulysses):
+    from arctic.data import SequenceParallelDataLoader
+
+    mesh = get_mesh(world, ulysses)
+    data = [{"input_ids": torch.full((8,), i)} for i in range(10)]
+    loader = SequenceParallelDataLoader(data, mesh, batch_size=2, seed=3)
+    loader.set_epoch(1)
+    seen = [int(v) for b in loader for v in b["input_ids"][:, 0]]
+    return mesh["dp"].get_local_rank(), len(loader), seen
+
+
+def test_loader_gives_an_sp_group_the_same_samples_and_counts_samples():
+    """4 ranks as dp=2 x sp=2: SP peers read the same samples; the dp replicas split the 10
+    samples (5 each, 3 batches of 2 with the last one short); len() counts batches of samples,
+    not samples x sp."""
+    results = dist_pool.run(_rank_loader, 4, 2, world_size=4)
+    by_dp = {}
+    for dp, length, seen in results:
+        assert length == 3
+        by_dp.setdefault(dp, []).append(seen)
+    assert all(a == b for a, b in by_dp.values())  # both SP ranks of a dp replica agree
+    assert sorted(by_dp[0][0] + by_dp[1][0]) == list(range(10))
