@@ -30,6 +30,7 @@ from transformers import AttentionInterface
 
 from ulysses import BufferPool, gather_sequence, ulysses_attention
 from ulysses.head_chunking import resolve_chunk_size
+from ulysses.kernels import check_supported
 from ulysses.mesh import axis_size, check_mesh
 from ulysses.sharding import head_layout
 
@@ -131,13 +132,18 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
     H = config.num_attention_heads
     K = getattr(config, "num_key_value_heads", None) or H
     layout = head_layout(H, K, axis_size(mesh, "ulysses"))  # ValueError names valid degrees
+    backend = IMPLEMENTATIONS[attn_implementation]
+    if backend is not None:
+        param = next(model.parameters())
+        head_dim = getattr(config, "head_dim", None) or config.hidden_size // H
+        check_supported(backend, param.device, param.dtype, head_dim)
     if head_chunk_size is not None and head_chunk_size != "auto":
         resolve_chunk_size(head_chunk_size, layout, 1, 1, 1, torch.float32)
     pool = BufferPool() if head_chunk_size is not None else None
     for m in modules:
         m.sp_attention = SPAttentionSettings(
             mesh=mesh, num_heads=H, num_kv_heads=K, head_chunk_size=head_chunk_size,
-            backend=IMPLEMENTATIONS[attn_implementation], pool=pool, zigzag=zigzag)
+            backend=backend, pool=pool, zigzag=zigzag)
     model.set_attn_implementation(attn_implementation)
     # On the base model, so that calling it directly (for a tiled loss) is checked as well.
     getattr(model, "base_model", model).register_forward_pre_hook(

@@ -34,12 +34,21 @@ def _tokens(seed: int = 1):
     return torch.randint(0, VOCAB, (1, S), generator=torch.Generator().manual_seed(seed))
 
 
-def _train_reference(name, kv_heads):
+def _labels(masked_tail: bool):
+    """The input ids as labels; with ``masked_tail`` the second half is -100, so on 2 ranks
+    the second rank holds no valid label at all."""
+    labels = _tokens().clone()
+    if masked_tail:
+        labels[:, S // 2:] = -100
+    return labels
+
+
+def _train_reference(name, kv_heads, masked_tail=False):
     model = _model(name, kv_heads)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids, losses, grads = _tokens(), [], None
+    ids, labels, losses, grads = _tokens(), _labels(masked_tail), [], None
     for step in range(STEPS):
-        loss = model(input_ids=ids, labels=ids).loss
+        loss = model(input_ids=ids, labels=labels).loss
         loss.backward()
         if step == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
@@ -49,7 +58,7 @@ def _train_reference(name, kv_heads):
     return losses, grads
 
 
-def _rank_train_sp(name, kv_heads, ulysses, ring, chunk, tiled_mlp=False):
+def _rank_train_sp(name, kv_heads, ulysses, ring, chunk, tiled_mlp=False, masked_tail=False):
     import torch.distributed as dist
 
     from arctic.data import prepare_sp_batch
@@ -63,7 +72,9 @@ def _rank_train_sp(name, kv_heads, ulysses, ring, chunk, tiled_mlp=False):
     if tiled_mlp:
         apply_tiled_mlp(model, tiles=3)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    batch = prepare_sp_batch({"input_ids": _tokens()}, mesh)
+    batch = prepare_sp_batch({"input_ids": _tokens(), "labels": _labels(masked_tail)}, mesh)
+    if masked_tail and mesh["sp"].get_local_rank() == 1:
+        assert (batch["shift_labels"] == -100).all()
     losses, grads = [], None
     for step in range(STEPS):
         loss = causal_lm_loss(model, batch, group=mesh["sp"].get_group(), tiles=2)
@@ -93,10 +104,11 @@ def _check(results, reference):
 _REFS: dict = {}
 
 
-def _reference(name, kv_heads):
-    if (name, kv_heads) not in _REFS:
-        _REFS[name, kv_heads] = _train_reference(name, kv_heads)
-    return _REFS[name, kv_heads]
+def _reference(name, kv_heads, masked_tail=False):
+    key = (name, kv_heads, masked_tail)
+    if key not in _REFS:
+        _REFS[key] = _train_reference(name, kv_heads, masked_tail)
+    return _REFS[key]
 
 
 @pytest.mark.parametrize("sp", [2, 4])
@@ -104,6 +116,15 @@ def test_llama_sp_matches_single_device(sp):
     """10 AdamW steps: the loss trajectory within 1e-5 relative, every gradient after step 1."""
     results = dist_pool.run(_rank_train_sp, "llama", 4, sp, 1, None, world_size=sp)
     _check(results, _reference("llama", 4))
+
+
+def test_rank_with_only_ignored_labels():
+    """SP=2 where rank 1's labels are all -100: finite loss, single-device trajectory and
+    gradients."""
+    results = dist_pool.run(_rank_train_sp, "llama", 4, 2, 1, None, masked_tail=True,
+                            world_size=2)
+    assert all(all(map(lambda x: x == x and abs(x) < 1e9, losses)) for losses, _ in results)
+    _check(results, _reference("llama", 4, masked_tail=True))
 
 
 def test_qwen2_kv_replicated_sp4():
@@ -168,6 +189,8 @@ def _rank_errors():
                                                      head_chunk_size=3),
         "bad_impl": lambda: apply_sequence_parallel(_model("llama", 4), mesh=mesh,
                                                     attn_implementation="sdpa"),
+        "flash_on_cpu": lambda: apply_sequence_parallel(
+            _model("llama", 4), mesh=mesh, attn_implementation="ulysses_flash_attention_2"),
     }
     for name, fn in cases.items():
         try:
@@ -192,3 +215,4 @@ def test_bad_setup_raises_value_error_on_every_rank():
         assert "num_kv_heads (3)" in errors["too_many_ranks"]
         assert "head_chunk_size=3" in errors["bad_chunk"]
         assert "ulysses_sdpa" in errors["bad_impl"]
+        assert "flash_attn" in errors["flash_on_cpu"]
