@@ -4,11 +4,13 @@ torch-only pieces import eagerly; :func:`apply_sequence_parallel` imports transf
 first use (``pip install ".[hf]"``).
 """
 
+from arctic.config import SequenceParallelConfig
 from arctic.data import SequenceParallelDataLoader, prepare_sp_batch
 from arctic.loss import causal_lm_loss, sp_token_loss
 from arctic.tiling import TiledMLP, apply_tiled_mlp, tiled_logits_loss
 
 __all__ = [
+    "SequenceParallelConfig",
     "SequenceParallelDataLoader",
     "TiledMLP",
     "apply_sequence_parallel",

@@ -1,0 +1,151 @@
+"""Sequence-parallel settings, read from the same DeepSpeed JSON that configures the engine.
+
+DeepSpeed's own keys are read where they exist:
+
+- ``sequence_parallel_size``: ranks sharing one sequence (ring x Ulysses);
+- ``seq_parallel_communication_data_type``: "fp32", "bf16" or "fp16";
+- ``activation_checkpointing``: the block's presence turns checkpointing on, and its
+  ``cpu_checkpointing`` turns on activation offload.
+
+Our block, ``"ulysses": {...}``, holds the rest (the fields of :class:`SequenceParallelConfig`
+below). An unknown key there is a ``ValueError`` that lists the valid ones. DeepSpeed itself
+ignores the block, so one file serves both.
+
+    {
+      "train_micro_batch_size_per_gpu": 1,
+      "zero_optimization": {"stage": 3},
+      "sequence_parallel_size": 8,
+      "ulysses": {"ring_degree": 1, "head_chunk_size": 1, "tiled_mlp": "auto"}
+    }
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Literal
+
+from ulysses import SequenceParallelDims
+
+BLOCK = "ulysses"
+COMM_DTYPES = ("fp32", "bf16", "fp16")
+ATTN_IMPLEMENTATIONS = ("ulysses_sdpa", "ulysses_flash_attention_2")
+
+
+def _tiles_or_none(name: str, value) -> None:
+    if value is None or value == "auto":
+        return
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"ulysses.{name} must be null, a positive int or \"auto\", got {value!r}")
+
+
+@dataclass(kw_only=True, slots=True)
+class SequenceParallelConfig:
+    """Everything sequence parallelism needs from the config; checked on construction."""
+
+    sequence_parallel_size: int = 1
+    """Ranks sharing one sequence: ``ring_degree * ulysses_degree`` (DeepSpeed's key)."""
+    ring_degree: int = 1
+    """Ranks in one ring; the rest of ``sequence_parallel_size`` is Ulysses."""
+    head_chunk_size: int | Literal["auto"] | None = None
+    """Query heads attended at a time per rank; None = all (plain Ulysses)."""
+    attn_implementation: Literal["ulysses_sdpa", "ulysses_flash_attention_2"] = "ulysses_sdpa"
+    """The HF attention name to switch models to."""
+    tiled_mlp: int | Literal["auto"] | None = None
+    """MLP sequence tiles; None = no tiling."""
+    loss_tiles: int | Literal["auto"] = "auto"
+    """Sequence tiles of the logits + loss."""
+    activation_checkpointing: bool = False
+    """Checkpoint each decoder layer."""
+    offload_activations: bool = False
+    """Move checkpointed layer inputs to host memory (needs activation_checkpointing)."""
+    communication_dtype: Literal["fp32", "bf16", "fp16"] | None = None
+    """dtype of the sequence-parallel exchanges (DeepSpeed's
+    ``seq_parallel_communication_data_type``); None = the activations' dtype."""
+
+    def __post_init__(self) -> None:
+        for name in ("sequence_parallel_size", "ring_degree"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.sequence_parallel_size % self.ring_degree != 0:
+            raise ValueError(f"ulysses.ring_degree ({self.ring_degree}) must divide "
+                             f"sequence_parallel_size ({self.sequence_parallel_size})")
+        _tiles_or_none("head_chunk_size", self.head_chunk_size)
+        _tiles_or_none("tiled_mlp", self.tiled_mlp)
+        if self.loss_tiles is None:
+            raise ValueError("ulysses.loss_tiles must be a positive int or \"auto\", got null")
+        _tiles_or_none("loss_tiles", self.loss_tiles)
+        if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
+            raise ValueError(f"ulysses.attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, "
+                             f"got {self.attn_implementation!r}")
+        for name in ("activation_checkpointing", "offload_activations"):
+            if not isinstance(getattr(self, name), bool):
+                raise ValueError(f"ulysses.{name} must be true or false, got "
+                                 f"{getattr(self, name)!r}")
+        if self.offload_activations and not self.activation_checkpointing:
+            raise ValueError("offload_activations needs activation_checkpointing: only "
+                             "checkpointed layer inputs are offloaded")
+        if self.communication_dtype not in (None, *COMM_DTYPES):
+            raise ValueError(f"seq_parallel_communication_data_type must be one of {COMM_DTYPES}, "
+                             f"got {self.communication_dtype!r}")
+
+    @property
+    def ulysses_degree(self) -> int:
+        return self.sequence_parallel_size // self.ring_degree
+
+    def dims(self, world_size: int) -> SequenceParallelDims:
+        """The mesh degrees for ``world_size`` ranks; ``ValueError`` if sp does not divide it."""
+        if world_size % self.sequence_parallel_size != 0:
+            valid = [d for d in range(1, world_size + 1) if world_size % d == 0]
+            raise ValueError(f"sequence_parallel_size ({self.sequence_parallel_size}) must divide "
+                             f"the world size ({world_size}); valid sizes: {valid}")
+        return SequenceParallelDims(world_size=world_size, ulysses_degree=self.ulysses_degree,
+                                    ring_degree=self.ring_degree)
+
+    @classmethod
+    def from_ds_config(cls, path_or_dict: str | Path | dict[str, Any], *,
+                       world_size: int | None = None) -> "SequenceParallelConfig":
+        """Read a DeepSpeed config (a path to JSON, or the dict) and check it.
+
+        With ``world_size``, also check that ``sequence_parallel_size`` divides it.
+        """
+        ds = _load(path_or_dict)
+        block = ds.get(BLOCK)
+        block = {} if block is None else block
+        if not isinstance(block, dict):
+            raise ValueError(f"the \"{BLOCK}\" block must be an object, got {type(block).__name__}")
+        own = {f.name for f in fields(cls)} - {"sequence_parallel_size", "communication_dtype"}
+        unknown = sorted(set(block) - own)
+        if unknown:
+            raise ValueError(f"unknown key(s) {unknown} in the \"{BLOCK}\" block; valid keys: "
+                             f"{sorted(own)}")
+        values: dict[str, Any] = {"sequence_parallel_size": ds.get("sequence_parallel_size", 1)}
+        comm = ds.get("seq_parallel_communication_data_type")
+        if comm is not None:
+            values["communication_dtype"] = str(comm).lower()
+        ac = ds.get("activation_checkpointing")
+        if isinstance(ac, dict):  # DeepSpeed's block: present means on
+            values["activation_checkpointing"] = True
+            values["offload_activations"] = bool(ac.get("cpu_checkpointing", False))
+        values.update(block)
+        config = cls(**values)
+        if world_size is not None:
+            config.dims(world_size)
+        return config
+
+
+def _load(path_or_dict) -> dict[str, Any]:
+    if isinstance(path_or_dict, dict):
+        return path_or_dict
+    path = Path(path_or_dict)
+    if not path.is_file():
+        raise ValueError(f"DeepSpeed config {str(path)!r} does not exist")
+    try:
+        data = json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"DeepSpeed config {str(path)!r} is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ValueError(f"DeepSpeed config {str(path)!r} must hold a JSON object")
+    return data

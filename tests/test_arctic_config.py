@@ -1,0 +1,90 @@
+"""arctic.config: DeepSpeed JSON -> SequenceParallelConfig, and DeepSpeed accepts the file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+import dist_pool
+from arctic.config import SequenceParallelConfig
+from helpers import get_mesh
+
+CONFIGS = Path(__file__).resolve().parent.parent / "configs"
+WORLD = {"cpu_demo.json": 2, "llama3_8b_5m_8xh100.json": 8, "hybrid_2node.json": 16}
+
+
+def test_every_shipped_config_loads():
+    assert sorted(p.name for p in CONFIGS.glob("*.json")) == sorted(WORLD)
+    for name, world in WORLD.items():
+        cfg = SequenceParallelConfig.from_ds_config(CONFIGS / name, world_size=world)
+        dims = cfg.dims(world)
+        assert dims.sp == json.loads((CONFIGS / name).read_text())["sequence_parallel_size"]
+    big = SequenceParallelConfig.from_ds_config(CONFIGS / "llama3_8b_5m_8xh100.json")
+    assert (big.ulysses_degree, big.head_chunk_size, big.communication_dtype) == (8, 1, "bf16")
+    assert big.activation_checkpointing and big.offload_activations
+    hybrid = SequenceParallelConfig.from_ds_config(CONFIGS / "hybrid_2node.json")
+    assert (hybrid.ulysses_degree, hybrid.ring_degree) == (8, 2)
+
+
+def test_deepspeed_keys_are_read():
+    cfg = SequenceParallelConfig.from_ds_config({
+        "sequence_parallel_size": 4, "seq_parallel_communication_data_type": "BF16",
+        "activation_checkpointing": {"cpu_checkpointing": True}})
+    assert cfg.sequence_parallel_size == 4 and cfg.communication_dtype == "bf16"
+    assert cfg.activation_checkpointing and cfg.offload_activations
+    assert SequenceParallelConfig.from_ds_config({}) == SequenceParallelConfig()
+
+
+@pytest.mark.parametrize("config,needles", [
+    ({"ulysses": {"ring_degre": 2}}, ["ring_degre", "valid keys", "ring_degree", "tiled_mlp"]),
+    ({"sequence_parallel_size": 3}, ["sequence_parallel_size (3)", "world size (4)",
+                                     "[1, 2, 4]"]),
+    ({"sequence_parallel_size": 4, "ulysses": {"ring_degree": 3}}, ["ring_degree (3)"]),
+    ({"ulysses": {"head_chunk_size": 0}}, ["head_chunk_size", "0"]),
+    ({"ulysses": {"tiled_mlp": "big"}}, ["tiled_mlp", "'big'"]),
+    ({"ulysses": {"offload_activations": True}}, ["needs activation_checkpointing"]),
+    ({"ulysses": {"attn_implementation": "sdpa"}}, ["ulysses_sdpa"]),
+    ({"seq_parallel_communication_data_type": "int8"}, ["int8"]),
+    ({"ulysses": []}, ["must be an object"]),
+])
+def test_bad_configs_raise_value_error(config, needles):
+    with pytest.raises(ValueError) as err:
+        SequenceParallelConfig.from_ds_config(config, world_size=4)
+    for needle in needles:
+        assert needle in str(err.value), str(err.value)
+
+
+def test_bad_files_raise_value_error(tmp_path):
+    with pytest.raises(ValueError, match="does not exist"):
+        SequenceParallelConfig.from_ds_config(tmp_path / "nope.json")
+    (tmp_path / "bad.json").write_text("{not json")
+    with pytest.raises(ValueError, match="not valid JSON"):
+        SequenceParallelConfig.from_ds_config(tmp_path / "bad.json")
+
+
+def _rank_deepspeed_accepts(path):
+    import deepspeed
+
+    from helpers import init_deepspeed_comm
+    from ulysses import DeepSpeedMPU
+
+    init_deepspeed_comm()
+    cfg = SequenceParallelConfig.from_ds_config(path, world_size=2)
+    mesh = get_mesh(2, cfg.ulysses_degree, cfg.ring_degree)
+    model = torch.nn.Linear(8, 8)
+    engine, optimizer, _, _ = deepspeed.initialize(model=model, config=str(path),
+                                                   model_parameters=model.parameters(),
+                                                   mpu=DeepSpeedMPU(mesh))
+    loss = engine(torch.randn(1, 8)).sum()
+    engine.backward(loss)
+    engine.step()
+    return engine.zero_optimization_stage(), engine.sequence_parallel_size
+
+
+def test_deepspeed_initialize_accepts_the_cpu_demo_config():
+    for stage, sp in dist_pool.run(_rank_deepspeed_accepts, str(CONFIGS / "cpu_demo.json"),
+                                   world_size=2, timeout=180):
+        assert (stage, sp) == (3, 2)
