@@ -1,7 +1,7 @@
 """The training recipe around real models: HF attention, SP data, tiling, the SP loss.
 
-torch-only pieces import eagerly; :func:`apply_sequence_parallel` imports transformers on
-first use (``pip install ".[hf]"``).
+torch-only pieces import eagerly; :func:`apply_sequence_parallel` (transformers) and
+:func:`initialize` (DeepSpeed) import their framework on first use (``pip install ".[hf]"``).
 """
 
 from arctic.config import SequenceParallelConfig
@@ -15,6 +15,7 @@ __all__ = [
     "TiledMLP",
     "apply_sequence_parallel",
     "apply_tiled_mlp",
+    "initialize",
     "causal_lm_loss",
     "prepare_sp_batch",
     "sp_token_loss",
@@ -27,4 +28,8 @@ def __getattr__(name: str):
         from arctic.hf_attention import apply_sequence_parallel
 
         return apply_sequence_parallel
+    if name == "initialize":
+        from arctic.engine import initialize
+
+        return initialize
     raise AttributeError(f"module 'arctic' has no attribute {name!r}")

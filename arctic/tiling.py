@@ -75,8 +75,16 @@ class _TiledMLPFn(torch.autograd.Function):
     def backward(ctx, dout_BSE):
         (x_BSE,) = ctx.saved_tensors
         dx = torch.empty_like(x_BSE)
-        for x_t, start in _tiles(x_BSE, ctx.tiles):
+        module = ctx.mlp if isinstance(ctx.mlp, nn.Module) else getattr(ctx.mlp, "__self__", None)
+        params = [p for p in module.parameters() if p.requires_grad] if module is not None else []
+        for i, (x_t, start) in enumerate(_tiles(x_BSE, ctx.tiles)):
             n = x_t.shape[1]
+            # DeepSpeed ZeRO reduces a parameter's gradient when its hook fires; with tiles the
+            # gradient is complete only after the last one (ZeRO-2 would otherwise reduce the
+            # same gradient once per tile and assert). Other frameworks ignore the attribute.
+            last = i == ctx.tiles - 1
+            for p in params:
+                p.ds_grad_is_ready = last
             with torch.enable_grad():
                 leaf = x_t.detach().requires_grad_()
                 y_t = ctx.mlp(leaf)

@@ -37,8 +37,10 @@ def _rank_mpu(world, u, r):
         names=mesh.mesh_dim_names, shape=tuple(mesh.shape),
         sp=(mpu.get_sequence_parallel_world_size(), mpu.get_sequence_parallel_rank(),
             ranks(mpu.get_sequence_parallel_group())),
-        dp=(mpu.get_data_parallel_world_size(), mpu.get_data_parallel_rank(),
-            ranks(mpu.get_data_parallel_group()), mpu.get_data_parallel_group_ranks()),
+        # No data-parallel accessors: ZeRO-3 would partition over them (see DeepSpeedMPU).
+        has_dp=any(hasattr(mpu, f"get_data_parallel_{x}") for x in
+                   ("group", "world_size", "rank", "group_ranks")),
+        dp=(mesh["dp"].size(), mesh["dp"].get_local_rank(), ranks(mesh["dp"].get_group())),
         sdp=(mpu.get_sequence_data_parallel_world_size(), mpu.get_sequence_data_parallel_rank(),
              ranks(mpu.get_sequence_data_parallel_group())),
         mp=mpu.get_model_parallel_world_size(),
@@ -53,7 +55,7 @@ def test_mpu_dp2_ulysses2():
         base = rank // 2 * 2
         assert r["sp"] == (2, rank % 2, [base, base + 1])
         assert r["ulysses"] == [base, base + 1]
-        assert r["dp"] == (2, rank // 2, [rank % 2, rank % 2 + 2], [rank % 2, rank % 2 + 2])
+        assert r["dp"] == (2, rank // 2, [rank % 2, rank % 2 + 2]) and not r["has_dp"]
         assert r["sdp"] == (4, rank, [0, 1, 2, 3])
         assert r["mp"] == 2
 

@@ -109,19 +109,23 @@ class DeepSpeedMPU:
 
     Pass an instance as ``deepspeed.initialize(..., mpu=...)``. It mirrors
     ``deepspeed.runtime.sequence_parallel.parallel_state_sp`` (which DeepSpeed recognises by
-    its ``initialize_sequence_parallel`` attribute), adds the data-parallel accessors, and like
-    that module aliases "model parallel" to the SP group.
+    its ``initialize_sequence_parallel`` attribute) and, like that module, aliases "model
+    parallel" to the SP group:
 
     - sequence parallel: the ring x ulysses ranks that share one sequence;
-    - data parallel: the ranks that hold the same SP position in different replicas;
-    - sequence data parallel: all of them, i.e. the ZeRO sharding group.
+    - sequence data parallel: every rank, i.e. the ZeRO sharding and gradient-reduction group.
+
+    It deliberately has no ``get_data_parallel_group``: ZeRO-3 partitions parameters over
+    ``mpu.get_data_parallel_group()`` when that exists (``zero/parameter_offload.py``), and
+    the dp axis alone would leave SP ranks unreduced, silently. Without it DeepSpeed falls back
+    to the world group, which is the dp x sp group here. Data-parallel coordinates come from
+    the mesh's ``"dp"`` axis.
     """
 
     def __init__(self, mesh: DeviceMesh) -> None:
         check_mesh(mesh)
         self.mesh = mesh
         self._sp = mesh["sp"]
-        self._dp = mesh["dp"]
         self._dp_sp = mesh["dp_sp"]
 
     def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:
@@ -147,18 +151,6 @@ class DeepSpeedMPU:
 
     def get_sequence_data_parallel_rank(self) -> int:
         return self._dp_sp.get_local_rank()
-
-    def get_data_parallel_group(self):
-        return self._dp.get_group()
-
-    def get_data_parallel_world_size(self) -> int:
-        return self._dp.size()
-
-    def get_data_parallel_rank(self) -> int:
-        return self._dp.get_local_rank()
-
-    def get_data_parallel_group_ranks(self) -> list[int]:
-        return dist.get_process_group_ranks(self._dp.get_group())
 
     # parallel_state_sp aliases model parallel to sequence parallel; DeepSpeed's checkpoint
     # naming and grad-norm code read these names.

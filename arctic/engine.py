@@ -1,0 +1,170 @@
+"""``arctic.initialize``: ``deepspeed.initialize`` with sequence parallelism applied.
+
+From one DeepSpeed JSON it builds the mesh, makes the HF model sequence-parallel (attention,
+MLP tiling, checkpointing, loss), and hands DeepSpeed an ``mpu`` built from the mesh. The
+model's forward becomes the SP training step's loss:
+
+    engine, optimizer, loader, scheduler = arctic.initialize(
+        model=model, config="configs/cpu_demo.json", training_data=dataset)
+    for batch in loader:                 # this rank's shards: input_ids, position_ids,
+        loss = engine(**batch)           # shift_labels -> the SP group's token-mean loss
+        engine.backward(loss)
+        engine.step()
+
+The loss goes through module calls only (base model, then the lm_head running the tiled
+logits + loss), so ZeRO-3's hooks gather every parameter where it is used, also in the
+backward recompute of tiles.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from arctic.config import SequenceParallelConfig, _load
+from arctic.data import SequenceParallelDataLoader
+from arctic.loss import sp_token_loss
+from arctic.tiling import apply_tiled_mlp, tiled_logits_loss
+from ulysses import DeepSpeedMPU
+
+
+class _TiledHeadForward:
+    """An lm_head instance's forward, replaced by the tiled logits + summed loss."""
+
+    def __init__(self, head: nn.Module, tiles, group) -> None:
+        self.head, self.tiles, self.group = head, tiles, group
+
+    def __call__(self, hidden_BSE: Tensor, shift_labels_BS: Tensor) -> tuple[Tensor, Tensor]:
+        return tiled_logits_loss(hidden_BSE, self.head.weight, shift_labels_BS,
+                                 tiles=self.tiles, group=self.group)
+
+
+class _SPLossForward:
+    """A causal LM instance's forward, replaced by the SP loss of one sharded batch."""
+
+    def __init__(self, model: nn.Module, group, averaged_over_sp: bool) -> None:
+        self.model, self.group, self.averaged_over_sp = model, group, averaged_over_sp
+
+    def __call__(self, input_ids: Tensor, position_ids: Tensor, shift_labels: Tensor,
+                 **kwargs: Any) -> Tensor:
+        hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids,
+                                       **kwargs).last_hidden_state
+        loss_sum, num_valid = self.model.get_output_embeddings()(hidden, shift_labels)
+        return sp_token_loss(loss_sum, num_valid, group=self.group,
+                             averaged_over_sp=self.averaged_over_sp)
+
+
+def apply_sp_loss(model: nn.Module, *, group, loss_tiles: int | str = "auto",
+                  averaged_over_sp: bool = True) -> nn.Module:
+    """Make ``model(input_ids=, position_ids=, shift_labels=)`` return the SP loss.
+
+    The lm_head keeps its parameters and state_dict keys; its instance forward computes the
+    tiled loss instead of logits. ``ValueError`` if the head has a bias.
+    """
+    head = model.get_output_embeddings()
+    if head is None or getattr(head, "bias", None) is not None:
+        raise ValueError("the tiled loss needs an lm_head (get_output_embeddings) without bias")
+    head.forward = _TiledHeadForward(head, loss_tiles, group)
+    model.forward = _SPLossForward(model, group, averaged_over_sp)
+    return model
+
+
+def _zero3_reduction_settings(ds_config: dict, model: nn.Module, sp_size: int) -> dict:
+    """Pin ZeRO-3 to its SP-aware gradient reduction; returns the (copied) config.
+
+    DeepSpeed 0.19.8's stage 3 reduces a gradient bucket one of two ways
+    (``stage3.py:__reduce_and_partition_ipg_grads``): the contiguous path divides by
+    ``world / sequence_parallel_size`` like stages 0-2, but the reduce-scatter path divides by
+    ``world``, ignoring SP. The second runs when ``reduce_scatter`` is true (the default) or a
+    bucket exceeds ``reduce_bucket_size`` (one parameter larger than it, e.g. Llama-3's 525M
+    element embedding against the 500M default). With SP both must be avoided, or gradients
+    come out 1/sp too small.
+    """
+    zero = dict(ds_config.get("zero_optimization", {}))
+    if sp_size == 1 or zero.get("stage", 0) != 3:
+        return ds_config
+    if zero.get("reduce_scatter") is True:
+        raise ValueError("zero_optimization.reduce_scatter=true with sequence_parallel_size > 1: "
+                         "DeepSpeed's stage-3 reduce-scatter path ignores sequence parallelism "
+                         "and would scale gradients by 1/sp; remove the key or set it to false")
+    if zero.get("contiguous_gradients") is False:
+        raise ValueError("zero_optimization.contiguous_gradients=false with sequence_parallel_size "
+                         "> 1 selects DeepSpeed's stage-3 path that ignores sequence parallelism; "
+                         "remove the key or set it to true")
+    largest = max(p.numel() for p in model.parameters())
+    bucket = int(float(zero.get("reduce_bucket_size", 5e8)))
+    if bucket < largest:
+        if "reduce_bucket_size" in zero:
+            raise ValueError(f"zero_optimization.reduce_bucket_size ({bucket}) is smaller than the "
+                             f"largest parameter ({largest} elements); with sequence parallelism "
+                             f"it must be at least that (DeepSpeed's stage-3 oversize path "
+                             f"ignores SP)")
+        bucket = largest
+    zero.update(reduce_scatter=False, contiguous_gradients=True, reduce_bucket_size=bucket)
+    return {**ds_config, "zero_optimization": zero}
+
+
+def initialize(*, model: nn.Module, config: str | Path | dict, model_parameters=None,
+               training_data=None, optimizer=None, lr_scheduler=None, collate_fn=None,
+               dist_init_required: bool | None = None):
+    """``deepspeed.initialize`` for a HF causal LM, with sequence parallelism from ``config``.
+
+    Args:
+        model: a HF causal LM (``LlamaForCausalLM``, ...) on its device.
+        config: the DeepSpeed JSON (path or dict) with ``sequence_parallel_size`` and the
+            ``"ulysses"`` block (see :mod:`arctic.config`).
+        model_parameters, optimizer, lr_scheduler: as for ``deepspeed.initialize``.
+        training_data: a dataset; the returned dataloader is a
+            :class:`arctic.data.SequenceParallelDataLoader` with the config's micro batch size.
+
+    Returns:
+        ``(engine, optimizer, dataloader, lr_scheduler)`` as ``deepspeed.initialize`` does.
+        ``engine(**batch)`` returns the SP group's token-mean loss; ``engine.sp_mesh`` is the
+        mesh. Every ``ValueError`` (bad config, heads that do not fit) is raised on every rank
+        before DeepSpeed starts.
+    """
+    import deepspeed
+
+    ds_config = dict(_load(config))
+    if not dist.is_initialized():
+        deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+    elif not deepspeed.comm.is_initialized():
+        deepspeed.comm.init_distributed(dist_backend=dist.get_backend())
+    sp = SequenceParallelConfig.from_ds_config(ds_config, world_size=dist.get_world_size())
+    ds_config = _zero3_reduction_settings(ds_config, model, sp.sequence_parallel_size)
+    if sp.offload_activations:
+        raise NotImplementedError("offload_activations is not implemented yet (the offload "
+                                  "issue); set it to false")
+    device = next(model.parameters()).device
+    mesh = sp.dims(dist.get_world_size()).build_mesh(device.type)
+
+    from arctic.hf_attention import apply_sequence_parallel
+
+    apply_sequence_parallel(model, mesh=mesh, head_chunk_size=sp.head_chunk_size,
+                            attn_implementation=sp.attn_implementation)
+    if sp.tiled_mlp is not None:
+        apply_tiled_mlp(model, tiles=sp.tiled_mlp)
+    if sp.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    # DeepSpeed, given the SP mpu, sums gradients over the sp ranks and divides by dp only.
+    apply_sp_loss(model, group=mesh["sp"].get_group(), loss_tiles=sp.loss_tiles,
+                  averaged_over_sp=False)
+    engine, optimizer, _, lr_scheduler = deepspeed.initialize(
+        model=model, config=ds_config,
+        model_parameters=model.parameters() if model_parameters is None else model_parameters,
+        optimizer=optimizer, lr_scheduler=lr_scheduler, mpu=DeepSpeedMPU(mesh),
+        dist_init_required=dist_init_required)
+    engine.sp_mesh = mesh
+    loader = None
+    if training_data is not None:
+        loader = SequenceParallelDataLoader(
+            training_data, mesh, batch_size=engine.train_micro_batch_size_per_gpu(),
+            collate_fn=collate_fn)
+    return engine, optimizer, loader, lr_scheduler
+
+
+__all__ = ["apply_sp_loss", "initialize"]

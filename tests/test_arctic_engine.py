@@ -1,0 +1,96 @@
+"""arctic.initialize: DeepSpeed ZeRO stages 0-3 with SP=2 give single-device gradients."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dist_pool
+
+pytest.importorskip("transformers", reason="arctic needs transformers ([hf])")
+
+S, VOCAB = 64, 128
+
+
+def _model():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2, tie_word_embeddings=False)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+
+
+def _tokens():
+    return torch.randint(0, VOCAB, (1, S), generator=torch.Generator().manual_seed(1))
+
+
+def _config(stage, extra=None):
+    cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+           "steps_per_print": 10**6,
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+           "zero_optimization": {"stage": stage}, "sequence_parallel_size": 2,
+           "ulysses": {"tiled_mlp": 2, "loss_tiles": 3}}
+    cfg["ulysses"].update(extra or {})
+    return cfg
+
+
+def _rank_engine(stage, extra):
+    from deepspeed.utils import safe_get_full_grad
+
+    import arctic.engine
+    from arctic.data import prepare_sp_batch
+    from helpers import init_deepspeed_comm
+
+    init_deepspeed_comm()
+    model = _model()
+    engine, _, _, _ = arctic.engine.initialize(model=model, config=_config(stage, extra))
+    batch = prepare_sp_batch({"input_ids": _tokens()}, engine.sp_mesh)
+    loss = engine(**batch)
+    engine.backward(loss)
+    grads = {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
+    engine.step()
+    return loss.item(), grads
+
+
+def _reference():
+    model = _model()
+    ids = _tokens()
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    return loss.item(), {n: p.grad for n, p in model.named_parameters()}
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_stages_match_single_device(stage):
+    ref_loss, ref_grads = _reference()
+    extra = {"activation_checkpointing": True} if stage == 3 else None
+    for loss, grads in dist_pool.run(_rank_engine, stage, extra, world_size=2, timeout=240):
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
+        assert set(grads) == set(ref_grads)
+        for n, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[n], atol=2e-5, rtol=1e-4,
+                                       msg=lambda m: f"stage {stage} {n}: {m}")
+
+
+def _rank_bad_initialize(config):
+    import arctic.engine
+    from helpers import init_deepspeed_comm
+
+    init_deepspeed_comm()
+    try:
+        arctic.engine.initialize(model=_model(), config=config)
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize("change,needle", [
+    ({"sequence_parallel_size": 3}, "sequence_parallel_size (3) must divide the world size (2)"),
+    ({"ulysses": {"tiles": 2}}, "unknown key(s) ['tiles']"),
+    ({"zero_optimization": {"stage": 3, "reduce_scatter": True}}, "reduce_scatter=true"),
+])
+def test_bad_config_fails_on_every_rank_before_training(change, needle):
+    config = {**_config(3), **change}
+    for msg in dist_pool.run(_rank_bad_initialize, config, world_size=2, timeout=120):
+        assert needle in msg, msg
