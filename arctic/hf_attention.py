@@ -146,8 +146,13 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
             backend=backend, pool=pool, zigzag=zigzag)
     model.set_attn_implementation(attn_implementation)
     # On the base model, so that calling it directly (for a tiled loss) is checked as well.
-    getattr(model, "base_model", model).register_forward_pre_hook(
-        _make_batch_hook(mesh, zigzag), with_kwargs=True)
+    # Applying again (e.g. with another mesh) replaces the hook rather than stacking a second.
+    base = getattr(model, "base_model", model)
+    old = getattr(base, "_sp_batch_hook", None)
+    if old is not None:
+        old.remove()
+    base._sp_batch_hook = base.register_forward_pre_hook(_make_batch_hook(mesh, zigzag),
+                                                         with_kwargs=True)
     return model
 
 

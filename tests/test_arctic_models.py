@@ -216,3 +216,20 @@ def test_bad_setup_raises_value_error_on_every_rank():
         assert "head_chunk_size=3" in errors["bad_chunk"]
         assert "ulysses_sdpa" in errors["bad_impl"]
         assert "flash_attn" in errors["flash_on_cpu"]
+
+
+def _rank_reapply():
+    from arctic.hf_attention import apply_sequence_parallel
+
+    model, mesh = _model("llama", 4), get_mesh(2, 2)
+    for _ in range(2):
+        apply_sequence_parallel(model, mesh=mesh)
+    rows = slice(16 * mesh["ulysses"].get_local_rank(), 16 * (mesh["ulysses"].get_local_rank() + 1))
+    logits = model(input_ids=_tokens()[:, rows],
+                   position_ids=torch.arange(32)[None, rows]).logits
+    return len(model.model._forward_pre_hooks), tuple(logits.shape)
+
+
+def test_applying_twice_keeps_one_batch_hook():
+    for hooks, shape in dist_pool.run(_rank_reapply, world_size=2):
+        assert hooks == 1 and shape == (1, 16, VOCAB)
