@@ -20,9 +20,9 @@ from ulysses.buffer_pool import BufferPool
 from ulysses.head_chunking import (DEFAULT_CHUNK_BUDGET_BYTES, head_chunked_attention,
                                    resolve_chunk_size)
 from ulysses.hybrid import check_hybrid, inner_attention
-from ulysses.kernels import (SegmentedAttention, attention_with_lse, check_qkv, check_segments,
-                             default_scale, select_backend)
+from ulysses.kernels import attention_with_lse, check_qkv, default_scale, select_backend
 from ulysses.mesh import axis_group, axis_rank, axis_size, check_mesh
+from ulysses.segments import SegmentedAttention, check_segments
 from ulysses.sharding import HeadLayout, head_layout
 
 
