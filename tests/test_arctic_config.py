@@ -13,7 +13,8 @@ from arctic.config import SequenceParallelConfig
 from helpers import get_mesh
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
-WORLD = {"cpu_demo.json": 2, "llama3_8b_5m_8xh100.json": 8, "hybrid_2node.json": 16}
+WORLD = {"cpu_demo.json": 2, "cpu_trainer.json": 2, "llama3_8b_5m_8xh100.json": 8,
+         "hybrid_2node.json": 16}
 
 
 def test_every_shipped_config_loads():

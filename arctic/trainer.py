@@ -1,0 +1,122 @@
+"""``SequenceParallelTrainer``: the HF Trainer with sequence parallelism.
+
+A ``transformers.Trainer`` subclass. It reads the SP settings from the same DeepSpeed JSON
+given as ``TrainingArguments(deepspeed=...)``, so a DeepSpeed user changes one class name:
+
+    args = TrainingArguments(..., deepspeed="configs/cpu_demo.json")
+    trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=ds, eval_dataset=ev)
+    trainer.train()
+
+What it changes, and nothing else:
+
+- the model: SP attention, tiled MLP, checkpointing, and a forward that returns the SP loss
+  (``arctic.engine.apply_sp_loss``), before the Trainer wraps it;
+- the dataloaders, train and eval: :class:`arctic.data.SequenceParallelDataLoader`, so the
+  ranks of an SP group read the same samples and evaluation also runs sequence-parallel
+  (running it without SP is what runs out of memory in transformers#46868);
+- the loss: the token mean over the SP group, equal on its ranks, so the logged loss (the
+  Trainer's mean over ranks) is the mean over data-parallel replicas.
+
+DeepSpeed runs inside the Trainer without our ``mpu`` (accelerate builds the engine), so it
+treats every rank as data parallel: it averages gradients over all ranks (the SP loss scales
+by sp to match) and must not see ``sequence_parallel_size``, with which it would size batches
+for world/sp ranks while the Trainer sizes them for all. The trainer hands DeepSpeed the
+config without our keys. accelerate's ``ParallelismConfig(sp_backend=...)`` cannot carry this
+backend: accelerate 1.15 accepts only ``"deepspeed"`` there, which installs DeepSpeed's own
+Ulysses attention.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import Trainer
+
+from arctic.config import SequenceParallelConfig, _load
+from arctic.data import SequenceParallelDataLoader
+from arctic.engine import apply_sp_loss
+from arctic.hf_attention import apply_sequence_parallel
+from arctic.tiling import apply_tiled_mlp
+
+SP_KEYS = ("sequence_parallel_size", "seq_parallel_communication_data_type", "ulysses")
+
+
+def _collate(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+    return {k: torch.stack([torch.as_tensor(f[k]) for f in features])
+            for k in features[0] if k in ("input_ids", "labels", "attention_mask",
+                                          "position_ids")}
+
+
+class SequenceParallelTrainer(Trainer):
+    """``transformers.Trainer`` with the sequence parallelism named in ``args.deepspeed``."""
+
+    def __init__(self, model=None, args=None, data_collator=None, **kwargs) -> None:
+        if args is None or not args.deepspeed:
+            raise ValueError("SequenceParallelTrainer reads its settings from "
+                             "TrainingArguments(deepspeed=<config with sequence_parallel_size>)")
+        ds = dict(_load(args.deepspeed))
+        sp = SequenceParallelConfig.from_ds_config(ds, world_size=args.world_size)
+        if sp.offload_activations:
+            raise NotImplementedError("offload_activations is not implemented yet; set it false")
+        self.sp_config = sp
+        self.sp_mesh = sp.dims(args.world_size).build_mesh(args.device.type)
+        apply_sequence_parallel(model, mesh=self.sp_mesh, head_chunk_size=sp.head_chunk_size,
+                                attn_implementation=sp.attn_implementation)
+        if sp.tiled_mlp is not None:
+            apply_tiled_mlp(model, tiles=sp.tiled_mlp)
+        if sp.activation_checkpointing:
+            model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs={"use_reentrant": False})
+        apply_sp_loss(model, group=self.sp_mesh["sp"].get_group(), loss_tiles=sp.loss_tiles,
+                      averaged_over_sp=True)
+        _hand_deepspeed_plain_config(args, {k: v for k, v in ds.items() if k not in SP_KEYS})
+        self._sp_collate = data_collator or _collate
+        super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
+
+    def get_train_dataloader(self) -> SequenceParallelDataLoader:
+        if self.train_dataset is None:
+            raise ValueError("SequenceParallelTrainer needs a train_dataset")
+        strategy = self.args.train_sampling_strategy
+        if strategy not in ("random", "sequential"):
+            raise ValueError(f"train_sampling_strategy={strategy!r} is not supported with "
+                             f"sequence parallelism; use 'random' or 'sequential'")
+        return self._sp_loader(self.train_dataset, self.args.per_device_train_batch_size,
+                               shuffle=strategy == "random")
+
+    def _sp_loader(self, dataset, batch_size: int, shuffle: bool) -> SequenceParallelDataLoader:
+        return SequenceParallelDataLoader(dataset, self.sp_mesh, batch_size=batch_size,
+                                          collate_fn=self._sp_collate, shuffle=shuffle,
+                                          seed=self.args.seed,
+                                          drop_last=self.args.dataloader_drop_last)
+
+    def get_eval_dataloader(self, eval_dataset=None) -> SequenceParallelDataLoader:
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("SequenceParallelTrainer.evaluate needs an eval_dataset")
+        if isinstance(dataset, dict):
+            raise ValueError("pass one eval dataset at a time to SequenceParallelTrainer")
+        return self._sp_loader(dataset, self.args.per_device_eval_batch_size, False)
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # The model's forward is the SP loss already (token mean over the SP group).
+        loss = model(**inputs)
+        return (loss, {"loss": loss}) if return_outputs else loss
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        with torch.no_grad():
+            loss = model(**inputs).detach()
+        return loss, None, None
+
+
+def _hand_deepspeed_plain_config(args, ds_config: dict) -> None:
+    """Rebuild the arguments' DeepSpeed config without the SP keys (the way the Trainer
+    itself rebuilds it for hyperparameter sweeps)."""
+    from accelerate.utils import DeepSpeedPlugin
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    args.deepspeed = ds_config
+    args.hf_deepspeed_config = HfTrainerDeepSpeedConfig(ds_config)
+    args.hf_deepspeed_config.trainer_config_process(args)
+    args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=args.hf_deepspeed_config)

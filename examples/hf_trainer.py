@@ -1,0 +1,74 @@
+"""The HF Trainer path: ``SequenceParallelTrainer`` on the demo model and corpus.
+
+    torchrun --nproc-per-node 2 examples/hf_trainer.py --deepspeed configs/cpu_trainer.json
+    python3 examples/hf_trainer.py --plain          # the same run as a plain 1-process Trainer
+
+The SP settings come from the DeepSpeed JSON given to ``TrainingArguments(deepspeed=...)``.
+``--losses-out`` writes the logged training losses (and the eval loss) as JSON.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import torch
+from transformers import Trainer, TrainingArguments
+
+from train import REPO, ByteCorpus, build_model  # examples/train.py, beside this file
+
+sys.path.insert(0, str(REPO))
+from arctic.trainer import SequenceParallelTrainer  # noqa: E402
+
+
+class _Plain(Trainer):
+    """The reference: labels are the inputs, HF's own shifted loss."""
+
+
+def _plain_collate(features):
+    ids = torch.stack([f["input_ids"] for f in features])
+    return {"input_ids": ids, "labels": ids}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--deepspeed", default=str(REPO / "configs" / "cpu_trainer.json"))
+    p.add_argument("--plain", action="store_true", help="plain Trainer, no SP, no DeepSpeed")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--max-steps", type=int, default=5)
+    p.add_argument("--output-dir", default="/tmp/arctic_hf_trainer")
+    p.add_argument("--losses-out", type=Path, default=None)
+    args = p.parse_args()
+
+    torch.manual_seed(0)
+    model = build_model("tiny-llama", args.seq_len)
+    corpus = ByteCorpus(REPO / "examples" / "data" / "corpus.txt", args.seq_len)
+    train = torch.utils.data.Subset(corpus, range(64))
+    evaluation = torch.utils.data.Subset(corpus, range(64, 72))
+    targs = TrainingArguments(
+        output_dir=args.output_dir, per_device_train_batch_size=1, per_device_eval_batch_size=1,
+        max_steps=args.max_steps, learning_rate=1e-3, lr_scheduler_type="constant",
+        logging_steps=1, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
+        train_sampling_strategy="sequential", optim="adamw_torch", seed=0,
+        deepspeed=None if args.plain else args.deepspeed)
+    if args.plain:
+        trainer = _Plain(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,
+                         data_collator=_plain_collate)
+    else:
+        trainer = SequenceParallelTrainer(model=model, args=targs, train_dataset=train,
+                                          eval_dataset=evaluation)
+    trainer.train()
+    metrics = trainer.evaluate()
+    losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    if trainer.is_world_process_zero():
+        print(f"losses {losses}\neval_loss {metrics['eval_loss']}", flush=True)
+        if args.losses_out:
+            args.losses_out.write_text(json.dumps({"loss": losses, "eval_loss":
+                                                   metrics["eval_loss"],
+                                                   "global_step": trainer.state.global_step}))
+
+
+if __name__ == "__main__":
+    main()
