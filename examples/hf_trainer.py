@@ -40,6 +40,9 @@ def main() -> None:
     p.add_argument("--max-steps", type=int, default=5)
     p.add_argument("--output-dir", default="/tmp/arctic_hf_trainer")
     p.add_argument("--losses-out", type=Path, default=None)
+    p.add_argument("--optim", default="adamw_torch")
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--max-grad-norm", type=float, default=1.0)
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -49,9 +52,10 @@ def main() -> None:
     evaluation = torch.utils.data.Subset(corpus, range(64, 72))
     targs = TrainingArguments(
         output_dir=args.output_dir, per_device_train_batch_size=1, per_device_eval_batch_size=1,
-        max_steps=args.max_steps, learning_rate=1e-3, lr_scheduler_type="constant",
+        max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler_type="constant",
+        max_grad_norm=args.max_grad_norm,
         logging_steps=1, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
-        train_sampling_strategy="sequential", optim="adamw_torch", seed=0,
+        train_sampling_strategy="sequential", optim=args.optim, seed=0,
         deepspeed=None if args.plain else args.deepspeed)
     if args.plain:
         trainer = _Plain(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,

@@ -23,12 +23,16 @@ def _run(cmd: list[str], out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-def test_sp_trainer_matches_plain_trainer(tmp_path):
+@pytest.mark.parametrize("optim", [["--optim", "adamw_torch"],
+                                   # Adam and clipping hide a wrong gradient scale; SGD does not.
+                                   ["--optim", "sgd", "--lr", "0.1", "--max-grad-norm", "0"]],
+                         ids=["adamw", "sgd-unclipped"])
+def test_sp_trainer_matches_plain_trainer(tmp_path, optim):
     script = str(REPO / "examples" / "hf_trainer.py")
-    plain = _run([sys.executable, script, "--plain"], tmp_path / "plain.json")
+    plain = _run([sys.executable, script, "--plain"] + optim, tmp_path / "plain.json")
     torchrun = str(Path(sys.executable).parent / "torchrun")
     sp = _run([torchrun, "--nproc-per-node", "2", script, "--deepspeed",
-               str(REPO / "configs" / "cpu_trainer.json")], tmp_path / "sp.json")
+               str(REPO / "configs" / "cpu_trainer.json")] + optim, tmp_path / "sp.json")
     assert sp["global_step"] == plain["global_step"] == 5
     assert len(sp["loss"]) == len(plain["loss"]) == 5
     assert sp["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=0)
