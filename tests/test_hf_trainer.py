@@ -38,3 +38,23 @@ def test_sp_trainer_matches_plain_trainer(tmp_path, optim):
     assert sp["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=0)
     assert sp["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5, abs=0)
     assert plain["loss"][-1] < plain["loss"][0]
+
+
+def test_accelerate_launch_with_the_shipped_yaml(tmp_path):
+    """``accelerate launch --config_file configs/accelerate_cpu_2proc.yaml``: the YAML's
+    DeepSpeed file carries the SP settings; the losses equal the plain Trainer's."""
+    import yaml
+
+    from arctic.config import SequenceParallelConfig
+
+    config = REPO / "configs" / "accelerate_cpu_2proc.yaml"
+    acc = yaml.safe_load(config.read_text())
+    ds_file = REPO / acc["deepspeed_config"]["deepspeed_config_file"]
+    assert SequenceParallelConfig.from_ds_config(ds_file, world_size=acc["num_processes"]).\
+        sequence_parallel_size == 2
+    script = str(REPO / "examples" / "hf_trainer.py")
+    plain = _run([sys.executable, script, "--plain"], tmp_path / "plain.json")
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    sp = _run([accelerate, "launch", "--config_file", str(config), script], tmp_path / "sp.json")
+    assert sp["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=0)
+    assert sp["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5, abs=0)
