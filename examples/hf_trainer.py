@@ -43,6 +43,7 @@ def main() -> None:
     p.add_argument("--optim", default="adamw_torch")
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
+    p.add_argument("--save-steps", type=int, default=0, help="0: no checkpoints")
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -54,7 +55,8 @@ def main() -> None:
         output_dir=args.output_dir, per_device_train_batch_size=1, per_device_eval_batch_size=1,
         max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler_type="constant",
         max_grad_norm=args.max_grad_norm,
-        logging_steps=1, save_strategy="no", report_to=[], use_cpu=not torch.cuda.is_available(),
+        logging_steps=1, save_strategy="steps" if args.save_steps else "no",
+        save_steps=args.save_steps or 500, report_to=[], use_cpu=not torch.cuda.is_available(),
         train_sampling_strategy="sequential", optim=args.optim, seed=0,
         deepspeed=None if args.plain else args.deepspeed)
     if args.plain:

@@ -55,6 +55,12 @@ def test_accelerate_launch_with_the_shipped_yaml(tmp_path):
     script = str(REPO / "examples" / "hf_trainer.py")
     plain = _run([sys.executable, script, "--plain"], tmp_path / "plain.json")
     accelerate = str(Path(sys.executable).parent / "accelerate")
-    sp = _run([accelerate, "launch", "--config_file", str(config), script], tmp_path / "sp.json")
+    sp = _run([accelerate, "launch", "--config_file", str(config), script, "--save-steps", "5"],
+              tmp_path / "sp.json")
     assert sp["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=0)
     assert sp["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5, abs=0)
+    # Saving as a plain Trainer does: checkpoint-5 with the model and the trainer state.
+    ckpt = tmp_path / "checkpoint-5"
+    assert (ckpt / "config.json").is_file() and (ckpt / "trainer_state.json").is_file()
+    assert json.loads((ckpt / "trainer_state.json").read_text())["global_step"] == 5
+    assert any(ckpt.glob("*.safetensors")) or any(ckpt.glob("global_step5"))
