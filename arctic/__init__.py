@@ -6,7 +6,7 @@ torch-only pieces import eagerly; :func:`apply_sequence_parallel` (transformers)
 
 from arctic.config import SequenceParallelConfig
 from arctic.data import SequenceParallelDataLoader, prepare_sp_batch
-from arctic.loss import causal_lm_loss, sp_token_loss
+from arctic.loss import apply_sp_loss, sp_token_loss
 from arctic.tiling import TiledMLP, apply_tiled_mlp, tiled_logits_loss
 
 __all__ = [
@@ -14,9 +14,9 @@ __all__ = [
     "SequenceParallelDataLoader",
     "TiledMLP",
     "apply_sequence_parallel",
+    "apply_sp_loss",
     "apply_tiled_mlp",
     "initialize",
-    "causal_lm_loss",
     "prepare_sp_batch",
     "sp_token_loss",
     "tiled_logits_loss",

@@ -19,58 +19,15 @@ backward recompute of tiles.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
-
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
+from torch import nn
 
 from arctic.config import SequenceParallelConfig, _load
 from arctic.data import SequenceParallelDataLoader
-from arctic.loss import sp_token_loss
-from arctic.tiling import apply_tiled_mlp, tiled_logits_loss
+from arctic.loss import apply_sp_loss
+from arctic.tiling import apply_tiled_mlp
 from ulysses import DeepSpeedMPU
-
-
-class _TiledHeadForward:
-    """An lm_head instance's forward, replaced by the tiled logits + summed loss."""
-
-    def __init__(self, head: nn.Module, tiles, group) -> None:
-        self.head, self.tiles, self.group = head, tiles, group
-
-    def __call__(self, hidden_BSE: Tensor, shift_labels_BS: Tensor) -> tuple[Tensor, Tensor]:
-        return tiled_logits_loss(hidden_BSE, self.head.weight, shift_labels_BS,
-                                 tiles=self.tiles, group=self.group)
-
-
-class _SPLossForward:
-    """A causal LM instance's forward, replaced by the SP loss of one sharded batch."""
-
-    def __init__(self, model: nn.Module, group, averaged_over_sp: bool) -> None:
-        self.model, self.group, self.averaged_over_sp = model, group, averaged_over_sp
-
-    def __call__(self, input_ids: Tensor, position_ids: Tensor, shift_labels: Tensor,
-                 **kwargs: Any) -> Tensor:
-        hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids,
-                                       **kwargs).last_hidden_state
-        loss_sum, num_valid = self.model.get_output_embeddings()(hidden, shift_labels)
-        return sp_token_loss(loss_sum, num_valid, group=self.group,
-                             averaged_over_sp=self.averaged_over_sp)
-
-
-def apply_sp_loss(model: nn.Module, *, group, loss_tiles: int | str = "auto",
-                  averaged_over_sp: bool = True) -> nn.Module:
-    """Make ``model(input_ids=, position_ids=, shift_labels=)`` return the SP loss.
-
-    The lm_head keeps its parameters and state_dict keys; its instance forward computes the
-    tiled loss instead of logits. ``ValueError`` if the head has a bias.
-    """
-    head = model.get_output_embeddings()
-    if head is None or getattr(head, "bias", None) is not None:
-        raise ValueError("the tiled loss needs an lm_head (get_output_embeddings) without bias")
-    head.forward = _TiledHeadForward(head, loss_tiles, group)
-    model.forward = _SPLossForward(model, group, averaged_over_sp)
-    return model
 
 
 def _zero3_reduction_settings(ds_config: dict, model: nn.Module, sp_size: int) -> dict:
@@ -167,4 +124,4 @@ def initialize(*, model: nn.Module, config: str | Path | dict, model_parameters=
     return engine, optimizer, loader, lr_scheduler
 
 
-__all__ = ["apply_sp_loss", "initialize"]
+__all__ = ["initialize"]

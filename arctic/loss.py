@@ -18,9 +18,13 @@ in plain data parallelism).
 
 from __future__ import annotations
 
+from typing import Any
+
 import torch
 import torch.distributed as dist
-from torch import Tensor
+from torch import Tensor, nn
+
+from arctic.tiling import tiled_logits_loss
 
 
 class _SPTokenLoss(torch.autograd.Function):
@@ -66,23 +70,46 @@ def sp_token_loss(loss_sum: Tensor, num_valid: Tensor | int, *,
     return _SPTokenLoss.apply(loss_sum, num_valid.to(loss_sum.device), group, averaged_over_sp)
 
 
-def causal_lm_loss(model: torch.nn.Module, batch: dict[str, Tensor], *,
-                   group: dist.ProcessGroup | None, tiles: int | str = "auto") -> Tensor:
-    """The SP loss of a HF causal LM on a batch from :func:`arctic.data.prepare_sp_batch`.
+class _TiledHeadForward:
+    """An lm_head instance's forward, replaced by the tiled logits + summed loss."""
 
-    Runs the base model for hidden states, then :func:`arctic.tiling.tiled_logits_loss`
-    against the lm_head weight (logits are never whole) and :func:`sp_token_loss` over
-    ``group`` (the mesh's ``"sp"`` axis).
+    def __init__(self, head: nn.Module, tiles, group) -> None:
+        self.head, self.tiles, self.group = head, tiles, group
+
+    def __call__(self, hidden_BSE: Tensor, shift_labels_BS: Tensor) -> tuple[Tensor, Tensor]:
+        return tiled_logits_loss(hidden_BSE, self.head.weight, shift_labels_BS,
+                                 tiles=self.tiles, group=self.group)
+
+
+class _SPLossForward:
+    """A causal LM instance's forward, replaced by the SP loss of one sharded batch."""
+
+    def __init__(self, model: nn.Module, group, averaged_over_sp: bool) -> None:
+        self.model, self.group, self.averaged_over_sp = model, group, averaged_over_sp
+
+    def __call__(self, input_ids: Tensor, position_ids: Tensor, shift_labels: Tensor,
+                 **kwargs: Any) -> Tensor:
+        hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids,
+                                       **kwargs).last_hidden_state
+        loss_sum, num_valid = self.model.get_output_embeddings()(hidden, shift_labels)
+        return sp_token_loss(loss_sum, num_valid, group=self.group,
+                             averaged_over_sp=self.averaged_over_sp)
+
+
+def apply_sp_loss(model: nn.Module, *, group, loss_tiles: int | str = "auto",
+                  averaged_over_sp: bool = True) -> nn.Module:
+    """Make ``model(input_ids=, position_ids=, shift_labels=)`` return the SP loss.
+
+    The batch is one from :func:`arctic.data.prepare_sp_batch`. The loss runs through module
+    calls only (the base model, then the lm_head), so parameter-sharding hooks (ZeRO-3) fire
+    where the parameters are used. The lm_head keeps its parameters and state_dict keys; its
+    instance forward computes :func:`arctic.tiling.tiled_logits_loss` instead of logits.
+    ``averaged_over_sp``: see :func:`sp_token_loss` (True for DDP/FSDP2, False for DeepSpeed
+    given an SP ``mpu``). ``ValueError`` if the head has a bias.
     """
-    from arctic.tiling import tiled_logits_loss
-
-    if "shift_labels" not in batch:
-        raise ValueError("batch needs shift_labels; prepare it with arctic.data.prepare_sp_batch")
     head = model.get_output_embeddings()
-    if getattr(head, "bias", None) is not None:
-        raise ValueError("the tiled loss supports an lm_head without bias")
-    hidden = model.base_model(input_ids=batch["input_ids"],
-                              position_ids=batch["position_ids"]).last_hidden_state
-    loss_sum, num_valid = tiled_logits_loss(hidden, head.weight, batch["shift_labels"],
-                                            tiles=tiles, group=group)
-    return sp_token_loss(loss_sum, num_valid, group=group)
+    if head is None or getattr(head, "bias", None) is not None:
+        raise ValueError("the tiled loss needs an lm_head (get_output_embeddings) without bias")
+    head.forward = _TiledHeadForward(head, loss_tiles, group)
+    model.forward = _SPLossForward(model, group, averaged_over_sp)
+    return model

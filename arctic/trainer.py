@@ -10,7 +10,7 @@ given as ``TrainingArguments(deepspeed=...)``, so a DeepSpeed user changes one c
 What it changes, and nothing else:
 
 - the model: SP attention, tiled MLP, checkpointing, and a forward that returns the SP loss
-  (``arctic.engine.apply_sp_loss``), before the Trainer wraps it;
+  (``arctic.loss.apply_sp_loss``), before the Trainer wraps it;
 - the dataloaders, train and eval: :class:`arctic.data.SequenceParallelDataLoader`, so the
   ranks of an SP group read the same samples and evaluation also runs sequence-parallel
   (running it without SP is what runs out of memory in transformers#46868);
@@ -35,7 +35,7 @@ from transformers import Trainer
 
 from arctic.config import SequenceParallelConfig, _load
 from arctic.data import SequenceParallelDataLoader
-from arctic.engine import apply_sp_loss
+from arctic.loss import apply_sp_loss
 from arctic.hf_attention import apply_sequence_parallel
 from arctic.tiling import apply_tiled_mlp
 

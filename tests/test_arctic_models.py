@@ -1,7 +1,7 @@
 """Sequence-parallel training of HF models built from tiny configs, against plain HF.
 
 Every rank builds the same model from one seed and the same token batch. The SP runs go
-through the public path: ``apply_sequence_parallel``, ``prepare_sp_batch``, ``causal_lm_loss``
+through the public path: ``apply_sequence_parallel``, ``prepare_sp_batch``, ``apply_sp_loss``
 and a DDP-style gradient average over all ranks; the reference is the unmodified model with
 its own loss (``labels=input_ids``) on one process.
 """
@@ -43,19 +43,27 @@ def _labels(masked_tail: bool):
     return labels
 
 
-def _train_reference(name, kv_heads, masked_tail=False):
-    model = _model(name, kv_heads)
+def _fit(model, step_loss, after_backward=lambda model: None):
+    """STEPS AdamW steps of ``step_loss()``; returns the losses and the gradients of step 1
+    (taken after ``after_backward``, e.g. a DDP-style average)."""
     opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-    ids, labels, losses, grads = _tokens(), _labels(masked_tail), [], None
+    losses, grads = [], None
     for step in range(STEPS):
-        loss = model(input_ids=ids, labels=labels).loss
+        loss = step_loss()
         loss.backward()
+        after_backward(model)
         if step == 0:
             grads = {n: p.grad.clone() for n, p in model.named_parameters()}
         opt.step()
         opt.zero_grad()
         losses.append(loss.item())
     return losses, grads
+
+
+def _train_reference(name, kv_heads, masked_tail=False):
+    model = _model(name, kv_heads)
+    ids, labels = _tokens(), _labels(masked_tail)
+    return _fit(model, lambda: model(input_ids=ids, labels=labels).loss)
 
 
 def _rank_train_sp(name, kv_heads, ulysses, ring, chunk, tiled_mlp=False, masked_tail=False):
@@ -63,7 +71,7 @@ def _rank_train_sp(name, kv_heads, ulysses, ring, chunk, tiled_mlp=False, masked
 
     from arctic.data import prepare_sp_batch
     from arctic.hf_attention import apply_sequence_parallel
-    from arctic.loss import causal_lm_loss
+    from arctic.loss import apply_sp_loss
     from arctic.tiling import apply_tiled_mlp
 
     world = ulysses * ring
@@ -71,23 +79,17 @@ def _rank_train_sp(name, kv_heads, ulysses, ring, chunk, tiled_mlp=False, masked
     model = apply_sequence_parallel(_model(name, kv_heads), mesh=mesh, head_chunk_size=chunk)
     if tiled_mlp:
         apply_tiled_mlp(model, tiles=3)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    apply_sp_loss(model, group=mesh["sp"].get_group(), loss_tiles=2)
     batch = prepare_sp_batch({"input_ids": _tokens(), "labels": _labels(masked_tail)}, mesh)
     if masked_tail and mesh["sp"].get_local_rank() == 1:
         assert (batch["shift_labels"] == -100).all()
-    losses, grads = [], None
-    for step in range(STEPS):
-        loss = causal_lm_loss(model, batch, group=mesh["sp"].get_group(), tiles=2)
-        loss.backward()
-        for p in model.parameters():  # what DDP / ZeRO do: average over every rank
+
+    def average(model):  # what DDP does: average over every rank
+        for p in model.parameters():
             dist.all_reduce(p.grad)
             p.grad /= world
-        if step == 0:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        opt.step()
-        opt.zero_grad()
-        losses.append(loss.item())
-    return losses, grads
+
+    return _fit(model, lambda: model(**batch), average)
 
 
 def _check(results, reference):
