@@ -65,6 +65,24 @@ def _zero3_reduction_settings(ds_config: dict, model: nn.Module, sp_size: int) -
     return {**ds_config, "zero_optimization": zero}
 
 
+def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
+                    averaged_over_sp: bool) -> nn.Module:
+    """Apply everything ``config`` asks for to a HF causal LM, in the fixed order
+    (:mod:`offload.order`): SP attention, MLP tiling, the tiled SP loss, checkpointing.
+    Parameter sharding (ZeRO, FSDP2) comes after, from the caller. Returns ``model``."""
+    from arctic.hf_attention import apply_sequence_parallel
+
+    apply_sequence_parallel(model, mesh=mesh, head_chunk_size=config.head_chunk_size,
+                            attn_implementation=config.attn_implementation)
+    if config.tiled_mlp is not None:
+        apply_tiled_mlp(model, tiles=config.tiled_mlp)
+    apply_sp_loss(model, group=mesh["sp"].get_group(), loss_tiles=config.loss_tiles,
+                  averaged_over_sp=averaged_over_sp)
+    if config.activation_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    return model
+
+
 def initialize(*, model: nn.Module, config: str | Path | dict, model_parameters=None,
                training_data=None, optimizer=None, lr_scheduler=None, collate_fn=None,
                dist_init_required: bool | None = None):
@@ -99,17 +117,8 @@ def initialize(*, model: nn.Module, config: str | Path | dict, model_parameters=
     device = next(model.parameters()).device
     mesh = sp.dims(dist.get_world_size()).build_mesh(device.type)
 
-    from arctic.hf_attention import apply_sequence_parallel
-
-    apply_sequence_parallel(model, mesh=mesh, head_chunk_size=sp.head_chunk_size,
-                            attn_implementation=sp.attn_implementation)
-    if sp.tiled_mlp is not None:
-        apply_tiled_mlp(model, tiles=sp.tiled_mlp)
-    if sp.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     # DeepSpeed, given the SP mpu, sums gradients over the sp ranks and divides by dp only.
-    apply_sp_loss(model, group=mesh["sp"].get_group(), loss_tiles=sp.loss_tiles,
-                  averaged_over_sp=False)
+    apply_sp_recipe(model, config=sp, mesh=mesh, averaged_over_sp=False)
     engine, optimizer, _, lr_scheduler = deepspeed.initialize(
         model=model, config=ds_config,
         model_parameters=model.parameters() if model_parameters is None else model_parameters,
@@ -124,4 +133,4 @@ def initialize(*, model: nn.Module, config: str | Path | dict, model_parameters=
     return engine, optimizer, loader, lr_scheduler
 
 
-__all__ = ["initialize"]
+__all__ = ["apply_sp_recipe", "initialize"]

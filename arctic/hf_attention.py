@@ -28,6 +28,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface
 
+from offload.order import record_apply
 from ulysses import BufferPool, gather_sequence, ulysses_attention
 from ulysses.head_chunking import resolve_chunk_size
 from ulysses.kernels import check_supported
@@ -140,6 +141,7 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
     if head_chunk_size is not None and head_chunk_size != "auto":
         resolve_chunk_size(head_chunk_size, layout, 1, 1, 1, torch.float32)
     pool = BufferPool() if head_chunk_size is not None else None
+    record_apply(model, "sp_attention")  # after the checks: a refused call changes nothing
     for m in modules:
         m.sp_attention = SPAttentionSettings(
             mesh=mesh, num_heads=H, num_kv_heads=K, head_chunk_size=head_chunk_size,

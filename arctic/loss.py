@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from offload.order import record_apply
 from arctic.tiling import tiled_logits_loss
 
 
@@ -110,6 +111,7 @@ def apply_sp_loss(model: nn.Module, *, group, loss_tiles: int | str = "auto",
     head = model.get_output_embeddings()
     if head is None or getattr(head, "bias", None) is not None:
         raise ValueError("the tiled loss needs an lm_head (get_output_embeddings) without bias")
+    record_apply(model, "tiling")
     head.forward = _TiledHeadForward(head, loss_tiles, group)
     model.forward = _SPLossForward(model, group, averaged_over_sp)
     return model

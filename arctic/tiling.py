@@ -24,6 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
+from offload.order import record_apply
+
 IGNORE_INDEX = -100
 DEFAULT_TILE_BUDGET_BYTES = 256 << 20
 """Per-tile budget of ``tiles="auto"`` for the tile's largest temporaries (256 MiB)."""
@@ -179,6 +181,7 @@ def apply_tiled_mlp(model: nn.Module, *, tiles: int | str = "auto",
         raise ValueError(f"{type(model).__name__} has no decoder layer with an mlp to tile")
     if tiles != "auto":
         resolve_tiles(tiles, 1, 1)  # type check before touching the model
+    record_apply(model, "tiling")
     for layer in layers:
         mlp = layer.mlp
         if not isinstance(mlp.forward, _TiledForward):

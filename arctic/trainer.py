@@ -35,9 +35,7 @@ from transformers import Trainer
 
 from arctic.config import SequenceParallelConfig, _load
 from arctic.data import SequenceParallelDataLoader
-from arctic.loss import apply_sp_loss
-from arctic.hf_attention import apply_sequence_parallel
-from arctic.tiling import apply_tiled_mlp
+from arctic.engine import apply_sp_recipe
 
 SP_KEYS = ("sequence_parallel_size", "seq_parallel_communication_data_type", "ulysses")
 
@@ -61,15 +59,7 @@ class SequenceParallelTrainer(Trainer):
             raise NotImplementedError("offload_activations is not implemented yet; set it false")
         self.sp_config = sp
         self.sp_mesh = sp.dims(args.world_size).build_mesh(args.device.type)
-        apply_sequence_parallel(model, mesh=self.sp_mesh, head_chunk_size=sp.head_chunk_size,
-                                attn_implementation=sp.attn_implementation)
-        if sp.tiled_mlp is not None:
-            apply_tiled_mlp(model, tiles=sp.tiled_mlp)
-        if sp.activation_checkpointing:
-            model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs={"use_reentrant": False})
-        apply_sp_loss(model, group=self.sp_mesh["sp"].get_group(), loss_tiles=sp.loss_tiles,
-                      averaged_over_sp=True)
+        apply_sp_recipe(model, config=sp, mesh=self.sp_mesh, averaged_over_sp=True)
         _hand_deepspeed_plain_config(args, {k: v for k, v in ds.items() if k not in SP_KEYS})
         self._sp_collate = data_collator or _collate
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
