@@ -6,6 +6,7 @@ torch-only pieces import eagerly; :func:`apply_sequence_parallel` (transformers)
 
 from arctic.config import SequenceParallelConfig
 from arctic.data import SequenceParallelDataLoader, prepare_sp_batch
+from arctic.fsdp import apply_fsdp
 from arctic.loss import apply_sp_loss, sp_token_loss
 from arctic.tiling import TiledMLP, apply_tiled_mlp, tiled_logits_loss
 
@@ -13,6 +14,7 @@ __all__ = [
     "SequenceParallelConfig",
     "SequenceParallelDataLoader",
     "TiledMLP",
+    "apply_fsdp",
     "apply_sequence_parallel",
     "apply_sp_loss",
     "apply_tiled_mlp",

@@ -1,0 +1,108 @@
+"""Parameter sharding with FSDP2 (``torch.distributed.fsdp.fully_shard``) over dp x sp.
+
+The last stage of the recipe (:mod:`offload.order`): SP attention, tiling and the SP loss,
+checkpointing, then :func:`apply_fsdp`. Every rank of the mesh is a shard rank, the SP ranks
+included, so parameters, gradients and optimizer state are split ``W = dp * sp`` ways.
+
+    mesh = config.dims(world_size).build_mesh(device_type)
+    apply_sp_recipe(model, config=config, mesh=mesh, averaged_over_sp=True)
+    apply_fsdp(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters())  # DTensor parameters, sharded
+
+FSDP2 and DeepSpeed ZeRO are alternatives: a model or a DeepSpeed config that asks for both
+is refused (:func:`check_no_zero`).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from offload.order import record_apply
+from ulysses.mesh import check_mesh
+
+SHARD_AXIS = "dp_sp"
+"""The flattened mesh axis spanning every rank (:meth:`SequenceParallelDims.build_mesh`)."""
+
+
+def check_no_zero(ds_config: dict[str, Any]) -> None:
+    """``ValueError`` if a DeepSpeed config turns on ZeRO, which FSDP2 replaces.
+
+    Stage 0 (or no ``zero_optimization`` block) is accepted: it shards nothing.
+    """
+    zero = ds_config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else zero
+    if stage not in (0, None, False):
+        raise ValueError(f"FSDP2 and ZeRO cannot be mixed: the config sets "
+                         f"zero_optimization.stage={stage!r}, but FSDP2 already shards "
+                         f"parameters, gradients and optimizer state over every rank. Remove "
+                         f"the zero_optimization block (or set its stage to 0), or train with "
+                         f"DeepSpeed (examples/train.py) instead of FSDP2")
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a HF causal LM: ``model.model.layers`` when it exists, otherwise
+    every module holding both a ``self_attn`` and an ``mlp``."""
+    layers = getattr(getattr(model, "model", None), "layers", None)
+    if isinstance(layers, nn.ModuleList) and len(layers) > 0:
+        return list(layers)
+    return [m for m in model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
+
+
+def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bool = True,
+               mp_policy=None) -> nn.Module:
+    """Shard ``model`` with FSDP2 over every rank of ``mesh``; returns ``model``.
+
+    Each decoder layer becomes its own FSDP unit (all-gathered just before it runs, and
+    resharded after it when ``reshard_after_forward``), and the root holds the rest
+    (embeddings, final norm, lm_head). Parameters become ``DTensor``\\ s sharded on dim 0 over
+    the mesh's ``"dp_sp"`` axis: every rank of an SP group is also a shard rank.
+
+    Why gradients come out right: FSDP2 reduce-scatters gradients with a mean over all
+    ``W = dp * sp`` ranks. Rank r's share of its sequence's gradient is
+    ``d(loss_sum_r) / N`` (N = the SP group's valid tokens), so a plain mean would be ``sp``
+    times too small. The SP loss must therefore be applied with ``averaged_over_sp=True``
+    (``apply_sp_recipe(..., averaged_over_sp=True)``), which scales each rank's backward by
+    ``sp``; after the reduction each parameter's gradient is the single-device gradient of its
+    SP group's whole sequence, averaged over the ``dp`` groups.
+
+    Args:
+        model: a HF causal LM on the mesh's device type, after every earlier stage
+            (:mod:`offload.order`): SP attention, tiling and loss, checkpointing.
+        mesh: from :meth:`ulysses.SequenceParallelDims.build_mesh`, axes
+            ``("dp", "ring", "ulysses")`` plus the flattened ``"dp_sp"``.
+        reshard_after_forward: free each layer's gathered parameters after its forward (and
+            all-gather them again for backward); False keeps them (more memory, less traffic).
+        mp_policy: an optional ``torch.distributed.fsdp.MixedPrecisionPolicy``.
+
+    Raises ``ValueError`` before any communication when the model is under DeepSpeed ZeRO,
+    when a later-or-same stage (sharding) is already applied, or when it has no decoder layers.
+    """
+    check_mesh(mesh)
+    if any(hasattr(p, "ds_id") for p in model.parameters()):
+        raise ValueError(f"FSDP2 and ZeRO cannot be mixed: {type(model).__name__}'s parameters "
+                         f"are already partitioned by DeepSpeed ZeRO (they carry ds_id). Shard "
+                         f"with one of them: apply_fsdp on a plain model, or arctic.initialize "
+                         f"with a zero_optimization stage")
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+
+    if any(isinstance(m, FSDPModule) for m in model.modules()):
+        raise ValueError(f"{type(model).__name__} is already sharded with fully_shard; "
+                         f"apply_fsdp must be called once, on the unsharded model")
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no decoder layers (model.model.layers, or "
+                         f"modules with self_attn and mlp) to shard one by one")
+    record_apply(model, "sharding")  # raises, changing nothing, when applied out of order
+    kwargs = {"mesh": mesh[SHARD_AXIS], "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    for layer in layers:
+        fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root's parameters are gathered in its pre-forward and, being the root, kept until
+    # backward (FSDP2 does not reshard the root after forward).
+    fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
+    return model
+
+
+__all__ = ["apply_fsdp", "check_no_zero", "decoder_layers"]

@@ -1,0 +1,255 @@
+"""Sequence-parallel training of a HF causal LM with FSDP2, launched by torchrun.
+
+    torchrun --nproc-per-node 2 examples/train_fsdp.py --sequence-parallel-size 2 \
+        [--ring-degree 1] [--head-chunk-size C] [--seq-len 256] [--max-steps 30] [--lr 1e-3] \
+        [--save-dir checkpoints/fsdp --save-every 10] [--resume] \
+        [--no-activation-checkpointing] [--offload-activations] [--config ds.json] \
+        [--log-file log.jsonl]
+
+The same job as ``examples/train.py`` (the tiny Llama, byte tokens of the shipped corpus, the
+progress bar with loss, tokens/s and peak memory per rank), with DeepSpeed swapped for FSDP2:
+``arctic.engine.apply_sp_recipe`` makes the model sequence-parallel, then
+``arctic.apply_fsdp`` shards it over every rank (dp x sp), and a plain AdamW steps the
+sharded parameters. The SP loss is built with ``averaged_over_sp=True`` because FSDP2
+averages gradients over all ranks, SP ranks included (see :mod:`arctic.fsdp`).
+
+``--config`` takes the SP settings from a DeepSpeed JSON (``sequence_parallel_size`` and the
+``"ulysses"`` block) instead of the SP flags; one that turns on ZeRO is refused, on every
+rank, before training. Checkpoints are ``torch.distributed.checkpoint`` directories
+``--save-dir/step{N}``: the sharded model and optimizer, the step, the data position and each
+rank's RNG. ``--resume`` continues from the newest one, so the loss trajectory continues
+step for step as if the run had never stopped (fp32, same seed).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+from arctic import SequenceParallelConfig, SequenceParallelDataLoader, apply_fsdp  # noqa: E402
+from arctic.config import _load  # noqa: E402
+from arctic.engine import apply_sp_recipe  # noqa: E402
+from arctic.fsdp import check_no_zero  # noqa: E402
+from offload.order import STAGES, applied_stages  # noqa: E402
+from train import ByteCorpus, build_model, peak_memory_mib  # noqa: E402  (examples/train.py)
+
+SP_FLAGS = ("sequence_parallel_size", "ring_degree", "head_chunk_size", "tiled_mlp",
+            "no_activation_checkpointing", "offload_activations")
+
+
+def _int_or_auto(value: str):
+    return value if value == "auto" else int(value)
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    sp = p.add_argument_group("sequence parallelism (or --config)")
+    sp.add_argument("--sequence-parallel-size", type=int, default=None, help="default 1")
+    sp.add_argument("--ring-degree", type=int, default=None, help="default 1")
+    sp.add_argument("--head-chunk-size", type=_int_or_auto, default=None)
+    sp.add_argument("--tiled-mlp", type=_int_or_auto, default=None, help="default auto")
+    sp.add_argument("--no-activation-checkpointing", action="store_true", default=None)
+    sp.add_argument("--offload-activations", action="store_true", default=None)
+    p.add_argument("--config", type=Path, default=None,
+                   help="DeepSpeed JSON with sequence_parallel_size and the ulysses block")
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--data", type=Path, default=REPO / "examples" / "data" / "corpus.txt")
+    p.add_argument("--seq-len", type=int, default=256)
+    p.add_argument("--batch-size", type=int, default=1, help="samples per dp rank per step")
+    p.add_argument("--max-steps", type=int, default=30)
+    p.add_argument("--lr", type=float, default=1e-3)
+    p.add_argument("--weight-decay", type=float, default=0.0)
+    p.add_argument("--max-grad-norm", type=float, default=None, help="clip; default off")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-dir", type=Path, default=None)
+    p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--log-file", type=Path, default=None, help="JSON lines, one per step")
+    p.add_argument("--dump-grads", type=Path, default=None,
+                   help="torch.save the full gradients of this run's first step (rank 0)")
+    args = p.parse_args()
+    if args.resume and args.save_dir is None:
+        p.error("--resume needs --save-dir")
+    given = [f"--{n.replace('_', '-')}" for n in SP_FLAGS if getattr(args, n) is not None]
+    if args.config is not None and given:
+        p.error(f"--config sets sequence parallelism; drop {', '.join(given)} or --config")
+    return args
+
+
+def sp_config(args: argparse.Namespace, world_size: int) -> SequenceParallelConfig:
+    """The SP settings from ``--config`` or the flags; ``ValueError`` for a bad combination.
+
+    Runs before the process group exists, so every rank raises the same error and none hangs.
+    """
+    if args.config is not None:
+        ds = _load(args.config)
+        check_no_zero(ds)
+        return SequenceParallelConfig.from_ds_config(ds, world_size=world_size)
+    config = SequenceParallelConfig(
+        sequence_parallel_size=args.sequence_parallel_size or 1,
+        ring_degree=args.ring_degree or 1, head_chunk_size=args.head_chunk_size,
+        tiled_mlp="auto" if args.tiled_mlp is None else args.tiled_mlp,
+        activation_checkpointing=not args.no_activation_checkpointing,
+        offload_activations=bool(args.offload_activations))
+    config.dims(world_size)
+    return config
+
+
+def newest_checkpoint(save_dir: Path) -> Path | None:
+    """The highest ``step{N}`` directory that DCP finished (its ``.metadata`` is written
+    last, by the coordinator, after every rank's shards)."""
+    steps = [int(d.name[4:]) for d in save_dir.glob("step*")
+             if d.name[4:].isdigit() and (d / ".metadata").is_file()]
+    return save_dir / f"step{max(steps)}" if steps else None
+
+
+def save_checkpoint(path: Path, model, optimizer, progress: list[int]) -> None:
+    """Sharded model + optimizer, ``progress`` = [step, epoch, batches_in_epoch], and this
+    rank's RNG state (under a per-rank key)."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd, "progress": torch.tensor(progress),
+              f"rng_rank{dist.get_rank()}": torch.get_rng_state()}, checkpoint_id=str(path))
+
+
+def load_checkpoint(path: Path, model, optimizer) -> list[int]:
+    """Load what :func:`save_checkpoint` wrote into ``model`` and ``optimizer`` (resharded if
+    the world size changed); returns ``[step, epoch, batches_in_epoch]``."""
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    state = {"model": model_sd, "optim": optim_sd, "progress": torch.zeros(3, dtype=torch.long)}
+    rng_key = f"rng_rank{dist.get_rank()}"
+    # A rank that did not exist when the checkpoint was written keeps its seeded RNG.
+    if rng_key in dcp.FileSystemReader(str(path)).read_metadata().state_dict_metadata:
+        state[rng_key] = torch.get_rng_state()
+    dcp.load(state, checkpoint_id=str(path))
+    set_state_dict(model, optimizer, model_state_dict=state["model"],
+                   optim_state_dict=state["optim"])
+    if rng_key in state:
+        torch.set_rng_state(state[rng_key])
+    return state["progress"].tolist()
+
+
+def grad_norm(model) -> torch.Tensor:
+    """L2 norm of all gradients. Each element lives in exactly one rank's local shard (FSDP2
+    over every rank), so the local sums of squares add up over the world."""
+    sq = sum(p.grad.to_local().float().pow(2).sum() for p in model.parameters()
+             if p.grad is not None)
+    sq = torch.as_tensor(sq, device=next(model.parameters()).device)
+    dist.all_reduce(sq)
+    return sq.sqrt()
+
+
+def main() -> None:
+    args = parse_args()
+    world = int(os.environ.get("WORLD_SIZE", 1))
+    config = sp_config(args, world)  # before any collective
+    cuda = torch.cuda.is_available()
+    local_rank = int(os.environ.get("LOCAL_RANK", 0))
+    if cuda:
+        torch.cuda.set_device(local_rank)
+    else:
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    dist.init_process_group("nccl" if cuda else "gloo")
+    rank = dist.get_rank()
+    device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
+    mesh = config.dims(world).build_mesh(device.type)
+
+    torch.manual_seed(args.seed)  # identical initial weights on every rank
+    model = build_model(args.model, args.seq_len).to(device)
+    apply_sp_recipe(model, config=config, mesh=mesh, averaged_over_sp=True)
+    apply_fsdp(model, mesh=mesh)
+    if rank == 0:
+        stages = sorted(applied_stages(model), key=STAGES.index)
+        print(f"applied: {' -> '.join(stages)} (dp={mesh['dp'].size()}, "
+              f"sp={mesh['sp'].size()})", flush=True)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
+    loader = SequenceParallelDataLoader(ByteCorpus(args.data, args.seq_len), mesh,
+                                        batch_size=args.batch_size, seed=args.seed)
+    dp, dp_group = mesh["dp"].size(), mesh["dp"].get_group()
+
+    step, epoch, skip = 0, 0, 0
+    if args.resume:
+        path = newest_checkpoint(args.save_dir)
+        if path is None:
+            raise ValueError(f"--resume: no finished checkpoint (step*/.metadata) in "
+                             f"{args.save_dir}")
+        step, epoch, skip = load_checkpoint(path, model, optimizer)
+    first_step = step + 1
+
+    bar = log = record = None
+    if rank == 0:
+        from tqdm import tqdm
+        bar = tqdm(total=args.max_steps, initial=step, desc="train fsdp", dynamic_ncols=True)
+        if args.log_file:
+            args.log_file.parent.mkdir(parents=True, exist_ok=True)
+            log = open(args.log_file, "a")
+    tokens_per_step = args.seq_len * args.batch_size * dp
+    while step < args.max_steps:
+        loader.set_epoch(epoch)
+        for i, batch in enumerate(loader):
+            if i < skip:  # the batches this epoch had already consumed before the checkpoint
+                continue
+            start = time.perf_counter()
+            loss = model(**{k: v.to(device) for k, v in batch.items()})
+            loss.backward()
+            step += 1
+            if args.dump_grads and step == first_step:
+                full = {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()}
+                if rank == 0:
+                    torch.save(full, args.dump_grads)
+            norm = grad_norm(model)
+            if args.max_grad_norm is not None:
+                coef = min(1.0, args.max_grad_norm / (norm.item() + 1e-6))
+                for p in model.parameters():
+                    p.grad.mul_(coef)
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            elapsed = time.perf_counter() - start
+
+            # The loss is already the SP group's; the mean over dp is the global batch's.
+            mean_loss = loss.detach().clone()
+            dist.all_reduce(mean_loss, group=dp_group)
+            peaks = [torch.zeros((), device=device) for _ in range(dist.get_world_size())]
+            dist.all_gather(peaks, torch.tensor(peak_memory_mib(), device=device))
+            if rank == 0:
+                record = {"step": step, "loss": mean_loss.item() / dp,
+                          "grad_norm": norm.item(), "tokens_per_s": tokens_per_step / elapsed,
+                          "peak_mib": [round(p.item(), 1) for p in peaks]}
+                bar.set_postfix(loss=f"{record['loss']:.4f}",
+                                tok_s=f"{record['tokens_per_s']:.0f}",
+                                peak_mib="/".join(f"{p:.0f}" for p in record["peak_mib"]))
+                bar.update(1)
+                if log:
+                    log.write(json.dumps(record) + "\n")
+                    log.flush()
+            if args.save_dir and step % args.save_every == 0:
+                save_checkpoint(args.save_dir / f"step{step}", model, optimizer,
+                                [step, epoch, i + 1])
+            if step >= args.max_steps:
+                break
+        else:
+            epoch, skip = epoch + 1, 0
+            continue
+        break
+    if bar:
+        bar.close()
+        last = f", final loss {record['loss']:.4f}" if record else ""
+        print(f"done: {step} steps{last}", flush=True)
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()

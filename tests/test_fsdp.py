@@ -1,0 +1,204 @@
+"""FSDP2 training (``examples/train_fsdp.py`` under torchrun, ``arctic.apply_fsdp``).
+
+- Step-1 gradients and the 10-step loss trajectory equal single-device training of the same
+  model on the same data, at dp=1 x sp=2 and dp=2 x sp=2, with activation checkpointing on
+  (the default; the run's stage report is checked) and off.
+- A run stopped after 3 steps and resumed from its DCP checkpoint to 6 reproduces the
+  uninterrupted run's losses.
+- A DeepSpeed config that asks for ZeRO is refused on every rank before training.
+- ``apply_fsdp`` refuses ZeRO-partitioned or already-sharded models, and a stage applied
+  after it (the tiled MLP) is refused.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import dist_pool
+
+pytest.importorskip("transformers", reason="the FSDP2 job trains a HF model ([hf])")
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+SEQ_LEN, STEPS, LR = 64, 10, 1e-3
+# fp32 throughout. Ulysses attention (CPU flash kernels, sharded sums) and FSDP2's
+# reduce-scatter reorder floating-point sums against the single-device model: ~1e-6 relative
+# per step, which Adam carries along the trajectory.
+LOSS_RTOL = 1e-5
+GRAD_TOL = dict(atol=2e-5, rtol=1e-4)
+
+
+def _examples_train():
+    """examples/train.py as a module: the model and data the FSDP job uses."""
+    spec = importlib.util.spec_from_file_location("examples_train", REPO / "examples" / "train.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _torchrun(nproc: int, args: list[str], timeout: float = 240) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
+           "examples/train_fsdp.py", "--seq-len", str(SEQ_LEN), "--lr", str(LR)] + args
+    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True,
+                          timeout=timeout)
+
+
+def _train(tmp: Path, nproc: int, args: list[str]) -> tuple[dict[int, dict], str]:
+    """Run the job; returns (step -> log record, stdout). A step logged twice (replayed after
+    a resume) keeps its last record."""
+    log = tmp / "log.jsonl"
+    proc = _torchrun(nproc, args + ["--log-file", str(log)])
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return {r["step"]: r for r in map(json.loads, log.read_text().splitlines())}, proc.stdout
+
+
+def _reference(dp: int, steps: int) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-device training of the same model on the same samples.
+
+    Step k of the job trains dp rank r on the k-th sample of its ``DistributedSampler``
+    (shuffled, seed 0, split over the dp axis only), and FSDP2's mean over the ranks makes
+    the step's gradient the mean of the dp samples' gradients. Here: the same samples, loss
+    = the mean of their per-sequence token-mean losses. Returns the losses (computed before
+    each step, as the job logs them) and the first step's gradients.
+    """
+    from torch.utils.data import DistributedSampler
+
+    train = _examples_train()
+    torch.manual_seed(0)
+    model = train.build_model("tiny-llama", SEQ_LEN)
+    data = train.ByteCorpus(REPO / "examples" / "data" / "corpus.txt", SEQ_LEN)
+    samplers = [DistributedSampler(data, num_replicas=dp, rank=r, shuffle=True, seed=0)
+                for r in range(dp)]
+    orders = [list(s) for s in samplers]  # epoch 0; STEPS is far below one epoch
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses, grads = [], None
+    for k in range(steps):
+        ids = torch.stack([data[order[k]]["input_ids"] for order in orders])  # [dp, S]
+        loss = sum(model(input_ids=ids[r:r + 1], labels=ids[r:r + 1]).loss
+                   for r in range(dp)) / dp
+        loss.backward()
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, grads
+
+
+@pytest.fixture(scope="module")
+def dp1_sp2_run(tmp_path_factory):
+    """The default job (activation checkpointing on) on 2 ranks; shared by two tests."""
+    tmp = tmp_path_factory.mktemp("dp1_sp2")
+    records, out = _train(tmp, 2, ["--sequence-parallel-size", "2", "--max-steps", str(STEPS),
+                                   "--dump-grads", str(tmp / "grads.pt")])
+    return records, out, torch.load(tmp / "grads.pt")
+
+
+def _check_parity(records, grads, dp: int) -> None:
+    ref_losses, ref_grads = _reference(dp, STEPS)
+    assert sorted(records) == list(range(1, STEPS + 1))
+    losses = [records[k]["loss"] for k in range(1, STEPS + 1)]
+    assert losses == pytest.approx(ref_losses, rel=LOSS_RTOL, abs=0), (losses, ref_losses)
+    assert set(grads) == set(ref_grads)
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[n], **GRAD_TOL, msg=lambda m: f"{n}: {m}")
+    ref_norm = torch.stack([g.norm() for g in ref_grads.values()]).norm().item()
+    assert records[1]["grad_norm"] == pytest.approx(ref_norm, rel=1e-5)
+
+
+def test_dp1_sp2_matches_single_device_with_checkpointing(dp1_sp2_run):
+    records, out, grads = dp1_sp2_run
+    assert "applied: sp_attention -> tiling -> checkpointing -> sharding (dp=1, sp=2)" in out
+    _check_parity(records, grads, dp=1)
+
+
+@pytest.mark.parametrize("nproc,extra,stages", [
+    (4, [], "sp_attention -> tiling -> checkpointing -> sharding (dp=2, sp=2)"),
+    pytest.param(2, ["--no-activation-checkpointing"], "sp_attention -> tiling -> sharding "
+                 "(dp=1, sp=2)", marks=pytest.mark.slow),
+], ids=["dp2_sp2", "dp1_sp2_no_checkpointing"])
+def test_matches_single_device(tmp_path, nproc, extra, stages):
+    records, out = _train(tmp_path, nproc, ["--sequence-parallel-size", "2", "--max-steps",
+                                            str(STEPS), "--dump-grads",
+                                            str(tmp_path / "grads.pt")] + extra)
+    assert f"applied: {stages}" in out
+    _check_parity(records, torch.load(tmp_path / "grads.pt"), dp=nproc // 2)
+
+
+def test_stopped_run_resumes_step_for_step(dp1_sp2_run, tmp_path):
+    uninterrupted = {k: r["loss"] for k, r in dp1_sp2_run[0].items() if k <= 6}
+    common = ["--sequence-parallel-size", "2", "--save-dir", str(tmp_path / "ckpt"),
+              "--save-every", "3"]
+    first, _ = _train(tmp_path, 2, common + ["--max-steps", "3"])
+    assert sorted(first) == [1, 2, 3] and (tmp_path / "ckpt" / "step3" / ".metadata").is_file()
+    resumed, out = _train(tmp_path, 2, common + ["--max-steps", "6", "--resume"])
+    assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    # Same machine, same kernels, same reduction order: the trajectory is reproduced exactly.
+    assert {k: r["loss"] for k, r in resumed.items()} == uninterrupted
+
+
+def test_zero_config_refused_on_every_rank_before_training(tmp_path):
+    config = json.loads((REPO / "configs" / "cpu_demo.json").read_text())
+    assert config["zero_optimization"]["stage"] == 3
+    proc = _torchrun(2, ["--config", str(REPO / "configs" / "cpu_demo.json"),
+                         "--log-file", str(tmp_path / "log.jsonl")], timeout=120)
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0, out[-3000:]
+    errors = [l for l in out.splitlines()
+              if l.startswith("ValueError: FSDP2 and ZeRO cannot be mixed")]
+    assert len(errors) == 2 and "zero_optimization.stage=3" in errors[0], out[-3000:]
+    assert "applied:" not in out and not (tmp_path / "log.jsonl").exists()
+
+
+def test_check_no_zero_accepts_stage_0_and_no_block():
+    from arctic.fsdp import check_no_zero
+
+    check_no_zero({"sequence_parallel_size": 2})
+    check_no_zero({"zero_optimization": {"stage": 0}})
+    for stage in (1, 2, 3):
+        with pytest.raises(ValueError, match=f"FSDP2 and ZeRO cannot be mixed.*stage={stage}"):
+            check_no_zero({"zero_optimization": {"stage": stage}})
+
+
+def _error(fn) -> str:
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def _rank_apply_order():
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import arctic
+    from ulysses import SequenceParallelDims
+
+    mesh = SequenceParallelDims(world_size=1, ulysses_degree=1).build_mesh("cpu")
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    zero = LlamaForCausalLM(cfg)
+    next(zero.parameters()).ds_id = 0  # what a DeepSpeed ZeRO partition leaves on parameters
+    errors = {"zero": _error(lambda: arctic.apply_fsdp(zero, mesh=mesh))}
+    model = arctic.apply_fsdp(LlamaForCausalLM(cfg), mesh=mesh)
+    sharded = sum(type(m).__name__.startswith("FSDP") for m in model.modules())
+    errors["tiled_mlp"] = _error(lambda: arctic.apply_tiled_mlp(model, tiles=2))
+    errors["again"] = _error(lambda: arctic.apply_fsdp(model, mesh=mesh))
+    return sharded, errors
+
+
+def test_apply_fsdp_refuses_zero_and_stages_after_it():
+    sharded, errors = dist_pool.run(_rank_apply_order, world_size=1, timeout=120)[0]
+    assert sharded == 3  # two decoder layers and the root
+    assert "FSDP2 and ZeRO cannot be mixed" in errors["zero"], errors
+    assert "cannot apply tiling" in errors["tiled_mlp"], errors
+    assert "sharding is already applied" in errors["tiled_mlp"], errors
+    assert "already sharded with fully_shard" in errors["again"], errors
