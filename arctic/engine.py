@@ -27,6 +27,7 @@ from arctic.config import SequenceParallelConfig, _load
 from arctic.data import SequenceParallelDataLoader
 from arctic.loss import apply_sp_loss
 from arctic.tiling import apply_tiled_mlp
+from offload import apply_activation_checkpointing
 from ulysses import DeepSpeedMPU
 
 
@@ -68,7 +69,8 @@ def _zero3_reduction_settings(ds_config: dict, model: nn.Module, sp_size: int) -
 def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
                     averaged_over_sp: bool) -> nn.Module:
     """Apply everything ``config`` asks for to a HF causal LM, in the fixed order
-    (:mod:`offload.order`): SP attention, MLP tiling, the tiled SP loss, checkpointing.
+    (:mod:`offload.order`): SP attention, MLP tiling, the tiled SP loss, checkpointing with
+    the layer inputs offloaded to the host when ``config.offload_activations``.
     Parameter sharding (ZeRO, FSDP2) comes after, from the caller. Returns ``model``."""
     from arctic.hf_attention import apply_sequence_parallel
 
@@ -79,7 +81,9 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
     apply_sp_loss(model, group=mesh["sp"].get_group(), loss_tiles=config.loss_tiles,
                   averaged_over_sp=averaged_over_sp)
     if config.activation_checkpointing:
-        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        # The host limit is agreed over all ranks, so all refuse (or not) together.
+        apply_activation_checkpointing(model, offload_to_cpu=config.offload_activations,
+                                       group=mesh["dp_sp"].get_group())
     return model
 
 
@@ -111,9 +115,6 @@ def initialize(*, model: nn.Module, config: str | Path | dict, model_parameters=
         deepspeed.comm.init_distributed(dist_backend=dist.get_backend())
     sp = SequenceParallelConfig.from_ds_config(ds_config, world_size=dist.get_world_size())
     ds_config = _zero3_reduction_settings(ds_config, model, sp.sequence_parallel_size)
-    if sp.offload_activations:
-        raise NotImplementedError("offload_activations is not implemented yet (the offload "
-                                  "issue); set it to false")
     device = next(model.parameters()).device
     mesh = sp.dims(dist.get_world_size()).build_mesh(device.type)
 

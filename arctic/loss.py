@@ -90,6 +90,8 @@ class _SPLossForward:
 
     def __call__(self, input_ids: Tensor, position_ids: Tensor, shift_labels: Tensor,
                  **kwargs: Any) -> Tensor:
+        # No KV cache in training: it would keep every layer's k/v alive until the step ends.
+        kwargs.setdefault("use_cache", False)
         hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids,
                                        **kwargs).last_hidden_state
         loss_sum, num_valid = self.model.get_output_embeddings()(hidden, shift_labels)

@@ -23,6 +23,15 @@ STAGES = ("sp_attention", "tiling", "checkpointing", "sharding")
 _ATTR = "_sp_applied_stages"
 
 
+def _hf_checkpointing(model: nn.Module) -> bool:
+    """Whether HF's own gradient checkpointing is on (the property's name changed in
+    transformers 5: ``is_activation_checkpointing``)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
 def applied_stages(model: nn.Module) -> set[str]:
     """The stages applied to ``model``: recorded ones, plus sharding or checkpointing that was
     applied by hand (``fully_shard``, a DeepSpeed ZeRO-3 partition, HF's
@@ -33,7 +42,7 @@ def applied_stages(model: nn.Module) -> set[str]:
     if any(isinstance(m, FSDPModule) for m in model.modules()) or \
             any(hasattr(p, "ds_id") for p in model.parameters()):
         stages.add("sharding")
-    if getattr(model, "is_gradient_checkpointing", False):
+    if _hf_checkpointing(model):
         stages.add("checkpointing")
     return stages
 

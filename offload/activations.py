@@ -1,0 +1,328 @@
+"""CPU offload of saved activations: a reusable host buffer pool and ``saved_tensors_hooks``.
+
+Autograd saves tensors for backward; a pack hook may replace each by anything, and the unpack
+hook must give back an equal tensor. Here the pack hook copies a tensor into a host buffer of
+a :class:`HostBufferPool` (pinned, on a side stream, when the tensor is on CUDA) and drops
+the device tensor; the unpack hook copies it back. Saves are grouped (one group per
+checkpointed layer call, or per :func:`offload_saved_activations` block): the first unpack
+of a group, which in backward is the recompute of layer i, also starts the copy back of the
+group saved just before it, layer i-1, so that copy overlaps layer i's recompute.
+
+The pool reuses its buffers across steps and refuses with a ``ValueError`` when what it is
+asked to hold would exceed its host limit, rather than let the OS kill the job
+(ArcticTraining #263 reports exactly that CPU OOM from offload).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import weakref
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.utils.weak import WeakIdKeyDictionary
+
+DEFAULT_MIN_OFFLOAD_BYTES = 64 << 10
+"""Saved tensors smaller than this stay where they are: the copy would cost more than it frees."""
+
+
+def _gib(n: int) -> str:
+    return f"{n / 2**30:.2f} GiB"
+
+
+def default_host_limit(group: dist.ProcessGroup | None = None) -> int:
+    """80% of the host's available memory, split among the ranks on this node.
+
+    ``MemAvailable`` (Linux) at call time, divided by ``LOCAL_WORLD_SIZE`` (torchrun and the
+    ``deepspeed`` launcher set it). With a process group, the minimum over its ranks is
+    returned, so every rank takes the same refuse-or-go decision and none hangs alone.
+    """
+    try:
+        with open("/proc/meminfo") as f:
+            info = dict(line.split(":", 1) for line in f)
+        available = int(info["MemAvailable"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    limit = int(0.8 * available) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
+    if group is not None:
+        t = torch.tensor([limit], dtype=torch.int64)
+        if dist.get_backend(group) == "nccl":
+            t = t.cuda()
+        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
+        limit = int(t.item())
+    return limit
+
+
+@dataclass(kw_only=True, slots=True)
+class OffloadStats:
+    """What a :class:`HostBufferPool` did; all byte counts are host bytes."""
+
+    bytes_offloaded: int = 0
+    """Total bytes copied device -> host since creation (or :meth:`HostBufferPool.reset_stats`)."""
+    bytes_restored: int = 0
+    """Total bytes copied host -> device."""
+    tensors_offloaded: int = 0
+    """Saved tensors moved to the host (a tensor saved by several layers counts once)."""
+    prefetches: int = 0
+    """Tensors copied back ahead of their unpack (the group before the one being unpacked)."""
+    host_bytes: int = 0
+    """Bytes of host buffers now holding saved tensors."""
+    peak_host_bytes: int = 0
+    """The most ``host_bytes`` has been."""
+    reserved_bytes: int = 0
+    """Bytes of host buffers the pool owns, in use or free (what it costs the host)."""
+
+
+class HostBufferPool:
+    """Host buffers for offloaded activations, reused across layers and steps.
+
+    Args:
+        limit_bytes: the most host memory the pool may own; default
+            :func:`default_host_limit`. Exceeding it raises ``ValueError``.
+        pin_memory: page-locked buffers (needed for async copies); default: CUDA is available.
+        group: with ``limit_bytes=None``, agree on the default limit over this group.
+    """
+
+    def __init__(self, *, limit_bytes: int | None = None, pin_memory: bool | None = None,
+                 group: dist.ProcessGroup | None = None) -> None:
+        if limit_bytes is not None and limit_bytes <= 0:
+            raise ValueError(f"limit_bytes must be positive, got {limit_bytes}")
+        self.limit_bytes = default_host_limit(group) if limit_bytes is None else int(limit_bytes)
+        self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
+        self.stats = OffloadStats()
+        self._free: list[tuple[Tensor, object]] = []  # (uint8 buffer, last H2D event or None)
+        self._streams: dict[torch.device, object] = {}
+
+    # --- planning and buffers -----------------------------------------------------------
+
+    def plan(self, nbytes: int, *, what: str = "offloading") -> None:
+        """Refuse up front: ``ValueError`` if holding ``nbytes`` at once exceeds the limit."""
+        if nbytes > self.limit_bytes:
+            raise ValueError(
+                f"{what} needs {_gib(nbytes)} of host memory per rank, more than the offload "
+                f"limit of {_gib(self.limit_bytes)} (limit_bytes / host_memory_limit, default "
+                f"80% of MemAvailable per local rank). Fix: shorten the sequence, add ranks, "
+                f"raise the limit if the host has the memory, or turn offload off")
+
+    def _acquire(self, nbytes: int) -> Tensor:
+        fits = [i for i, (b, _) in enumerate(self._free) if nbytes <= b.numel() <= 2 * nbytes]
+        if fits:
+            buf, event = self._free.pop(min(fits, key=lambda i: self._free[i][0].numel()))
+            if event is not None:
+                event.synchronize()  # an H2D copy out of this buffer may still be running
+            return buf
+        if self.stats.reserved_bytes + nbytes > self.limit_bytes and self._free:
+            self.trim()  # give back buffers of the wrong size before refusing
+        if self.stats.reserved_bytes + nbytes > self.limit_bytes:
+            raise ValueError(
+                f"offloading a {_gib(nbytes)} activation would make the host pool "
+                f"{_gib(self.stats.reserved_bytes + nbytes)}, over its limit of "
+                f"{_gib(self.limit_bytes)}; {_gib(self.stats.host_bytes)} are holding saved "
+                f"activations. Fix: shorten the sequence, add ranks, raise limit_bytes if the "
+                f"host has the memory, or turn offload off")
+        self.stats.reserved_bytes += nbytes
+        return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+
+    def _release(self, buf: Tensor, event) -> None:
+        self.stats.host_bytes -= buf.numel()
+        self._free.append((buf, event))
+
+    def trim(self) -> None:
+        """Free the buffers not in use (they are kept for reuse otherwise)."""
+        for buf, event in self._free:
+            if event is not None:
+                event.synchronize()
+            self.stats.reserved_bytes -= buf.numel()
+        self._free.clear()
+
+    def reset_stats(self) -> None:
+        """Zero the counters and peak; the host-bytes figures stay as they are."""
+        self.stats = OffloadStats(host_bytes=self.stats.host_bytes,
+                                  peak_host_bytes=self.stats.host_bytes,
+                                  reserved_bytes=self.stats.reserved_bytes)
+
+    def _stream(self, device: torch.device):
+        if device not in self._streams:
+            self._streams[device] = torch.cuda.Stream(device)
+        return self._streams[device]
+
+    # --- offload and restore --------------------------------------------------------------
+
+    def _offload(self, t: Tensor) -> "_Offloaded":
+        # Keep the layout of dense tensors (a permuted one too: empty_like preserves it) so
+        # kernels see the same strides in backward; other views come back contiguous.
+        stride = torch.empty_like(t, device="meta").stride()
+        nbytes = t.numel() * t.element_size()
+        buf = self._acquire(nbytes)
+        host = buf[:nbytes].view(t.dtype).as_strided(t.shape, stride)
+        event = None
+        if t.is_cuda:
+            side = self._stream(t.device)
+            side.wait_stream(torch.cuda.current_stream(t.device))
+            with torch.cuda.stream(side):
+                host.copy_(t, non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(side)
+            t.record_stream(side)  # the allocator keeps t's memory until the copy is done
+        else:
+            host.copy_(t)
+        s = self.stats
+        s.host_bytes += buf.numel()
+        s.peak_host_bytes = max(s.peak_host_bytes, s.host_bytes)
+        s.bytes_offloaded += nbytes
+        s.tensors_offloaded += 1
+        return _Offloaded(self, buf, host, t.device, event)
+
+
+class _Offloaded:
+    """One saved tensor living in a host buffer; the buffer returns to the pool when autograd
+    drops the saved value (after backward), so a ``retain_graph`` backward can unpack again."""
+
+    __slots__ = ("pool", "buf", "host", "device", "event", "ready", "h2d_event", "__weakref__")
+
+    def __init__(self, pool, buf, host, device, event) -> None:
+        self.pool, self.buf, self.host, self.device, self.event = pool, buf, host, device, event
+        self.ready: tuple[Tensor, object] | None = None  # a prefetched device copy
+        self.h2d_event = None
+
+    def _copy_back(self, stream) -> tuple[Tensor, object]:
+        out = torch.empty_strided(self.host.shape, self.host.stride(), dtype=self.host.dtype,
+                                  device=self.device)
+        if stream is None:
+            out.copy_(self.host)
+            return out, None
+        stream.wait_event(self.event)
+        with torch.cuda.stream(stream):
+            out.copy_(self.host, non_blocking=True)
+            done = torch.cuda.Event()
+            done.record(stream)
+        self.h2d_event = done
+        return out, done
+
+    def prefetch(self) -> None:
+        if self.ready is None:
+            side = self.pool._stream(self.device) if self.device.type == "cuda" else None
+            if side is not None:
+                with torch.cuda.stream(side):
+                    self.ready = self._copy_back(side)
+            else:
+                self.ready = self._copy_back(None)
+            self.pool.stats.prefetches += 1
+            self.pool.stats.bytes_restored += self.host.numel() * self.host.element_size()
+
+    def restore(self) -> Tensor:
+        if self.ready is not None:
+            out, done = self.ready
+            self.ready = None
+            if done is not None:
+                current = torch.cuda.current_stream(self.device)
+                current.wait_event(done)
+                out.record_stream(current)
+            return out
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        self.pool.stats.bytes_restored += self.host.numel() * self.host.element_size()
+        return self._copy_back(stream)[0]
+
+    def __del__(self) -> None:
+        self.pool._release(self.buf, self.h2d_event)  # the pool outlives its handles
+
+
+class _Group:
+    """The saves of one checkpointed layer call (or one offload block)."""
+
+    def __init__(self, prev: "_Group | None") -> None:
+        self.prev = weakref.ref(prev) if prev is not None else None
+        self.saved: list[weakref.ref] = []
+        self.unpacked = False
+
+    def previous(self) -> "_Group | None":
+        return self.prev() if self.prev is not None else None
+
+
+class _Hooks:
+    """pack/unpack for one group. Tensors below ``min_bytes``, parameters, and tensors not
+    on a real device stay as they are; a tensor saved again (RoPE's cos/sin, shared by all
+    layers) reuses its first host copy."""
+
+    def __init__(self, pool: HostBufferPool, group: _Group, min_bytes: int,
+                 seen: WeakIdKeyDictionary) -> None:
+        self.pool, self.group, self.min_bytes, self.seen = pool, group, min_bytes, seen
+
+    def pack(self, t: Tensor):
+        if isinstance(t, nn.Parameter) or t.numel() * t.element_size() < self.min_bytes or \
+                t.device.type not in ("cpu", "cuda") or type(t) is not Tensor:
+            return t
+        hit = self.seen.get(t)
+        if hit is not None and hit[0] == t._version and hit[1]() is not None:
+            handle = hit[1]()
+        else:
+            handle = self.pool._offload(t)
+            self.seen[t] = (t._version, weakref.ref(handle))
+        self.group.saved.append(weakref.ref(handle))
+        return (self.group, handle)
+
+    def unpack(self, packed):
+        if isinstance(packed, Tensor):
+            return packed
+        group, handle = packed
+        out = handle.restore()
+        if not group.unpacked:
+            group.unpacked = True
+            prev = group.previous()
+            if prev is not None and not prev.unpacked:
+                for ref in prev.saved:
+                    h = ref()
+                    if h is not None:
+                        h.prefetch()
+        return out
+
+
+class OffloadSession:
+    """Opens groups on a pool; each group links to the one opened before it (for prefetch)."""
+
+    def __init__(self, pool: HostBufferPool, min_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES) -> None:
+        if min_bytes < 0:
+            raise ValueError(f"min_bytes must be >= 0, got {min_bytes}")
+        self.pool, self.min_bytes = pool, min_bytes
+        self._seen = WeakIdKeyDictionary()
+        self._last: weakref.ref | None = None
+
+    def starts_new_pass(self) -> bool:
+        """True when no group of an earlier, unfinished forward is alive (the next group is a
+        forward's first)."""
+        return self._last is None or self._last() is None
+
+    @contextlib.contextmanager
+    def group(self):
+        prev = self._last() if self._last is not None else None
+        g = _Group(prev)
+        self._last = weakref.ref(g)
+        hooks = _Hooks(self.pool, g, self.min_bytes, self._seen)
+        with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
+            yield g
+
+
+@contextlib.contextmanager
+def offload_saved_activations(pool: HostBufferPool | None = None, *,
+                              min_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+                              session: OffloadSession | None = None):
+    """Inside this block, every tensor autograd saves (of at least ``min_bytes``, parameters
+    excepted) moves to a host buffer and comes back in backward.
+
+    For code outside HF decoder layers (a custom block, a loss head). Consecutive blocks that
+    share a ``session`` prefetch each other in backward as checkpointed layers do. Yields the
+    pool, whose :attr:`HostBufferPool.stats` report bytes offloaded and peak host bytes.
+    """
+    if session is None:
+        session = OffloadSession(pool if pool is not None else HostBufferPool(), min_bytes)
+    elif pool is not None and pool is not session.pool:
+        raise ValueError("pass a pool or a session, not a session with another pool")
+    with session.group():
+        yield session.pool
+
+
+__all__ = ["DEFAULT_MIN_OFFLOAD_BYTES", "HostBufferPool", "OffloadSession", "OffloadStats",
+           "default_host_limit", "offload_saved_activations"]
