@@ -242,18 +242,26 @@ class _Group:
         return self.prev() if self.prev is not None else None
 
 
+def _stays(t: Tensor, min_bytes: int) -> bool:
+    """Saved tensors not worth moving: small ones, and parameters and other leaves that need
+    a gradient, or views of them (``linear`` saves ``weight.t()``): they stay alive anyway,
+    so a host copy would only add memory. Tensor subclasses (DTensor, fake tensors) too."""
+    base = t._base if t._base is not None else t
+    return (t.numel() * t.element_size() < min_bytes or type(t) is not Tensor or
+            t.device.type not in ("cpu", "cuda") or isinstance(base, nn.Parameter) or
+            (base.is_leaf and base.requires_grad))
+
+
 class _Hooks:
-    """pack/unpack for one group. Tensors below ``min_bytes``, parameters, and tensors not
-    on a real device stay as they are; a tensor saved again (RoPE's cos/sin, shared by all
-    layers) reuses its first host copy."""
+    """pack/unpack for one group. Tensors that :func:`_stays` picks stay as they are; a
+    tensor saved again (RoPE's cos/sin, shared by all layers) reuses its first host copy."""
 
     def __init__(self, pool: HostBufferPool, group: _Group, min_bytes: int,
                  seen: WeakIdKeyDictionary) -> None:
         self.pool, self.group, self.min_bytes, self.seen = pool, group, min_bytes, seen
 
     def pack(self, t: Tensor):
-        if isinstance(t, nn.Parameter) or t.numel() * t.element_size() < self.min_bytes or \
-                t.device.type not in ("cpu", "cuda") or type(t) is not Tensor:
+        if _stays(t, self.min_bytes):
             return t
         hit = self.seen.get(t)
         if hit is not None and hit[0] == t._version and hit[1]() is not None:
