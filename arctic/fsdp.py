@@ -20,6 +20,7 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from offload import decoder_layers
 from offload.order import record_apply
 from ulysses.mesh import check_mesh
 
@@ -42,20 +43,12 @@ def check_no_zero(ds_config: dict[str, Any]) -> None:
                          f"DeepSpeed (examples/train.py) instead of FSDP2")
 
 
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers of a HF causal LM: ``model.model.layers`` when it exists, otherwise
-    every module holding both a ``self_attn`` and an ``mlp``."""
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if isinstance(layers, nn.ModuleList) and len(layers) > 0:
-        return list(layers)
-    return [m for m in model.modules() if hasattr(m, "self_attn") and hasattr(m, "mlp")]
-
-
 def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bool = True,
                mp_policy=None) -> nn.Module:
     """Shard ``model`` with FSDP2 over every rank of ``mesh``; returns ``model``.
 
-    Each decoder layer becomes its own FSDP unit (all-gathered just before it runs, and
+    Each decoder layer (:func:`offload.decoder_layers`: the modules holding a ``self_attn``
+    and an ``mlp``) becomes its own FSDP unit (all-gathered just before it runs, and
     resharded after it when ``reshard_after_forward``), and the root holds the rest
     (embeddings, final norm, lm_head). Parameters become ``DTensor``\\ s sharded on dim 0 over
     the mesh's ``"dp_sp"`` axis: every rank of an SP group is also a shard rank.
@@ -77,8 +70,8 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
             all-gather them again for backward); False keeps them (more memory, less traffic).
         mp_policy: an optional ``torch.distributed.fsdp.MixedPrecisionPolicy``.
 
-    Raises ``ValueError`` before any communication when the model is under DeepSpeed ZeRO,
-    when a later-or-same stage (sharding) is already applied, or when it has no decoder layers.
+    Raises ``ValueError``, before any communication and leaving the model as it was, when
+    the model is under DeepSpeed ZeRO or already sharded, or has no decoder layers.
     """
     check_mesh(mesh)
     if any(hasattr(p, "ds_id") for p in model.parameters()):
@@ -93,8 +86,8 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
                          f"apply_fsdp must be called once, on the unsharded model")
     layers = decoder_layers(model)
     if not layers:
-        raise ValueError(f"{type(model).__name__} has no decoder layers (model.model.layers, or "
-                         f"modules with self_attn and mlp) to shard one by one")
+        raise ValueError(f"{type(model).__name__} has no decoder layers (modules with self_attn "
+                         f"and mlp) to shard one by one")
     record_apply(model, "sharding")  # raises, changing nothing, when applied out of order
     kwargs = {"mesh": mesh[SHARD_AXIS], "mp_policy": mp_policy or MixedPrecisionPolicy()}
     for layer in layers:
@@ -105,4 +98,4 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
     return model
 
 
-__all__ = ["apply_fsdp", "check_no_zero", "decoder_layers"]
+__all__ = ["apply_fsdp", "check_no_zero"]

@@ -196,6 +196,7 @@ def main() -> None:
             args.log_file.parent.mkdir(parents=True, exist_ok=True)
             log = open(args.log_file, "a")
     tokens_per_step = args.seq_len * args.batch_size * dp
+    offload = getattr(model, "activation_offload", None)  # set by checkpointing with offload
     while step < args.max_steps:
         loader.set_epoch(epoch)
         for i, batch in enumerate(loader):
@@ -227,6 +228,8 @@ def main() -> None:
                 record = {"step": step, "loss": mean_loss.item() / dp,
                           "grad_norm": norm.item(), "tokens_per_s": tokens_per_step / elapsed,
                           "peak_mib": [round(p.item(), 1) for p in peaks]}
+                if offload is not None:  # rank 0's layer inputs moved to the host this step
+                    record["offloaded_mib"] = round(offload.pool.stats.bytes_offloaded / 2**20, 3)
                 bar.set_postfix(loss=f"{record['loss']:.4f}",
                                 tok_s=f"{record['tokens_per_s']:.0f}",
                                 peak_mib="/".join(f"{p:.0f}" for p in record["peak_mib"]))
@@ -234,6 +237,8 @@ def main() -> None:
                 if log:
                     log.write(json.dumps(record) + "\n")
                     log.flush()
+            if offload is not None:
+                offload.pool.reset_stats()
             if args.save_dir and step % args.save_every == 0:
                 save_checkpoint(args.save_dir / f"step{step}", model, optimizer,
                                 [step, epoch, i + 1])
