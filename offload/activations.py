@@ -130,6 +130,10 @@ class HostBufferPool:
         self.stats.host_bytes -= buf.numel()
         self._free.append((buf, event))
 
+    def host_buffers(self) -> list[Tensor]:
+        """The buffers not holding a saved tensor now (all of them between steps)."""
+        return [buf for buf, _ in self._free]
+
     def trim(self) -> None:
         """Free the buffers not in use (they are kept for reuse otherwise)."""
         for buf, event in self._free:

@@ -1,0 +1,228 @@
+"""Benchmark: per-rank peak memory and step time of the memory stack, one feature at a time.
+
+The tiny Llama of ``examples/train.py`` (``--layers`` to deepen it) trains one step (forward +
+backward, SP over all ranks) under four stacks, each built from the same seed:
+
+1. ``ulysses``: SP attention, HF's own logits and a plain cross-entropy;
+2. ``+chunking``: head-chunked attention (``--chunk`` heads at a time);
+3. ``+tiling``: tiled MLP and tiled logits + loss;
+4. ``+ckpt+offload``: per-layer checkpointing, layer inputs in the host buffer pool.
+
+Memory (per rank, the max over ranks is reported): the peak of everything allocated, from
+MemTracker on CPU (parameters, the batch and the host pool registered up front) or the CUDA
+allocator, minus the host pool's buffers: the offloaded bytes are host memory, reported apart
+as ``host``. On CPU the "device" and the host are the same memory; the split is the one a GPU
+would see. Each stack runs a warm-up step first, so the pool's buffers exist before the
+measured step and the measured step must not grow it (checked).
+
+Time: ``--iters`` rounds, stacks alternating, each step timed as the max over ranks; medians.
+Every stack's loss and gradients are compared with stack 1's.
+
+    torchrun --nproc_per_node 2 benchmarks/memory.py [--seq 32768 --layers 2 --iters 3]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from torch.distributed._tools.mem_tracker import MemTracker
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from arctic.data import prepare_sp_batch  # noqa: E402
+from arctic.hf_attention import apply_sequence_parallel  # noqa: E402
+from arctic.loss import apply_sp_loss, sp_token_loss  # noqa: E402
+from arctic.tiling import apply_tiled_mlp  # noqa: E402
+from offload import apply_activation_checkpointing  # noqa: E402
+from ulysses import SequenceParallelDims  # noqa: E402
+
+MIB = 2**20
+STACKS = ("ulysses", "+chunking", "+tiling", "+ckpt+offload")
+
+
+def parse_args() -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--seq", type=int, default=32768, help="full sequence length")
+    p.add_argument("--layers", type=int, default=2, help="decoder layers (tiny-llama has 2)")
+    p.add_argument("--chunk", type=int, default=1, help="heads per chunk in stacks 2-4")
+    p.add_argument("--mlp-tiles", type=int, default=8)
+    p.add_argument("--loss-tiles", type=int, default=8)
+    p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--out", type=Path, default=None)
+    return p.parse_args()
+
+
+def build(stack: str, args, mesh, device):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    # examples/train.py's tiny-llama, with the layer count as a knob.
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=args.layers, num_attention_heads=8,
+                      num_key_value_heads=4, max_position_embeddings=args.seq,
+                      tie_word_embeddings=False)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(device)
+    level = STACKS.index(stack)
+    model.sp_loss_applied = level >= 2
+    apply_sequence_parallel(model, mesh=mesh, head_chunk_size=args.chunk if level >= 1 else None)
+    if level >= 2:
+        apply_tiled_mlp(model, tiles=args.mlp_tiles)
+        apply_sp_loss(model, group=mesh["sp"].get_group(), loss_tiles=args.loss_tiles)
+    if level >= 3:
+        apply_activation_checkpointing(model, offload_to_cpu=True,
+                                       group=mesh["dp_sp"].get_group())
+    return model
+
+
+def step(model, batch, group) -> torch.Tensor:
+    """One forward + backward; returns the loss."""
+    if not model.sp_loss_applied:
+        logits = model(input_ids=batch["input_ids"], position_ids=batch["position_ids"],
+                       use_cache=False).logits
+        loss_sum = F.cross_entropy(logits.float().flatten(0, 1),
+                                   batch["shift_labels"].flatten(), reduction="sum")
+        loss = sp_token_loss(loss_sum, (batch["shift_labels"] != -100).sum(), group=group)
+    else:
+        loss = model(**batch)
+    loss.backward()
+    return loss.detach()
+
+
+def pool_of(model):
+    session = getattr(model, "activation_offload", None)
+    return None if session is None else session.pool
+
+
+def measure(model, batch, group, device) -> dict:
+    """Device-side peak bytes of one step (host pool excluded), host bytes, loss, grads."""
+    model.zero_grad(set_to_none=True)
+    pool = pool_of(model)
+    host = pool.host_buffers() if pool is not None else []
+    host_bytes = sum(b.numel() for b in host)
+    reserved = pool.stats.reserved_bytes if pool is not None else 0
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        loss = step(model, batch, group)
+        torch.cuda.synchronize(device)
+        peak = torch.cuda.max_memory_allocated(device)
+    else:
+        mt = MemTracker()
+        mt.track_external(*model.parameters(), *batch.values(), *host)
+        with mt:
+            loss = step(model, batch, group)
+        peak = mt.get_tracker_snapshot("peak")[device]["Total"] - host_bytes
+    grown = (pool.stats.reserved_bytes - reserved) if pool is not None else 0
+    grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+    return {"peak": peak, "host_reserved": host_bytes, "pool_grew": grown,
+            "host_peak": pool.stats.peak_host_bytes if pool is not None else 0,
+            "loss": loss.item(), "grads": grads}
+
+
+def max_over_ranks(value: float, device) -> float:
+    t = torch.tensor(value, dtype=torch.float64, device=device)
+    dist.all_reduce(t, op=dist.ReduceOp.MAX)
+    return t.item()
+
+
+def main() -> None:
+    args = parse_args()
+    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
+        if torch.cuda.is_available() else torch.device("cpu")
+    dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
+    if device.type == "cuda":
+        torch.cuda.set_device(device)
+    world = dist.get_world_size()
+    mesh = SequenceParallelDims(world_size=world, ulysses_degree=world).build_mesh(device.type)
+    group = mesh["sp"].get_group()
+    ids = torch.randint(0, 256, (1, args.seq), generator=torch.Generator().manual_seed(1))
+    batch = {k: v.to(device) for k, v in prepare_sp_batch({"input_ids": ids}, mesh).items()}
+
+    models = {s: build(s, args, mesh, device) for s in STACKS}
+    for model in models.values():  # warm-up: kernels, the pool's buffers
+        step(model, batch, group)
+    mem = {s: measure(m, batch, group, device) for s, m in models.items()}
+    times = {s: [] for s in STACKS}
+    for _ in range(args.iters):
+        for s, model in models.items():
+            model.zero_grad(set_to_none=True)
+            dist.barrier()
+            start = time.perf_counter()
+            step(model, batch, group)
+            times[s].append(max_over_ranks(time.perf_counter() - start, device))
+
+    ref = mem["ulysses"]
+    record = {
+        "config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+        | {"world_size": world, "seq_per_rank": args.seq // world},
+        "device": device.type,
+        "device_name": (torch.cuda.get_device_name(device) if device.type == "cuda" else
+                        f"{platform.processor() or platform.machine()}, {os.cpu_count()} cores, "
+                        f"{torch.get_num_threads()} threads/rank"),
+        "torch": torch.__version__, "stacks": {},
+    }
+    for s in STACKS:
+        m = mem[s]
+        diff = max((m["grads"][n] - g).abs().max().item() for n, g in ref["grads"].items())
+        record["stacks"][s] = {
+            "device_peak_bytes": max_over_ranks(m["peak"], device),
+            "host_peak_bytes": max_over_ranks(m["host_peak"], device),
+            "host_pool_bytes": max_over_ranks(m["host_reserved"], device),
+            "pool_grew_bytes": max_over_ranks(m["pool_grew"], device),
+            "median_step_s": statistics.median(times[s]), "step_s": times[s],
+            "loss": m["loss"], "loss_diff_vs_ulysses": abs(m["loss"] - ref["loss"]),
+            "max_grad_diff_vs_ulysses": max_over_ranks(diff, device),
+        }
+    st = record["stacks"]
+    peaks = [st[s]["device_peak_bytes"] for s in STACKS]
+    record["acceptance"] = {
+        "each_stack_lowers_device_peak": {"value": [p / peaks[0] for p in peaks],
+                                          "pass": all(b < a for a, b in zip(peaks, peaks[1:]))},
+        "full_over_plain_device_peak": {"value": peaks[-1] / peaks[0], "bar": 0.3,
+                                        "pass": peaks[-1] / peaks[0] <= 0.3},
+        "pool_not_grown_in_measured_step": {"pass": st[STACKS[-1]]["pool_grew_bytes"] == 0},
+    }
+    if dist.get_rank() == 0:
+        report(args, world, record)
+    dist.destroy_process_group()
+
+
+def report(args, world: int, record: dict) -> None:
+    st = record["stacks"]
+    base_peak, base_time = st["ulysses"]["device_peak_bytes"], st["ulysses"]["median_step_s"]
+    print(f"\nconfig: W={world} S={args.seq} (s={args.seq // world}/rank) layers={args.layers} "
+          f"chunk={args.chunk} mlp_tiles={args.mlp_tiles} loss_tiles={args.loss_tiles} "
+          f"iters={args.iters} device={record['device_name']}")
+    print(f"{'stack':<15} | {'device peak MiB':>15} | {'/ ulysses':>9} | {'host MiB':>8} | "
+          f"{'step s':>7} | {'/ ulysses':>9} | {'max |dgrad|':>11}")
+    for s, r in st.items():
+        print(f"{s:<15} | {r['device_peak_bytes'] / MIB:>15.1f} | "
+              f"{r['device_peak_bytes'] / base_peak:>9.3f} | {r['host_peak_bytes'] / MIB:>8.1f} | "
+              f"{r['median_step_s']:>7.2f} | {r['median_step_s'] / base_time:>9.3f} | "
+              f"{r['max_grad_diff_vs_ulysses']:>11.2e}")
+    for name, check in record["acceptance"].items():
+        value = check.get("value")
+        shown = "" if value is None else (f" = {value:.3f}" if isinstance(value, float) else
+                                          f" = {[round(v, 3) for v in value]}")
+        bar = f" (bar {check['bar']})" if "bar" in check else ""
+        print(f"{'PASS' if check['pass'] else 'FAIL'}  {name}{shown}{bar}")
+    out = args.out or (Path(__file__).parent / "results" /
+                       f"memory_{record['device']}_w{world}_s{args.seq}.json")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
