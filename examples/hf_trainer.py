@@ -68,12 +68,16 @@ def main() -> None:
     trainer.train()
     metrics = trainer.evaluate()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    offload = getattr(model, "activation_offload", None)
+    offloaded = offload.pool.stats.bytes_offloaded if offload is not None else 0
     if trainer.is_world_process_zero():
-        print(f"losses {losses}\neval_loss {metrics['eval_loss']}", flush=True)
+        print(f"losses {losses}\neval_loss {metrics['eval_loss']}\n"
+              f"offloaded to host {offloaded / 2**20:.1f} MiB", flush=True)
         if args.losses_out:
             args.losses_out.write_text(json.dumps({"loss": losses, "eval_loss":
                                                    metrics["eval_loss"],
-                                                   "global_step": trainer.state.global_step}))
+                                                   "global_step": trainer.state.global_step,
+                                                   "offloaded_bytes": offloaded}))
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ The CPU default is a tiny Llama built from a config (random weights), trained on
 tokens (vocab 256) of ``examples/data/corpus.txt``, a generated text shipped in the repo. The
 model, SP attention, tiling, loss and ZeRO come from ``arctic.initialize`` and the config's
 ``"ulysses"`` block. Rank 0 shows a progress bar with the loss, tokens/s and peak memory per
-rank (CUDA allocator peak on GPU, peak RSS on CPU), and ``--log-file`` gets one JSON line per
+rank (CUDA allocator peak on GPU, peak RSS on CPU) and, with ``offload_activations``, the
+host memory holding checkpointed layer inputs; ``--log-file`` gets one JSON line per
 step. ``--resume`` continues from the newest checkpoint in ``--save-dir``: same data order,
 same losses, step for step, as a run that was never stopped (fp32, same seed).
 """
@@ -105,6 +106,7 @@ def main() -> None:
     engine, _, loader, _ = arctic.initialize(model=model, config=args.deepspeed_config,
                                              training_data=ByteCorpus(args.data, args.seq_len))
     rank, device = dist.get_rank(), next(engine.module.parameters()).device
+    offload = getattr(engine.module, "activation_offload", None)
 
     step, epoch, skip = 0, 0, 0
     if args.resume:
@@ -140,9 +142,15 @@ def main() -> None:
             if rank == 0:
                 record = {"step": step, "loss": loss.item(), "tokens_per_s":
                           tokens_per_step / elapsed, "peak_mib": [round(p.item(), 1) for p in peaks]}
+                shown = {}
+                if offload is not None:  # checkpointed layer inputs held in host memory
+                    record["offload_host_peak_mib"] = round(
+                        offload.pool.stats.peak_host_bytes / 2**20, 1)
+                    shown["host_mib"] = f"{record['offload_host_peak_mib']:.0f}"
                 bar.set_postfix(loss=f"{record['loss']:.4f}",
                                 tok_s=f"{record['tokens_per_s']:.0f}",
-                                peak_mib="/".join(f"{p:.0f}" for p in record["peak_mib"]))
+                                peak_mib="/".join(f"{p:.0f}" for p in record["peak_mib"]),
+                                **shown)
                 bar.update(1)
                 if log:
                     log.write(json.dumps(record) + "\n")

@@ -10,6 +10,16 @@ def pytest_configure(config):
     torch.multiprocessing.set_sharing_strategy("file_system")
 
 
+def pytest_collection_modifyitems(config, items):
+    if "slow" in (config.getoption("markexpr") or ""):
+        return
+    skip = pytest.mark.skip(reason="slow: covered by a faster case in the default run; "
+                                   "run with -m slow")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
+
+
 @pytest.fixture(scope="session", autouse=True)
 def _shutdown_pools():
     yield

@@ -38,6 +38,8 @@ def test_sp_trainer_matches_plain_trainer(tmp_path, optim):
     assert sp["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=0)
     assert sp["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5, abs=0)
     assert plain["loss"][-1] < plain["loss"][0]
+    # cpu_trainer.json checkpoints with offload: the layer inputs did go to the host.
+    assert sp["offloaded_bytes"] > 0 and plain["offloaded_bytes"] == 0
 
 
 def test_accelerate_launch_with_the_shipped_yaml(tmp_path):

@@ -56,6 +56,9 @@ def test_readme_main_job_runs_and_loss_decreases(tmp_path):
     assert sorted(losses) == list(range(1, len(losses) + 1)) and len(losses) >= 10
     first, last = sum(list(losses.values())[:3]) / 3, sum(list(losses.values())[-3:]) / 3
     assert last < first - 0.5, losses
+    # cpu_demo.json turns on checkpointing with offload: the host held the layer inputs.
+    records = [json.loads(r) for r in (tmp_path / "log.jsonl").read_text().splitlines()]
+    assert all(r["offload_host_peak_mib"] > 0 for r in records)
 
 
 def test_killed_run_resumes_step_for_step(tmp_path):
