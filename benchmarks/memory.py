@@ -6,7 +6,12 @@ backward, SP over all ranks) under four stacks, each built from the same seed:
 1. ``ulysses``: SP attention, HF's own logits and a plain cross-entropy;
 2. ``+chunking``: head-chunked attention (``--chunk`` heads at a time);
 3. ``+tiling``: tiled MLP and tiled logits + loss;
-4. ``+ckpt+offload``: per-layer checkpointing, layer inputs in the host buffer pool.
+4. ``+ckpt+offload``: per-layer checkpointing, layer inputs in the host buffer pool;
+
+and, alternating with them in the same run, the peer ``deepspeed-alst``: DeepSpeed's ALST
+pieces (``UlyssesSPAttentionHF``, ``TiledMLP``, ``TiledFusedLogitsLoss``) with HF's
+non-reentrant checkpointing and no offload (DeepSpeed ships none); see ``_alst_peer.py``. Its
+batch is the same: DeepSpeed's data adapter is checked to cut the same contiguous shards.
 
 Memory (per rank, the max over ranks is reported): the peak of everything allocated, from
 MemTracker on CPU (parameters, the batch and the host pool registered up front) or the CUDA
@@ -16,7 +21,8 @@ would see. Each stack runs a warm-up step first, so the pool's buffers exist bef
 measured step and the measured step must not grow it (checked).
 
 Time: ``--iters`` rounds, stacks alternating, each step timed as the max over ranks; medians.
-Every stack's loss and gradients are compared with stack 1's.
+Every stack's loss and gradients are compared with stack 1's. The acceptance checks cover
+our four stacks only; the peer gets ratios (``vs_peer``), for information.
 
     torchrun --nproc_per_node 2 benchmarks/memory.py [--seq 32768 --layers 2 --iters 3]
 """
@@ -47,8 +53,11 @@ from arctic.tiling import apply_tiled_mlp  # noqa: E402
 from offload import apply_activation_checkpointing  # noqa: E402
 from ulysses import SequenceParallelDims  # noqa: E402
 
+import _alst_peer  # noqa: E402  (benchmarks/, on sys.path as the script's directory)
+
 MIB = 2**20
 STACKS = ("ulysses", "+chunking", "+tiling", "+ckpt+offload")
+PEER = "deepspeed-alst"
 
 
 def parse_args() -> argparse.Namespace:
@@ -63,7 +72,7 @@ def parse_args() -> argparse.Namespace:
     return p.parse_args()
 
 
-def build(stack: str, args, mesh, device):
+def build(stack: str, args, mesh, device, seq_len: int):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     # examples/train.py's tiny-llama, with the layer count as a knob.
@@ -73,6 +82,10 @@ def build(stack: str, args, mesh, device):
                       tie_word_embeddings=False)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(device)
+    if stack == PEER:
+        model.sp_loss_applied = True
+        return _alst_peer.apply_alst(model, mesh=mesh, seq_len=seq_len,
+                                     mlp_tiles=args.mlp_tiles, loss_tiles=args.loss_tiles)
     level = STACKS.index(stack)
     model.sp_loss_applied = level >= 2
     apply_sequence_parallel(model, mesh=mesh, head_chunk_size=args.chunk if level >= 1 else None)
@@ -148,12 +161,14 @@ def main() -> None:
     group = mesh["sp"].get_group()
     ids = torch.randint(0, 256, (1, args.seq), generator=torch.Generator().manual_seed(1))
     batch = {k: v.to(device) for k, v in prepare_sp_batch({"input_ids": ids}, mesh).items()}
+    _alst_peer.check_shards(ids.to(device), batch, mesh)
+    seq_len = batch["input_ids"].shape[1] * world
 
-    models = {s: build(s, args, mesh, device) for s in STACKS}
+    models = {s: build(s, args, mesh, device, seq_len) for s in STACKS + (PEER,)}
     for model in models.values():  # warm-up: kernels, the pool's buffers
         step(model, batch, group)
     mem = {s: measure(m, batch, group, device) for s, m in models.items()}
-    times = {s: [] for s in STACKS}
+    times = {s: [] for s in models}
     for _ in range(args.iters):
         for s, model in models.items():
             model.zero_grad(set_to_none=True)
@@ -172,7 +187,7 @@ def main() -> None:
                         f"{torch.get_num_threads()} threads/rank"),
         "torch": torch.__version__, "stacks": {},
     }
-    for s in STACKS:
+    for s in models:
         m = mem[s]
         diff = max((m["grads"][n] - g).abs().max().item() for n, g in ref["grads"].items())
         record["stacks"][s] = {
@@ -193,6 +208,9 @@ def main() -> None:
                                         "pass": peaks[-1] / peaks[0] <= 0.3},
         "pool_not_grown_in_measured_step": {"pass": st[STACKS[-1]]["pool_grew_bytes"] == 0},
     }
+    record["vs_peer"] = {f"{s}_over_{PEER}_{what}": st[s][key] / st[PEER][key]
+                         for s in STACKS[2:] for what, key in (("device_peak", "device_peak_bytes"),
+                                                               ("step_time", "median_step_s"))}
     if dist.get_rank() == 0:
         report(args, world, record)
     dist.destroy_process_group()
@@ -217,8 +235,10 @@ def report(args, world: int, record: dict) -> None:
                                           f" = {[round(v, 3) for v in value]}")
         bar = f" (bar {check['bar']})" if "bar" in check else ""
         print(f"{'PASS' if check['pass'] else 'FAIL'}  {name}{shown}{bar}")
+    for name, value in record["vs_peer"].items():
+        print(f"INFO  {name} = {value:.3f}")
     out = args.out or (Path(__file__).parent / "results" /
-                       f"memory_{record['device']}_w{world}_s{args.seq}.json")
+                       f"memory_{record['device']}_w{world}_s{args.seq}_l{args.layers}.json")
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps(record, indent=2) + "\n")
     print(f"wrote {out}")
