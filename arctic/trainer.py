@@ -56,11 +56,14 @@ class SequenceParallelTrainer(Trainer):
                              "TrainingArguments(deepspeed=<config with sequence_parallel_size>)")
         ds = dict(_load(args.deepspeed))
         sp = SequenceParallelConfig.from_ds_config(ds, world_size=args.world_size)
-        if args.gradient_checkpointing:
-            # TrainingArguments(gradient_checkpointing=True) means ours (non-reentrant, per
-            # layer, offload as configured); HF's own would checkpoint every layer a second time.
+        if getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing:
+            # TrainingArguments(activation_checkpointing=True), or its older name
+            # gradient_checkpointing, means ours (non-reentrant, per layer, offload as
+            # configured); HF's own would checkpoint every layer a second time.
             sp = dataclasses.replace(sp, activation_checkpointing=True)
             args.gradient_checkpointing = False
+            if hasattr(args, "activation_checkpointing"):
+                args.activation_checkpointing = False
         self.sp_config = sp
         self.sp_mesh = sp.dims(args.world_size).build_mesh(args.device.type)
         apply_sp_recipe(model, config=sp, mesh=self.sp_mesh, averaged_over_sp=True)

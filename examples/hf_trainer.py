@@ -44,6 +44,8 @@ def main() -> None:
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--max-grad-norm", type=float, default=1.0)
     p.add_argument("--save-steps", type=int, default=0, help="0: no checkpoints")
+    p.add_argument("--gradient-checkpointing", action="store_true",
+                   help="TrainingArguments(gradient_checkpointing=True)")
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -58,6 +60,7 @@ def main() -> None:
         logging_steps=1, save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500, report_to=[], use_cpu=not torch.cuda.is_available(),
         train_sampling_strategy="sequential", optim=args.optim, seed=0,
+        gradient_checkpointing=args.gradient_checkpointing,
         deepspeed=None if args.plain else args.deepspeed)
     if args.plain:
         trainer = _Plain(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,
@@ -77,7 +80,10 @@ def main() -> None:
             args.losses_out.write_text(json.dumps({"loss": losses, "eval_loss":
                                                    metrics["eval_loss"],
                                                    "global_step": trainer.state.global_step,
-                                                   "offloaded_bytes": offloaded}))
+                                                   "offloaded_bytes": offloaded,
+                                                   "hf_checkpointed_layers": sum(
+                                                       getattr(m, "gradient_checkpointing", False)
+                                                       is True for m in model.modules())}))
 
 
 if __name__ == "__main__":

@@ -25,8 +25,11 @@ def _run(cmd: list[str], out: Path) -> dict:
 
 @pytest.mark.parametrize("optim", [["--optim", "adamw_torch"],
                                    # Adam and clipping hide a wrong gradient scale; SGD does not.
-                                   ["--optim", "sgd", "--lr", "0.1", "--max-grad-norm", "0"]],
-                         ids=["adamw", "sgd-unclipped"])
+                                   # TrainingArguments(gradient_checkpointing=True) too: HF's
+                                   # checkpointing for the plain run, ours for SP.
+                                   ["--optim", "sgd", "--lr", "0.1", "--max-grad-norm", "0",
+                                    "--gradient-checkpointing"]],
+                         ids=["adamw", "sgd-unclipped-gc"])
 def test_sp_trainer_matches_plain_trainer(tmp_path, optim):
     script = str(REPO / "examples" / "hf_trainer.py")
     plain = _run([sys.executable, script, "--plain"] + optim, tmp_path / "plain.json")
@@ -40,6 +43,8 @@ def test_sp_trainer_matches_plain_trainer(tmp_path, optim):
     assert plain["loss"][-1] < plain["loss"][0]
     # cpu_trainer.json checkpoints with offload: the layer inputs did go to the host.
     assert sp["offloaded_bytes"] > 0 and plain["offloaded_bytes"] == 0
+    assert sp["hf_checkpointed_layers"] == 0  # never a second, HF checkpoint around ours
+    assert (plain["hf_checkpointed_layers"] > 0) == ("--gradient-checkpointing" in optim)
 
 
 def test_accelerate_launch_with_the_shipped_yaml(tmp_path):
