@@ -8,6 +8,8 @@ backward, SP over all ranks) under four stacks, each built from the same seed:
 3. ``+tiling``: tiled MLP and tiled logits + loss;
 4. ``+ckpt+offload``: per-layer checkpointing, layer inputs in the host buffer pool;
 
+then ``full, unchunked`` (stack 4 without chunking, to show what chunking is worth there)
+
 and, alternating with them in the same run, the peer ``deepspeed-alst``: DeepSpeed's ALST
 pieces (``UlyssesSPAttentionHF``, ``TiledMLP``, ``TiledFusedLogitsLoss``) with HF's
 non-reentrant checkpointing and no offload (DeepSpeed ships none); see ``_alst_peer.py``. Its
@@ -58,6 +60,9 @@ import _alst_peer  # noqa: E402  (benchmarks/, on sys.path as the script's direc
 MIB = 2**20
 STACKS = ("ulysses", "+chunking", "+tiling", "+ckpt+offload")
 PEER = "deepspeed-alst"
+UNCHUNKED = "full, unchunked"
+"""Stack 4 without head chunking: what chunking is worth once checkpointing removed the saved
+activations (without checkpointing they hide the attention transient that chunking cuts)."""
 
 
 def parse_args() -> argparse.Namespace:
@@ -86,9 +91,10 @@ def build(stack: str, args, mesh, device, seq_len: int):
         model.sp_loss_applied = True
         return _alst_peer.apply_alst(model, mesh=mesh, seq_len=seq_len,
                                      mlp_tiles=args.mlp_tiles, loss_tiles=args.loss_tiles)
-    level = STACKS.index(stack)
+    level = 3 if stack == UNCHUNKED else STACKS.index(stack)
     model.sp_loss_applied = level >= 2
-    apply_sequence_parallel(model, mesh=mesh, head_chunk_size=args.chunk if level >= 1 else None)
+    chunked = 1 <= level and stack != UNCHUNKED
+    apply_sequence_parallel(model, mesh=mesh, head_chunk_size=args.chunk if chunked else None)
     if level >= 2:
         apply_tiled_mlp(model, tiles=args.mlp_tiles)
         apply_sp_loss(model, group=mesh["sp"].get_group(), loss_tiles=args.loss_tiles)
@@ -164,7 +170,7 @@ def main() -> None:
     _alst_peer.check_shards(ids.to(device), batch, mesh)
     seq_len = batch["input_ids"].shape[1] * world
 
-    models = {s: build(s, args, mesh, device, seq_len) for s in STACKS + (PEER,)}
+    models = {s: build(s, args, mesh, device, seq_len) for s in STACKS + (UNCHUNKED, PEER)}
     for model in models.values():  # warm-up: kernels, the pool's buffers
         step(model, batch, group)
     mem = {s: measure(m, batch, group, device) for s, m in models.items()}
@@ -211,6 +217,11 @@ def main() -> None:
     record["vs_peer"] = {f"{s}_over_{PEER}_{what}": st[s][key] / st[PEER][key]
                          for s in STACKS[2:] for what, key in (("device_peak", "device_peak_bytes"),
                                                                ("step_time", "median_step_s"))}
+    record["chunking_in_full_stack"] = {
+        "device_peak_chunked_over_unchunked": st[STACKS[-1]]["device_peak_bytes"] /
+        st[UNCHUNKED]["device_peak_bytes"],
+        "step_time_chunked_over_unchunked": st[STACKS[-1]]["median_step_s"] /
+        st[UNCHUNKED]["median_step_s"]}
     if dist.get_rank() == 0:
         report(args, world, record)
     dist.destroy_process_group()
@@ -222,10 +233,10 @@ def report(args, world: int, record: dict) -> None:
     print(f"\nconfig: W={world} S={args.seq} (s={args.seq // world}/rank) layers={args.layers} "
           f"chunk={args.chunk} mlp_tiles={args.mlp_tiles} loss_tiles={args.loss_tiles} "
           f"iters={args.iters} device={record['device_name']}")
-    print(f"{'stack':<15} | {'device peak MiB':>15} | {'/ ulysses':>9} | {'host MiB':>8} | "
+    print(f"{'stack':<16} | {'device peak MiB':>15} | {'/ ulysses':>9} | {'host MiB':>8} | "
           f"{'step s':>7} | {'/ ulysses':>9} | {'max |dgrad|':>11}")
     for s, r in st.items():
-        print(f"{s:<15} | {r['device_peak_bytes'] / MIB:>15.1f} | "
+        print(f"{s:<16} | {r['device_peak_bytes'] / MIB:>15.1f} | "
               f"{r['device_peak_bytes'] / base_peak:>9.3f} | {r['host_peak_bytes'] / MIB:>8.1f} | "
               f"{r['median_step_s']:>7.2f} | {r['median_step_s'] / base_time:>9.3f} | "
               f"{r['max_grad_diff_vs_ulysses']:>11.2e}")
@@ -235,7 +246,7 @@ def report(args, world: int, record: dict) -> None:
                                           f" = {[round(v, 3) for v in value]}")
         bar = f" (bar {check['bar']})" if "bar" in check else ""
         print(f"{'PASS' if check['pass'] else 'FAIL'}  {name}{shown}{bar}")
-    for name, value in record["vs_peer"].items():
+    for name, value in (record["vs_peer"] | record["chunking_in_full_stack"]).items():
         print(f"INFO  {name} = {value:.3f}")
     out = args.out or (Path(__file__).parent / "results" /
                        f"memory_{record['device']}_w{world}_s{args.seq}_l{args.layers}.json")
