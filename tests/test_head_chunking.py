@@ -181,3 +181,30 @@ def test_padded_and_single_rank(world, chunk, causal):
         for name, a, r in zip(("out", "dq", "dk", "dv"), got, ref):
             torch.testing.assert_close(a[:, :valid].double(), r[:, rank * n:rank * n + valid],
                                        **TOL[torch.float32], msg=lambda m: f"{name}: {m}")
+
+
+def _rank_pool_not_kept():
+    mesh = get_mesh(2, 2)
+    q, k, v, dout = (shard_sequence(t, mesh).contiguous()
+                     for t in make_qkv(5, 1, 256, 8, 2, D, torch.float32))
+    results, free = [], []
+    for pool in (BufferPool(), BufferPool(keep_between_calls=False)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ulysses_attention(*leaves, mesh=mesh, causal=True, head_chunk_size=1,
+                                buffer_pool=pool)
+        after_forward = pool.num_free()
+        out.backward(dout)
+        free.append((after_forward, pool.num_free(), pool.stats.allocated))
+        results.append([out.detach(), *[t.grad for t in leaves]])
+    return results, free
+
+
+def test_pool_can_free_its_buffers_between_calls():
+    """keep_between_calls=False (what the HF integration uses): the same results, and no
+    buffer is held once a forward or a backward returns."""
+    for (kept, freed), ((kf, kb, kalloc), (ff, fb, falloc)) in dist_pool.run(
+            _rank_pool_not_kept, world_size=2):
+        for a, b in zip(kept, freed):
+            assert torch.equal(a, b)
+        assert kf > 0 and kb > 0 and kalloc > 0
+        assert ff == 0 and fb == 0 and falloc > 0

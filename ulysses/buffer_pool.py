@@ -37,12 +37,19 @@ class BufferPool:
         max_free: most buffers kept while not in use; releasing beyond it frees the smallest,
             so the pool never grows without bound. Buffers in use are the caller's. The
             default covers head chunking's steady state with overlap.
+        keep_between_calls: keep the free buffers when a head-chunked call (a forward or a
+            backward) ends, for the next call (another layer). False frees them at the end of
+            every call: chunks still share buffers within the call, but nothing is held while
+            the rest of the model runs (the MLP, the loss, other layers' recompute), where a
+            kept buffer would only add to the peak. The caching allocator on CUDA makes the
+            re-allocation cheap.
     """
 
-    def __init__(self, max_free: int = 32) -> None:
+    def __init__(self, max_free: int = 32, *, keep_between_calls: bool = True) -> None:
         if max_free < 0:
             raise ValueError(f"max_free must be >= 0, got {max_free}")
         self.max_free = max_free
+        self.keep_between_calls = keep_between_calls
         self.stats = PoolStats()
         self._free: list[Tensor] = []  # base buffers, not in use
 
@@ -80,3 +87,8 @@ class BufferPool:
         """Drop every free buffer (memory returns to the allocator)."""
         self.stats.freed += len(self._free)
         self._free.clear()
+
+    def end_call(self) -> None:
+        """Called when a forward or backward that used the pool ends."""
+        if not self.keep_between_calls:
+            self.clear()

@@ -314,6 +314,7 @@ class _HeadChunkedFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cfg, pool):
         out, lse = _forward(q, k, v, cfg, pool)
+        pool.end_call()
         # Only seq-local tensors and the small fp32 lse are kept for backward.
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cfg, ctx.pool = cfg, pool
@@ -323,6 +324,7 @@ class _HeadChunkedFn(torch.autograd.Function):
     def backward(ctx, dout):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, ctx.cfg, ctx.pool)
+        ctx.pool.end_call()
         return dq, dk, dv, None, None
 
 
@@ -339,7 +341,8 @@ def head_chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, group, rank: int,
         attn: what attends one chunk's full-sequence heads: a
             :class:`ulysses.kernels.LocalAttention`, or a :class:`ulysses.ring.RingAttention`
             across the ring axis (hybrid Ulysses x Ring).
-        pool: reused chunk buffers; a fresh one (this call only) when ``None``.
+        pool: reused chunk buffers; when ``None``, a fresh one whose buffers are freed at the
+            end of the forward and of the backward (nothing held in between).
         overlap: exchange step j+1 while step j computes.
 
     Returns:
@@ -348,4 +351,6 @@ def head_chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, group, rank: int,
     cfg = ChunkConfig(group=group, rank=rank, layout=layout,
                       schedule=tuple(build_schedule(layout, head_chunk_size)), attn=attn,
                       overlap=overlap)
-    return _HeadChunkedFn.apply(q, k, v, cfg, pool if pool is not None else BufferPool())
+    if pool is None:
+        pool = BufferPool(keep_between_calls=False)
+    return _HeadChunkedFn.apply(q, k, v, cfg, pool)
