@@ -1,7 +1,10 @@
 """Benchmark: per-rank peak memory and step time of the memory stack, one feature at a time.
 
-The tiny Llama of ``examples/train.py`` (``--layers`` to deepen it) trains one step (forward +
-backward, SP over all ranks) under four stacks, each built from the same seed:
+The tiny Llama of ``examples/train.py`` trains one step (forward + backward, SP over all ranks)
+under four stacks, each built from the same seed. It runs with 8 decoder layers by default
+(``--layers``; the CPU demo's model has 2): per-layer checkpointing keeps one layer's
+activations at a time, so with 2 layers it can drop at most half of them, which says little
+about a 32-layer model. Both are in ``results/`` (``_l8``, ``_l2``). The stacks:
 
 1. ``ulysses``: SP attention, HF's own logits and a plain cross-entropy;
 2. ``+chunking``: head-chunked attention (``--chunk`` heads at a time);
@@ -26,7 +29,7 @@ Time: ``--iters`` rounds, stacks alternating, each step timed as the max over ra
 Every stack's loss and gradients are compared with stack 1's. The acceptance checks cover
 our four stacks only; the peer gets ratios (``vs_peer``), for information.
 
-    torchrun --nproc_per_node 2 benchmarks/memory.py [--seq 32768 --layers 2 --iters 3]
+    torchrun --nproc_per_node 2 benchmarks/memory.py [--seq 16384 --layers 8 --iters 2]
 """
 
 from __future__ import annotations
@@ -67,8 +70,9 @@ activations (without checkpointing they hide the attention transient that chunki
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    p.add_argument("--seq", type=int, default=32768, help="full sequence length")
-    p.add_argument("--layers", type=int, default=2, help="decoder layers (tiny-llama has 2)")
+    p.add_argument("--seq", type=int, default=16384, help="full sequence length")
+    p.add_argument("--layers", type=int, default=8,
+                   help="decoder layers (examples/train.py's tiny-llama has 2; see the doc)")
     p.add_argument("--chunk", type=int, default=1, help="heads per chunk in stacks 2-4")
     p.add_argument("--mlp-tiles", type=int, default=8)
     p.add_argument("--loss-tiles", type=int, default=8)
