@@ -146,7 +146,7 @@ def main() -> None:
                 if offload is not None:  # checkpointed layer inputs held in host memory
                     record["offload_host_peak_mib"] = round(
                         offload.pool.stats.peak_host_bytes / 2**20, 1)
-                    shown["host_mib"] = f"{record['offload_host_peak_mib']:.0f}"
+                    shown["host_mib"] = f"{record['offload_host_peak_mib']:.1f}"
                 bar.set_postfix(loss=f"{record['loss']:.4f}",
                                 tok_s=f"{record['tokens_per_s']:.0f}",
                                 peak_mib="/".join(f"{p:.0f}" for p in record["peak_mib"]),
