@@ -217,10 +217,11 @@ class _TiledLossFn(torch.autograd.Function):
             n = h_t.shape[0]
             # d(sum of CE)/d logits = softmax - onehot(label), zero on ignored rows.
             g = torch.softmax(_tile_logits(h_t, weight_VE), dim=-1)        # [t, V] float32
+            # Without nonzero()/boolean indexing: no device->host sync on CUDA, and the step
+            # traces under FakeTensorMode (the memory planner) where the labels are unknown.
             valid = y_t != IGNORE_INDEX
-            rows = valid.nonzero().squeeze(1)
-            g[rows, y_t[rows]] -= 1.0
-            g[~valid] = 0.0
+            g.scatter_add_(1, y_t.clamp(min=0).unsqueeze(1), -valid.to(g.dtype).unsqueeze(1))
+            g.mul_(valid.unsqueeze(1))
             g *= grad_total
             dh[start:start + n] = (g.to(h_NE.dtype) @ weight_VE)
             dw.addmm_(g.t(), h_t.float())
