@@ -74,6 +74,16 @@ def peak_memory_mib() -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
 
 
+def show_step(bar, log, record: dict, **extra: str) -> None:
+    """Rank 0: one step's loss, tokens/s and per-rank peaks on the bar, and a JSON log line."""
+    bar.set_postfix(loss=f"{record['loss']:.4f}", tok_s=f"{record['tokens_per_s']:.0f}",
+                    peak_mib="/".join(f"{p:.0f}" for p in record["peak_mib"]), **extra)
+    bar.update(1)
+    if log:
+        log.write(json.dumps(record) + "\n")
+        log.flush()
+
+
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--deepspeed_config", "--deepspeed-config", default=str(REPO / "configs" /
@@ -147,14 +157,7 @@ def main() -> None:
                     record["offload_host_peak_mib"] = round(
                         offload.pool.stats.peak_host_bytes / 2**20, 1)
                     shown["host_mib"] = f"{record['offload_host_peak_mib']:.1f}"
-                bar.set_postfix(loss=f"{record['loss']:.4f}",
-                                tok_s=f"{record['tokens_per_s']:.0f}",
-                                peak_mib="/".join(f"{p:.0f}" for p in record["peak_mib"]),
-                                **shown)
-                bar.update(1)
-                if log:
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
+                show_step(bar, log, record, **shown)
             if args.save_dir and step % args.save_every == 0:
                 engine.save_checkpoint(str(args.save_dir), tag=f"step{step}", client_state={
                     "step": step, "epoch": epoch, "batches_in_epoch": i + 1})

@@ -24,7 +24,6 @@ step for step as if the run had never stopped (fp32, same seed).
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import sys
 import time
@@ -43,7 +42,7 @@ from arctic.config import _load  # noqa: E402
 from arctic.engine import apply_sp_recipe  # noqa: E402
 from arctic.fsdp import check_no_zero  # noqa: E402
 from offload.order import STAGES, applied_stages  # noqa: E402
-from train import ByteCorpus, build_model, peak_memory_mib  # noqa: E402  (examples/train.py)
+from train import ByteCorpus, build_model, peak_memory_mib, show_step  # noqa: E402,E501
 
 SP_FLAGS = ("sequence_parallel_size", "ring_degree", "head_chunk_size", "tiled_mlp",
             "no_activation_checkpointing", "offload_activations")
@@ -230,13 +229,7 @@ def main() -> None:
                           "peak_mib": [round(p.item(), 1) for p in peaks]}
                 if offload is not None:  # rank 0's layer inputs moved to the host this step
                     record["offloaded_mib"] = round(offload.pool.stats.bytes_offloaded / 2**20, 3)
-                bar.set_postfix(loss=f"{record['loss']:.4f}",
-                                tok_s=f"{record['tokens_per_s']:.0f}",
-                                peak_mib="/".join(f"{p:.0f}" for p in record["peak_mib"]))
-                bar.update(1)
-                if log:
-                    log.write(json.dumps(record) + "\n")
-                    log.flush()
+                show_step(bar, log, record)
             if offload is not None:
                 offload.pool.reset_stats()
             if args.save_dir and step % args.save_every == 0:
