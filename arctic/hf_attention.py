@@ -25,6 +25,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface
 
@@ -84,7 +85,12 @@ for _name in IMPLEMENTATIONS:
 
 def document_starts(position_ids_BS: torch.Tensor) -> tuple[tuple[int, ...], ...] | None:
     """Per row, where a document starts: position 0, and wherever a position id is not its
-    predecessor's + 1. ``None`` when every row is one document."""
+    predecessor's + 1. ``None`` when every row is one document.
+
+    Fake position ids (the memory planner's trace, :mod:`arctic.plan`) hold no values: each
+    row is planned as one document, the case that needs the most attention memory."""
+    if is_fake(position_ids_BS):
+        return None
     breaks = position_ids_BS[:, 1:] != position_ids_BS[:, :-1] + 1
     if not bool(breaks.any()):
         return None
