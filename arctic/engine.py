@@ -67,11 +67,13 @@ def _zero3_reduction_settings(ds_config: dict, model: nn.Module, sp_size: int) -
 
 
 def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
-                    averaged_over_sp: bool) -> nn.Module:
+                    averaged_over_sp: bool, host_memory_limit: int | None = None) -> nn.Module:
     """Apply everything ``config`` asks for to a HF causal LM, in the fixed order
     (:mod:`offload.order`): SP attention, MLP tiling, the tiled SP loss, checkpointing with
     the layer inputs offloaded to the host when ``config.offload_activations``.
-    Parameter sharding (ZeRO, FSDP2) comes after, from the caller. Returns ``model``."""
+    Parameter sharding (ZeRO, FSDP2) comes after, from the caller. ``host_memory_limit``
+    (bytes per rank) caps the offload pool; default: 80% of the host's available memory per
+    local rank, agreed over all ranks. Returns ``model``."""
     from arctic.hf_attention import apply_sequence_parallel
 
     apply_sequence_parallel(model, mesh=mesh, head_chunk_size=config.head_chunk_size,
@@ -83,6 +85,7 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
     if config.activation_checkpointing:
         # The host limit is agreed over all ranks, so all refuse (or not) together.
         apply_activation_checkpointing(model, offload_to_cpu=config.offload_activations,
+                                       host_memory_limit=host_memory_limit,
                                        group=mesh["dp_sp"].get_group())
     return model
 

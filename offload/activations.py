@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake
 from torch.utils.weak import WeakIdKeyDictionary
 
 DEFAULT_MIN_OFFLOAD_BYTES = 64 << 10
@@ -107,8 +108,9 @@ class HostBufferPool:
                 f"80% of MemAvailable per local rank). Fix: shorten the sequence, add ranks, "
                 f"raise the limit if the host has the memory, or turn offload off")
 
-    def _acquire(self, nbytes: int) -> Tensor:
-        fits = [i for i, (b, _) in enumerate(self._free) if nbytes <= b.numel() <= 2 * nbytes]
+    def _acquire(self, nbytes: int, *, virtual: bool = False) -> Tensor:
+        fits = [i for i, (b, _) in enumerate(self._free)
+                if nbytes <= b.numel() <= 2 * nbytes and (b.device.type == "meta") == virtual]
         if fits:
             buf, event = self._free.pop(min(fits, key=lambda i: self._free[i][0].numel()))
             if event is not None:
@@ -124,6 +126,8 @@ class HostBufferPool:
                 f"activations. Fix: shorten the sequence, add ranks, raise limit_bytes if the "
                 f"host has the memory, or turn offload off")
         self.stats.reserved_bytes += nbytes
+        if virtual:  # the planner's fake tensors: bytes are counted, none are allocated
+            return torch.empty(nbytes, dtype=torch.uint8, device="meta")
         return torch.empty(nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
 
     def _release(self, buf: Tensor, event) -> None:
@@ -160,10 +164,13 @@ class HostBufferPool:
         # kernels see the same strides in backward; other views come back contiguous.
         stride = torch.empty_like(t, device="meta").stride()
         nbytes = t.numel() * t.element_size()
-        buf = self._acquire(nbytes)
+        virtual = is_fake(t)
+        buf = self._acquire(nbytes, virtual=virtual)
         host = buf[:nbytes].view(t.dtype).as_strided(t.shape, stride)
         event = None
-        if t.is_cuda:
+        if virtual:
+            pass  # a fake tensor has no data: the trace needs only its size and when it moves
+        elif t.is_cuda:
             side = self._stream(t.device)
             side.wait_stream(torch.cuda.current_stream(t.device))
             with torch.cuda.stream(side):
@@ -195,6 +202,8 @@ class _Offloaded:
     def _copy_back(self, stream) -> tuple[Tensor, object]:
         out = torch.empty_strided(self.host.shape, self.host.stride(), dtype=self.host.dtype,
                                   device=self.device)
+        if self.host.device.type == "meta":  # planned, not real: allocate, nothing to copy
+            return out, None
         if stream is None:
             out.copy_(self.host)
             return out, None
@@ -249,9 +258,12 @@ class _Group:
 def _stays(t: Tensor, min_bytes: int) -> bool:
     """Saved tensors not worth moving: small ones, and parameters and other leaves that need
     a gradient, or views of them (``linear`` saves ``weight.t()``): they stay alive anyway,
-    so a host copy would only add memory. Tensor subclasses (DTensor, fake tensors) too."""
+    so a host copy would only add memory. Tensor subclasses (DTensor) too, except fake
+    tensors: the memory planner (:mod:`arctic.plan`) traces the offload with them, and the
+    pool counts their host bytes on a meta buffer without copying anything."""
     base = t._base if t._base is not None else t
-    return (t.numel() * t.element_size() < min_bytes or type(t) is not Tensor or
+    return (t.numel() * t.element_size() < min_bytes or
+            (type(t) is not Tensor and not is_fake(t)) or
             t.device.type not in ("cpu", "cuda") or isinstance(base, nn.Parameter) or
             (base.is_leaf and base.requires_grad))
 

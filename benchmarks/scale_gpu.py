@@ -1,0 +1,114 @@
+"""One rank of a W-rank job on one real GPU: peak CUDA memory of a training step, to check the
+memory planner (``python -m arctic.plan``) against ``torch.cuda.max_memory_allocated``.
+
+torch's fake process group stands in for the other W-1 ranks: collectives return at once and
+move no data, so the step runs rank 0's real CUDA kernels (flash attention over the full
+sequence for its H/W heads, the projections, the tiled MLP and loss, FSDP2's gathered
+layers, AdamW) on rank 0's real shapes. The values are garbage (nothing was exchanged); the
+memory and the kernels are real. The code is the planner's own: ``arctic.plan.build`` and
+``arctic.plan.train_step``.
+
+    python benchmarks/scale_gpu.py --model llama3-8b --layers 2 --world 8 \\
+        --tokens-per-rank 64K 256K 512K [--stack ours --stack ckpt-no-offload ...]
+
+For each stack and length: build, create AdamW's state, reset the peak, time one step, and
+record ``max_memory_allocated`` (and ``max_memory_reserved``), the host pool's peak, and the
+planner's prediction for the same settings when ``--plan`` is given (it traces on this
+machine's CPU under FakeTensorMode). Writes ``results/scale_<gpu>_w<W>_l<layers>.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+
+from arctic.plan import (STACKS, build, init_optimizer_state, make_batch, model_config,  # noqa
+                         parse_tokens, stack_config, train_step)
+from ulysses import SequenceParallelDims  # noqa: E402
+
+GiB = 1 << 30
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--model", default="llama3-8b")
+    p.add_argument("--layers", type=int, default=2)
+    p.add_argument("--world", type=int, default=8)
+    p.add_argument("--tokens-per-rank", nargs="+", default=["64K", "256K", "512K"])
+    p.add_argument("--stack", action="append", choices=sorted(STACKS), default=None,
+                   help="repeatable; default: ours")
+    p.add_argument("--plan", action="store_true", help="also trace the planner for each run")
+    p.add_argument("--out", type=Path, default=None)
+    args = p.parse_args()
+    stacks = args.stack or ["ours"]
+    if not torch.cuda.is_available():
+        raise SystemExit("scale_gpu.py needs a CUDA device")
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    device = torch.device("cuda", 0)
+    torch.cuda.set_device(device)
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
+    mesh = SequenceParallelDims(world_size=args.world,
+                                ulysses_degree=args.world).build_mesh("cuda")
+    name = torch.cuda.get_device_name(device)
+    out = args.out or REPO / "benchmarks" / "results" / \
+        f"scale_{name.split()[1].lower()}_w{args.world}_l{args.layers}.json"
+    record = {"model": args.model, "layers": args.layers, "world": args.world, "gpu": name,
+              "torch": torch.__version__, "runs": []}
+    if out.exists():  # several calls (sizes) add to one file
+        record["runs"] = json.loads(out.read_text()).get("runs", [])
+    for stack in stacks:
+        for tokens in args.tokens_per_rank:
+            s = parse_tokens(tokens)
+            seq = s * args.world
+            config = model_config(args.model, layers=args.layers, max_positions=seq)
+            sp = stack_config(stack, world=args.world)
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats(device)
+            model, optimizer = build(config, sp, mesh, device=device,
+                                     host_memory_limit=96 * GiB)
+            init_optimizer_state(model, optimizer)
+            batch = make_batch(seq, config.vocab_size, mesh, device)
+            torch.cuda.synchronize()
+            before = torch.cuda.memory_allocated(device)
+            torch.cuda.reset_peak_memory_stats(device)
+            start = time.perf_counter()
+            train_step(model, optimizer, batch)
+            torch.cuda.synchronize()
+            elapsed = time.perf_counter() - start
+            run = {"stack": stack, "tokens_per_rank": s, "seq_len": seq,
+                   "max_memory_allocated": torch.cuda.max_memory_allocated(device),
+                   "max_memory_reserved": torch.cuda.max_memory_reserved(device),
+                   "allocated_before_step": before, "step_s": elapsed}
+            session = getattr(model, "activation_offload", None)
+            if session is not None:
+                run["host_peak_bytes"] = session.pool.stats.peak_host_bytes
+            print(f"{stack:<18} s={s:>8} S={seq:>9}  max_allocated "
+                  f"{run['max_memory_allocated'] / GiB:7.2f} GiB  reserved "
+                  f"{run['max_memory_reserved'] / GiB:7.2f} GiB  host "
+                  f"{run.get('host_peak_bytes', 0) / GiB:6.2f} GiB  step {elapsed:7.1f} s",
+                  flush=True)
+            del model, optimizer, batch, session
+            gc.collect()
+            record["runs"] = [r for r in record["runs"]
+                              if (r["stack"], r["tokens_per_rank"]) != (stack, s)] + [run]
+            out.parent.mkdir(parents=True, exist_ok=True)
+            out.write_text(json.dumps(record, indent=2) + "\n")
+            if os.environ.get("OUT"):
+                (Path(os.environ["OUT"]) / out.name).write_text(json.dumps(record, indent=2))
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
