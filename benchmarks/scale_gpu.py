@@ -84,10 +84,14 @@ def main() -> None:
             before = torch.cuda.memory_allocated(device)
             torch.cuda.reset_peak_memory_stats(device)
             start = time.perf_counter()
-            train_step(model, optimizer, batch)
-            torch.cuda.synchronize()
+            oom = None
+            try:
+                train_step(model, optimizer, batch)
+                torch.cuda.synchronize()
+            except torch.OutOfMemoryError as e:  # a result too: it does not fit
+                oom = str(e).split(". GPU")[0]
             elapsed = time.perf_counter() - start
-            run = {"stack": stack, "tokens_per_rank": s, "seq_len": seq,
+            run = {"stack": stack, "tokens_per_rank": s, "seq_len": seq, "oom": oom,
                    "max_memory_allocated": torch.cuda.max_memory_allocated(device),
                    "max_memory_reserved": torch.cuda.max_memory_reserved(device),
                    "allocated_before_step": before, "step_s": elapsed}
@@ -97,10 +101,12 @@ def main() -> None:
             print(f"{stack:<18} s={s:>8} S={seq:>9}  max_allocated "
                   f"{run['max_memory_allocated'] / GiB:7.2f} GiB  reserved "
                   f"{run['max_memory_reserved'] / GiB:7.2f} GiB  host "
-                  f"{run.get('host_peak_bytes', 0) / GiB:6.2f} GiB  step {elapsed:7.1f} s",
+                  f"{run.get('host_peak_bytes', 0) / GiB:6.2f} GiB  step {elapsed:7.1f} s"
+                  f"{'  OOM: ' + oom if oom else ''}",
                   flush=True)
             del model, optimizer, batch, session
             gc.collect()
+            torch.cuda.empty_cache()
             record["runs"] = [r for r in record["runs"]
                               if (r["stack"], r["tokens_per_rank"]) != (stack, s)] + [run]
             out.parent.mkdir(parents=True, exist_ok=True)

@@ -4,6 +4,7 @@ and test_fsdp (FSDP2)."""
 
 from __future__ import annotations
 
+import os
 import weakref
 
 import pytest
@@ -181,10 +182,16 @@ def test_cuda_offload_is_bit_identical_and_lowers_max_memory_allocated():
                         generator=torch.Generator("cuda").manual_seed(1))
 
     def run(offload: bool):
-        # The math SDPA kernel: the fused kernels' backward adds with atomics, so two runs of
-        # the same code differ in the last bits and bit-identity would test nothing.
-        with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
-            return step(offload)
+        # Deterministic kernels (the math SDPA kernel, embedding backward without atomics):
+        # otherwise two runs of the same code differ in the last bits, and bit-identity would
+        # test nothing. cuBLAS needs CUBLAS_WORKSPACE_CONFIG=:4096:8 for it (set if unset).
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        try:
+            with torch.nn.attention.sdpa_kernel(torch.nn.attention.SDPBackend.MATH):
+                return step(offload)
+        finally:
+            torch.use_deterministic_algorithms(False)
 
     def step(offload: bool):
         torch.manual_seed(0)

@@ -122,12 +122,14 @@ def _sdpa_flash_forward(q, k, v, causal, scale):
 
 def _sdpa_flash_backward(dout, q, k, v, out, lse, causal, scale):
     Sq, Sk = q.shape[1], k.shape[1]
-    # Dense (not varlen) inputs: empty cumulative lengths; no dropout, so no RNG state.
-    empty = torch.empty(0, dtype=torch.int32, device=q.device)
+    # Dense (not varlen) inputs: no cumulative lengths. They must be undefined (None), as the
+    # forward returns them: a defined empty tensor selects the varlen kernel, which reads a
+    # batch of numel - 1 = -1 ("batch size must be positive", seen on an H100).
+    # No dropout, so the RNG state is never read.
     rng = torch.empty(2, dtype=torch.int64, device=q.device)
     dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
         dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        out.transpose(1, 2), lse, empty, empty, Sq, Sk, 0.0, causal, rng, rng, scale=scale)
+        out.transpose(1, 2), lse, None, None, Sq, Sk, 0.0, causal, rng, rng, scale=scale)
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
 
