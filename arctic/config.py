@@ -50,6 +50,9 @@ class SequenceParallelConfig:
     """Ranks in one ring; the rest of ``sequence_parallel_size`` is Ulysses."""
     head_chunk_size: int | Literal["auto"] | None = None
     """Query heads attended at a time per rank; None = all (plain Ulysses)."""
+    fuse_projections: bool = False
+    """Compute q/k/v, RoPE and o_proj inside the head-chunk loop (no all-heads q/k/v;
+    :mod:`arctic.hf_fused`); needs head_chunk_size."""
     attn_implementation: Literal["ulysses_sdpa", "ulysses_flash_attention_2"] = "ulysses_sdpa"
     """The HF attention name to switch models to."""
     tiled_mlp: int | Literal["auto"] | None = None
@@ -80,10 +83,13 @@ class SequenceParallelConfig:
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(f"ulysses.attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, "
                              f"got {self.attn_implementation!r}")
-        for name in ("activation_checkpointing", "offload_activations"):
+        for name in ("fuse_projections", "activation_checkpointing", "offload_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ulysses.{name} must be true or false, got "
                                  f"{getattr(self, name)!r}")
+        if self.fuse_projections and self.head_chunk_size is None:
+            raise ValueError("ulysses.fuse_projections needs ulysses.head_chunk_size (an int or "
+                             "\"auto\"): the projections are fused into the head-chunk loop")
         if self.offload_activations and not self.activation_checkpointing:
             raise ValueError("offload_activations needs activation_checkpointing: only "
                              "checkpointed layer inputs are offloaded")

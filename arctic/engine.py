@@ -77,7 +77,8 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
     from arctic.hf_attention import apply_sequence_parallel
 
     apply_sequence_parallel(model, mesh=mesh, head_chunk_size=config.head_chunk_size,
-                            attn_implementation=config.attn_implementation)
+                            attn_implementation=config.attn_implementation,
+                            fuse_projections=config.fuse_projections)
     if config.tiled_mlp is not None:
         apply_tiled_mlp(model, tiles=config.tiled_mlp)
     apply_sp_loss(model, group=mesh["sp"].get_group(), loss_tiles=config.loss_tiles,

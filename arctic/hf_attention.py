@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface
 
+from arctic.hf_fused import check_fusable, fuse, unfuse
 from offload.order import record_apply
 from ulysses import BufferPool, gather_sequence, ulysses_attention
 from ulysses.head_chunking import resolve_chunk_size
@@ -52,6 +53,8 @@ class SPAttentionSettings:
     backend: str | None
     pool: BufferPool | None
     zigzag: bool
+    fuse_projections: bool = False
+    """The module's forward is the fused one (:mod:`arctic.hf_fused`)."""
 
 
 def _sp_attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0,
@@ -108,7 +111,7 @@ def _attention_modules(model: nn.Module) -> list[nn.Module]:
 def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
                             head_chunk_size: int | str | None = None,
                             attn_implementation: str = "ulysses_sdpa",
-                            zigzag: bool = True) -> nn.Module:
+                            zigzag: bool = True, fuse_projections: bool = False) -> nn.Module:
     """Switch a HF causal LM to sequence-parallel attention over ``mesh``; returns ``model``.
 
     Args:
@@ -121,9 +124,16 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
             each attention forward and backward (nothing is held between layers).
         attn_implementation: a name from :data:`IMPLEMENTATIONS`.
         zigzag: the ring layout; must match how batches are sharded (``arctic.data``).
+        fuse_projections: compute q/k/v (with RoPE) per head chunk from the hidden states and
+            apply o_proj to the chunks' output (:mod:`arctic.hf_fused`), so that no all-heads
+            q/k/v exists; needs ``head_chunk_size`` and a Llama-family attention module
+            (:data:`arctic.hf_fused.FUSABLE`). Replaces each attention module's forward (the
+            instance's; class, parameters and state_dict keys unchanged) and marks it a
+            ZeRO-3 leaf. Calls must pass ``use_cache=False``. False restores the stock forward.
 
     Raises ``ValueError`` (before any communication) when the head counts do not fit the
-    mesh, the chunk size is invalid, attention dropout is on, or no attention module exists.
+    mesh, the chunk size is invalid, attention dropout is on, no attention module exists, or
+    ``fuse_projections`` is asked for without chunking or on a module it does not support.
     Inputs must then be this rank's shard, with ``position_ids``.
     """
     check_mesh(mesh)
@@ -148,6 +158,14 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
         check_supported(backend, param.device, param.dtype, head_dim)
     if head_chunk_size is not None and head_chunk_size != "auto":
         resolve_chunk_size(head_chunk_size, layout, 1, 1, 1, torch.float32)
+    if not isinstance(fuse_projections, bool):
+        raise ValueError(f"fuse_projections must be True or False, got {fuse_projections!r}")
+    if fuse_projections:
+        if head_chunk_size is None:
+            raise ValueError("fuse_projections=True needs head_chunk_size (an int or 'auto'): "
+                             "the projections are fused into the head-chunk loop")
+        for m in modules:
+            check_fusable(m, num_heads=H, num_kv_heads=K, hidden_size=config.hidden_size)
     # Shared by the layers, but emptied after each attention forward/backward: between calls
     # the MLP, the loss and checkpoint recomputes run, and held chunk buffers would only add
     # to their peak (benchmarks/memory.py measured +6.5% on the full stack).
@@ -156,7 +174,11 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
     for m in modules:
         m.sp_attention = SPAttentionSettings(
             mesh=mesh, num_heads=H, num_kv_heads=K, head_chunk_size=head_chunk_size,
-            backend=backend, pool=pool, zigzag=zigzag)
+            backend=backend, pool=pool, zigzag=zigzag, fuse_projections=fuse_projections)
+        if fuse_projections:
+            fuse(m)
+        else:
+            unfuse(m)
     model.set_attn_implementation(attn_implementation)
     # On the base model, so that calling it directly (for a tiled loss) is checked as well.
     # Applying again (e.g. with another mesh) replaces the hook rather than stacking a second.

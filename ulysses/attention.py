@@ -45,6 +45,30 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, causal: bool,
     return layout, select_backend(q.device, q.dtype, q.shape[-1], backend)
 
 
+def between_exchanges(mesh: DeviceMesh, *, batch: int, local_len: int, causal: bool,
+                      scale: float, backend: str, unpadded_len: int | None, zigzag: bool,
+                      segments):
+    """The attention that runs between the two all-to-alls, on ``[B, S, h, D]`` tensors:
+    within documents (``segments``), the ring (R > 1), or the local kernel.
+
+    Raises ``NotImplementedError`` for segments with a ring and ``ValueError`` for bad
+    segments, both before any collective.
+    """
+    # Padded keys can only be seen without a causal mask (the padding is the sequence's tail).
+    kv_len = unpadded_len if unpadded_len is not None and not causal else None
+    if segments is None:
+        return inner_attention(mesh, causal=causal, scale=scale, backend=backend, kv_len=kv_len,
+                               zigzag=zigzag)
+    if axis_size(mesh, "ring") > 1:
+        raise NotImplementedError("packed documents (segments) with ring_degree > 1: the ring "
+                                  "kernels cannot mask across documents; use ring_degree=1")
+    if unpadded_len is not None:
+        raise ValueError("pass either segments or unpadded_len: make the padded tail its own "
+                         "segment instead")
+    return SegmentedAttention(causal=causal, scale=scale, backend=backend, starts=check_segments(
+        segments, batch, local_len * axis_size(mesh, "ulysses")))
+
+
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, causal: bool,
                       softmax_scale: float | None = None, head_chunk_size: int | str | None = None,
                       backend: str | None = None, unpadded_len: int | None = None,
@@ -90,21 +114,10 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     """
     layout, backend = _validate(q, k, v, mesh, causal, backend, unpadded_len, zigzag)
     group = axis_group(mesh, "ulysses")
-    # Padded keys can only be seen without a causal mask (the padding is the sequence's tail).
-    kv_len = unpadded_len if unpadded_len is not None and not causal else None
     scale = default_scale(q.shape[-1], softmax_scale)
-    if segments is not None:
-        if axis_size(mesh, "ring") > 1:
-            raise NotImplementedError("packed documents (segments) with ring_degree > 1: the ring "
-                                      "kernels cannot mask across documents; use ring_degree=1")
-        if unpadded_len is not None:
-            raise ValueError("pass either segments or unpadded_len: make the padded tail its own "
-                             "segment instead")
-        attn = SegmentedAttention(causal=causal, scale=scale, backend=backend, starts=check_segments(
-            segments, q.shape[0], q.shape[1] * len(layout.q_sizes)))
-    else:
-        attn = inner_attention(mesh, causal=causal, scale=scale, backend=backend, kv_len=kv_len,
-                               zigzag=zigzag)
+    attn = between_exchanges(mesh, batch=q.shape[0], local_len=q.shape[1], causal=causal,
+                             scale=scale, backend=backend, unpadded_len=unpadded_len,
+                             zigzag=zigzag, segments=segments)
     if head_chunk_size is not None:
         c = resolve_chunk_size(head_chunk_size, layout, q.shape[0], q.shape[1] * len(
             layout.q_sizes), q.shape[3], q.dtype, chunk_budget_bytes)

@@ -1,0 +1,504 @@
+"""Head-chunked Ulysses with the q/k/v projections, RoPE and o_proj fused into the chunk loop.
+
+:mod:`ulysses.head_chunking` exchanges c heads at a time, but its inputs are still the
+all-heads, seq-local q, k, v that the attention module computed (and autograd saved), and its
+output feeds o_proj whole. Here (UPipe's fused form) the inputs are the normed hidden states
+``x_BsE`` and the projection weights, and each step computes only the heads this rank sends
+at that step, from ``x`` (``x @ W[rows of those heads]^T + b``, per-head RMSNorm if given,
+then RoPE), so no all-heads q, k or v ever exists, in forward or in backward.
+
+Shape legend: B batch, s = S / U this rank's sequence piece, S the full sequence (of this
+ring position), E hidden size, H / K all query / kv heads, D head dim, h this rank's query
+heads, c query heads of one chunk, n the heads this rank sends at one step (every rank's
+chunk of its piece: ``n <= U c``).
+
+A step (the schedule, kv sharing, uneven heads, idle ranks, overlap and buffers are those of
+:mod:`ulysses.head_chunking`):
+
+1. ``q_Bsn = rope(x @ Wq[rows]^T + bq[rows])`` for the n heads that step j sends; seq -> head
+   all-to-all gives ``q_BScD``. k and v likewise, at the steps where a kv chunk is new.
+2. attend (local kernel, ring for hybrid meshes, or per document for packed sequences);
+3. head -> seq: the chunk's output lands in its heads of ``out_BsHD``.
+
+After the loop ``y = out @ Wo^T + bo`` is one GEMM.
+
+Trade-off (what backward keeps): ``x``, cos/sin, the fp32 lse ``[B, h, S]`` and ``out_BsHD``,
+the one seq-local tensor of all-heads size. The kernel backward needs each chunk's ``out``,
+and keeping it costs one all-heads tensor where recomputing it would cost a second attention
+forward per chunk in backward (about +40% of the attention's backward FLOPs, on what is
+already the dominant term at long sequences). Since ``out`` is kept anyway, o_proj is applied
+to it in one GEMM rather than as H / c thin per-chunk GEMMs: the same memory, faster.
+
+Backward, per step: recompute the chunk's q (and, where new, k/v) from ``x``, exchange it
+with that chunk's ``out`` and ``dout = dy @ Wo[:, cols]`` (seq -> head), run the kernel
+backward with the saved lse, and send dq (and, once per kv chunk, the summed dk/dv) back
+(head -> seq). There the projection's backward runs at once for those heads: RoPE and norm
+transposed, ``dW[rows] += g^T x``, ``db[rows] += sum(g)``, ``dx += g W[rows]``. What the
+backward holds beyond chunk buffers is ``dx`` (the result), ``out`` and ``dWo`` (param size).
+Under bf16 the ``dx`` contributions are summed in bf16, one addition per step and projection
+(the unfused path sums three); fp32 is exact to rounding.
+
+The weights are inputs of the autograd Function, so gradients reach them (and FSDP2's or
+ZeRO-3's hooks) as those of any op. The Function never calls the Linear modules: a ZeRO-3
+integration must gather them with the module that calls this (``arctic.hf_attention`` marks
+the attention module a ZeRO-3 leaf for that).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from ulysses.attention import between_exchanges
+from ulysses.buffer_pool import BufferPool
+from ulysses.head_chunking import (DEFAULT_CHUNK_BUDGET_BYTES, ChunkConfig, _as_BSnD, _new_kv,
+                                   _release, _scatter_into, _to_heads, _to_seq, build_schedule,
+                                   resolve_chunk_size)
+from ulysses.hybrid import check_hybrid
+from ulysses.kernels import default_scale, select_backend
+from ulysses.mesh import axis_group, axis_rank, axis_size, check_mesh
+from ulysses.sharding import head_layout
+
+
+@dataclass(frozen=True, slots=True)
+class _Heads:
+    """The heads one exchange carries: per rank ``(first global head, count)``."""
+
+    ranges: tuple[tuple[int, int], ...]
+    local: tuple[tuple[int, int], ...]
+    """The same heads as ``(offset, count)`` into the ``[B, s, n, D]`` tensor sent."""
+    rows: Tensor
+    """Their weight rows (q/k/v) or columns (o_proj), in send order: ``[n D]``."""
+    count: int
+
+
+def _heads(ranges, D: int, device) -> _Heads:
+    local, off = [], 0
+    for _, n in ranges:
+        local.append((off, n))
+        off += n
+    rows = torch.cat([torch.arange(start * D, (start + n) * D, device=device)
+                      for start, n in ranges if n])
+    return _Heads(tuple(ranges), tuple(local), rows, off)
+
+
+@dataclass(frozen=True, slots=True)
+class FusedConfig:
+    chunks: ChunkConfig
+    head_dim: int
+    norm_eps: float
+    q_heads: tuple[_Heads, ...]
+    """Per step: the query heads sent (and, in backward, their dq received back)."""
+    kv_new: tuple[_Heads | None, ...]
+    """Per step: the kv heads sent, where some rank needs a new kv chunk."""
+    kv_done: tuple[_Heads | None, ...]
+    """Per step: the kv heads whose summed dk/dv come back."""
+
+
+@dataclass(frozen=True, slots=True)
+class _Proj:
+    """One of q/k/v: ``weight [heads D, E]``, optional ``bias [heads D]``, optional per-head
+    RMSNorm ``norm [D]`` (Qwen3), and whether RoPE applies (q and k)."""
+
+    weight: Tensor
+    bias: Tensor | None
+    norm: Tensor | None
+    rope: bool
+
+
+@dataclass(slots=True)
+class _Grads:
+    """Accumulators of one projection's gradients; None where no gradient is needed."""
+
+    weight: Tensor | None
+    bias: Tensor | None
+    norm: Tensor | None
+    """fp32; cast to the weight dtype at the end."""
+
+
+# --- the per-head prologue: linear, RMSNorm, RoPE (and their transposes) ------------------
+
+def _rope(t_BsnD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """HF's ``q * cos + rotate_half(q) * sin``; cos/sin ``[B|1, s, 1, D]``."""
+    t1, t2 = t_BsnD.chunk(2, dim=-1)
+    return t_BsnD * cos + torch.cat((-t2, t1), dim=-1) * sin
+
+
+def _rope_backward(g_BsnD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The transpose of :func:`_rope`: rotate_half^T(z) = cat(z2, -z1)."""
+    z1, z2 = (g_BsnD * sin).chunk(2, dim=-1)
+    return g_BsnD * cos + torch.cat((z2, -z1), dim=-1)
+
+
+def _rms_norm(p_BsnD: Tensor, weight: Tensor, eps: float) -> Tensor:
+    """Qwen3's per-head RMSNorm: in fp32, cast back, times ``weight [D]``."""
+    p32 = p_BsnD.float()
+    rstd = torch.rsqrt(p32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * (p32 * rstd).to(p_BsnD.dtype)
+
+
+def _rms_norm_backward(p_BsnD: Tensor, weight: Tensor, eps: float,
+                       g_BsnD: Tensor) -> tuple[Tensor, Tensor]:
+    """``(dp, dweight_fp32)`` of :func:`_rms_norm` at ``p`` for the output gradient ``g``."""
+    p32 = p_BsnD.float()
+    rstd = torch.rsqrt(p32.pow(2).mean(-1, keepdim=True) + eps)
+    normed = p32 * rstd
+    dweight = (g_BsnD.float() * normed.to(p_BsnD.dtype)).sum(dim=(0, 1, 2))
+    dn = (g_BsnD * weight).float()
+    dp = rstd * (dn - normed * (dn * normed).mean(-1, keepdim=True))
+    return dp.to(p_BsnD.dtype), dweight
+
+
+def _linear(x_NE: Tensor, proj: _Proj, heads: _Heads) -> tuple[Tensor, Tensor]:
+    """``(x @ W[rows]^T + b[rows], W[rows])``: ``[B s, n D]`` and ``[n D, E]``."""
+    w = proj.weight.index_select(0, heads.rows)
+    b = None if proj.bias is None else proj.bias.index_select(0, heads.rows)
+    return F.linear(x_NE, w, b), w
+
+
+def _project(x_NE: Tensor, proj: _Proj, heads: _Heads, shape, rope, eps: float) -> Tensor:
+    """The ``[B, s, n, D]`` heads ``heads`` of one projection, normed and rotated."""
+    B, s, D = shape
+    t = _linear(x_NE, proj, heads)[0].view(B, s, heads.count, D)
+    if proj.norm is not None:
+        t = _rms_norm(t, proj.norm, eps)
+    return _rope(t, *rope) if proj.rope else t
+
+
+def _project_backward(x_NE: Tensor, proj: _Proj, heads: _Heads, shape, rope, eps: float,
+                      g_BsnD: Tensor, grads: _Grads, dx_NE: Tensor | None) -> None:
+    """Accumulate the gradients of :func:`_project` for output gradient ``g_BsnD``."""
+    B, s, D = shape
+    if proj.rope:
+        g_BsnD = _rope_backward(g_BsnD, *rope)
+    if proj.norm is not None:
+        p, _ = _linear(x_NE, proj, heads)  # recomputed: the pre-norm values of these heads
+        g_BsnD, dnorm = _rms_norm_backward(p.view(B, s, heads.count, D), proj.norm, eps, g_BsnD)
+        if grads.norm is not None:
+            grads.norm += dnorm
+    # [B, s, n, D] -> [B s, n D]
+    g = g_BsnD.reshape(B * s, heads.count * D)
+    if dx_NE is not None:
+        dx_NE.addmm_(g, proj.weight.index_select(0, heads.rows))
+    if grads.weight is not None:
+        grads.weight.index_add_(0, heads.rows, g.t() @ x_NE)
+    if grads.bias is not None:
+        grads.bias.index_add_(0, heads.rows, g.sum(0))
+
+
+# --- forward / backward ---------------------------------------------------------------------
+
+def _exchange_kv(x_NE, k: _Proj, v: _Proj, j: int, cfg: FusedConfig, pool, shape, rope):
+    """Step j's kv projection and exchange, if any rank needs a new kv chunk; as
+    ``head_chunking._exchange_kv``: ``(pending, (k_BSkD, v_BSkD))`` for this rank's new chunk,
+    or None if it keeps its current one."""
+    heads = cfg.kv_new[j]
+    if heads is None:
+        return None
+    ch = cfg.chunks
+    U, me, (B, s, D) = len(ch.layout.q_sizes), ch.rank, shape
+    mine = heads.ranges[me][1]
+    pend = [_to_heads(_project(x_NE, proj, heads, shape, rope, cfg.norm_eps), heads.local,
+                      mine, ch.group, pool) for proj in (k, v)]
+    if not ch.schedule[j].kv_new[me]:
+        for p in pend:
+            p.wait(), p.release()
+        return None
+    return pend, tuple(_as_BSnD(p, (s, B, mine, D), U) for p in pend)
+
+
+def _forward(x, rope, q: _Proj, k: _Proj, v: _Proj, cfg: FusedConfig, pool: BufferPool):
+    """Returns ``out_BsHD`` (before o_proj) and ``lse_BhS`` (fp32, this rank's h heads).
+
+    The loop of ``head_chunking._forward``, with each exchange's input projected from ``x``
+    just before it is sent (and dropped once it is packed)."""
+    ch = cfg.chunks
+    U, me, steps = len(ch.layout.q_sizes), ch.rank, ch.schedule
+    B, s, E = x.shape
+    D = cfg.head_dim
+    shape, x_NE = (B, s, D), x.reshape(B * s, E)
+    out = x.new_empty(B, s, sum(ch.layout.q_sizes), D)
+    lse = torch.empty(B, ch.layout.q_sizes[me], s * U, dtype=torch.float32, device=x.device)
+
+    def launch(j):
+        heads = cfg.q_heads[j]
+        q_send = _project(x_NE, q, heads, shape, rope, cfg.norm_eps)
+        return _to_heads(q_send, heads.local, steps[j].q[me][1], ch.group, pool)
+
+    kv, pend_out, nxt = None, None, launch(0)
+    for j, st in enumerate(steps):
+        if pend_out is not None:
+            _scatter_into(*pend_out, add=False)
+        kv = _exchange_kv(x_NE, k, v, j, cfg, pool, shape, rope) or kv
+        pq, n = nxt, st.q[me][1]
+        q_j = _as_BSnD(pq, (s, B, n, D), U)  # waits before the next launch
+        nxt = launch(j + 1) if ch.overlap and j + 1 < len(steps) else None
+        o_j = x.new_empty(B, s * U, 0, D)
+        if n:
+            k_j, v_j = kv[1]
+            o_j, lse[:, j * n:(j + 1) * n] = ch.attn.forward(q_j, k_j, v_j)
+        del q_j
+        pq.release()
+        if st.kv_done[me]:
+            _release(kv)
+            kv = None
+        if nxt is not None:
+            nxt.wait()  # ran during the kernel; frees its send buffer
+        pend_out = (_to_seq(o_j, st.q, ch.group, pool), out, st.q)
+        del o_j
+        if not ch.overlap:
+            _scatter_into(*pend_out, add=False)
+            pend_out = None
+            nxt = launch(j + 1) if j + 1 < len(steps) else None
+    if pend_out is not None:
+        _scatter_into(*pend_out, add=False)
+    _release(kv)
+    return out, lse
+
+
+def _backward(dy, x, rope, q: _Proj, k: _Proj, v: _Proj, wo, out, lse, cfg: FusedConfig,
+              pool: BufferPool, grads: dict, dx: Tensor | None) -> None:
+    """Accumulate every gradient into ``grads`` (``"q"``/``"k"``/``"v"``: :class:`_Grads`,
+    ``"wo"``/``"bo"``) and ``dx``; the loop of ``head_chunking._backward``."""
+    ch = cfg.chunks
+    U, me, steps = len(ch.layout.q_sizes), ch.rank, ch.schedule
+    B, s, E = x.shape
+    D, H = cfg.head_dim, out.shape[2]
+    shape, x_NE, dy_NE = (B, s, D), x.reshape(B * s, E), dy.reshape(B * s, E)
+    dx_NE = None if dx is None else dx.view(B * s, E)
+    if grads["wo"] is not None:
+        grads["wo"].addmm_(dy_NE.t(), out.view(B * s, H * D))
+    if grads["bo"] is not None:
+        grads["bo"] += dy_NE.sum(0)
+
+    def launch(j):
+        heads, n = cfg.q_heads[j], steps[j].q[me][1]
+        q_send = _project(x_NE, q, heads, shape, rope, cfg.norm_eps)
+        # dout of these heads only: [B s, E] @ [E, n D] -> [B, s, n, D]
+        dout_send = (dy_NE @ wo.index_select(1, heads.rows)).view(B, s, heads.count, D)
+        return [_to_heads(t, heads.local, n, ch.group, pool) for t in (q_send, dout_send)]
+
+    def finish(sent):
+        """head -> seq arrived: the gradient of what this rank sent; run its projection's
+        backward now."""
+        for pending, proj, heads, name in sent:
+            blocks = [b for b, (_, n) in zip(pending.wait(), heads.ranges) if n]
+            g = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)  # [B, s, n, D]
+            _project_backward(x_NE, proj, heads, shape, rope, cfg.norm_eps, g, grads[name],
+                              dx_NE)
+            del g, blocks
+            pending.release()
+
+    kv, dkv_sum, sent, nxt = None, None, [], launch(0)
+    for j, st in enumerate(steps):
+        finish(sent)
+        kv = _exchange_kv(x_NE, k, v, j, cfg, pool, shape, rope) or kv
+        n = st.q[me][1]
+        p_out = _to_heads(out, st.q, n, ch.group, pool)
+        out_j = _as_BSnD(p_out, (s, B, n, D), U)  # waits: frees its send buffer
+        pqs = nxt + [p_out]
+        q_j, dout_j = (_as_BSnD(p, (s, B, n, D), U) for p in pqs[:2])  # waits before next
+        nxt = launch(j + 1) if ch.overlap and j + 1 < len(steps) else None
+        dq_j = x.new_empty(B, s * U, 0, D)
+        if n:
+            k_j, v_j = kv[1]
+            dq_j, dk_j, dv_j = ch.attn.backward(dout_j, q_j, k_j, v_j, out_j,
+                                                lse[:, j * n:(j + 1) * n].contiguous())
+            # Sum dk/dv over the q chunks sharing this kv chunk (in place); send once, when done.
+            if st.kv_new[me]:
+                dkv_sum = (dk_j, dv_j)
+            else:
+                dkv_sum[0].add_(dk_j), dkv_sum[1].add_(dv_j)
+            del dk_j, dv_j
+        del q_j, out_j, dout_j
+        for p in pqs:
+            p.release()
+        if st.kv_done[me]:
+            _release(kv)
+            kv = None
+        for p in nxt or ():
+            p.wait()
+        sent = [(_to_seq(dq_j, st.q, ch.group, pool), q, cfg.q_heads[j], "q")]
+        del dq_j
+        heads = cfg.kv_done[j]
+        if heads is not None:
+            empty = x.new_empty(B, s * U, 0, D)
+            sends = dkv_sum if st.kv_done[me] else (empty, empty)
+            sent += [(_to_seq(d, heads.ranges, ch.group, pool), proj, heads, name)
+                     for d, proj, name in zip(sends, (k, v), "kv")]
+            if st.kv_done[me]:
+                dkv_sum = None
+            del sends
+        if not ch.overlap:
+            finish(sent)
+            sent = []
+            nxt = launch(j + 1) if j + 1 < len(steps) else None
+    finish(sent)
+    _release(kv)
+
+
+def _zeros_if(needed: bool, t: Tensor | None, dtype=None) -> Tensor | None:
+    return torch.zeros_like(t, dtype=dtype) if needed and t is not None else None
+
+
+class _FusedFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, cos, sin, wq, bq, wk, bk, wv, bv, wo, bo, q_norm, k_norm, cfg, pool):
+        rope = (cos.unsqueeze(2), sin.unsqueeze(2))  # [B|1, s, D] -> [B|1, s, 1, D]
+        q, k, v = (_Proj(wq, bq, q_norm, True), _Proj(wk, bk, k_norm, True),
+                   _Proj(wv, bv, None, False))
+        out, lse = _forward(x, rope, q, k, v, cfg, pool)
+        pool.end_call()
+        # Kept for backward: x, cos/sin, the weights, out (the one all-heads seq-local tensor;
+        # see the module docstring) and the fp32 lse.
+        ctx.save_for_backward(x, cos, sin, wq, bq, wk, bk, wv, bv, wo, q_norm, k_norm, out, lse)
+        ctx.cfg, ctx.pool, ctx.has_bo = cfg, pool, bo is not None
+        B, s, H, D = out.shape
+        return F.linear(out.view(B, s, H * D), wo, bo)
+
+    @staticmethod
+    def backward(ctx, dy):
+        x, cos, sin, wq, bq, wk, bk, wv, bv, wo, q_norm, k_norm, out, lse = ctx.saved_tensors
+        need = ctx.needs_input_grad
+        rope = (cos.unsqueeze(2), sin.unsqueeze(2))
+        q, k, v = (_Proj(wq, bq, q_norm, True), _Proj(wk, bk, k_norm, True),
+                   _Proj(wv, bv, None, False))
+        grads = {
+            "q": _Grads(_zeros_if(need[3], wq), _zeros_if(need[4], bq),
+                        _zeros_if(need[11], q_norm, torch.float32)),
+            "k": _Grads(_zeros_if(need[5], wk), _zeros_if(need[6], bk),
+                        _zeros_if(need[12], k_norm, torch.float32)),
+            "v": _Grads(_zeros_if(need[7], wv), _zeros_if(need[8], bv), None),
+            "wo": _zeros_if(need[9], wo),
+            "bo": (torch.zeros(wo.shape[0], dtype=wo.dtype, device=wo.device)
+                   if ctx.has_bo and need[10] else None),
+        }
+        dx = _zeros_if(need[0], x)
+        _backward(dy.contiguous(), x, rope, q, k, v, wo, out, lse, ctx.cfg, ctx.pool, grads, dx)
+        ctx.pool.end_call()
+        norms = [None if g is None else g.to(w.dtype)
+                 for g, w in ((grads["q"].norm, q_norm), (grads["k"].norm, k_norm))]
+        return (dx, None, None, grads["q"].weight, grads["q"].bias, grads["k"].weight,
+                grads["k"].bias, grads["v"].weight, grads["v"].bias, grads["wo"], grads["bo"],
+                *norms, None, None)
+
+
+def _check_shape(name: str, t: Tensor | None, shape: tuple[int, ...]) -> None:
+    if t is not None and tuple(t.shape) != shape:
+        raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
+
+
+def _validate(x, cos, sin, weights: dict, num_heads: int, num_kv_heads: int) -> int:
+    """Every input check of :func:`fused_attention` that needs no mesh; returns D."""
+    if x.dim() != 3:
+        raise ValueError(f"x must be [batch, seq, hidden], got shape {tuple(x.shape)}")
+    B, s, E = x.shape
+    H, K = num_heads, num_kv_heads
+    wq = weights["wq"]
+    if wq.dim() != 2 or wq.shape[0] % H != 0:
+        raise ValueError(f"wq must be [num_heads * head_dim, hidden] with num_heads={H}, got "
+                         f"shape {tuple(wq.shape)}")
+    D = wq.shape[0] // H
+    if D % 2:
+        raise ValueError(f"RoPE needs an even head_dim, got {D}")
+    expected = {"wq": (H * D, E), "wk": (K * D, E), "wv": (K * D, E), "wo": (E, H * D),
+                "bq": (H * D,), "bk": (K * D,), "bv": (K * D,), "bo": (E,),
+                "q_norm_weight": (D,), "k_norm_weight": (D,)}
+    for name, shape in expected.items():
+        _check_shape(name, weights[name], shape)
+    if (weights["q_norm_weight"] is None) != (weights["k_norm_weight"] is None):
+        raise ValueError("pass both q_norm_weight and k_norm_weight (Qwen3), or neither")
+    if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, B) or \
+            tuple(cos.shape[1:]) != (s, D):
+        raise ValueError(f"cos and sin must both be [{B} or 1, {s}, {D}] (HF's position_embeddings "
+                         f"for this rank's piece, full head_dim rotary), got {tuple(cos.shape)} "
+                         f"and {tuple(sin.shape)}")
+    if cos.requires_grad or sin.requires_grad:
+        raise ValueError("cos/sin must not require grad: the fused path returns no gradient "
+                         "for the rotary embedding")
+    tensors = {"x": x, "cos": cos, "sin": sin, **{n: t for n, t in weights.items()
+                                                  if t is not None}}
+    if len({t.dtype for t in tensors.values()}) != 1 or \
+            len({t.device for t in tensors.values()}) != 1:
+        found = {n: f"{t.dtype}/{t.device}" for n, t in tensors.items()}
+        raise ValueError(f"x, cos, sin and every weight must share one dtype and device, got "
+                         f"{found}")
+    if torch.is_autocast_enabled(x.device.type):
+        raise ValueError("fused_attention does not run under torch.autocast (its projections "
+                         "bypass autocast's casts); cast the model to the training dtype "
+                         "instead, or use the unfused path")
+    return D
+
+
+def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tensor,
+                    wv: Tensor, wo: Tensor, bq: Tensor | None = None, bk: Tensor | None = None,
+                    bv: Tensor | None = None, bo: Tensor | None = None,
+                    q_norm_weight: Tensor | None = None, k_norm_weight: Tensor | None = None,
+                    norm_eps: float = 1e-6, num_heads: int, num_kv_heads: int,
+                    mesh: DeviceMesh, head_chunk_size: int | str, causal: bool = True,
+                    softmax_scale: float | None = None, backend: str | None = None,
+                    buffer_pool: BufferPool | None = None,
+                    chunk_budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES,
+                    chunk_overlap: bool = True, zigzag: bool = True, segments=None) -> Tensor:
+    """A Llama-style attention block, ``o_proj(attn(rope(q_proj(x)), rope(k_proj(x)),
+    v_proj(x)))``, sequence-parallel and head-chunked, with no all-heads q/k/v.
+
+    Args:
+        x: ``x_BsE``, this rank's sequence piece of the block's (normed) input.
+        cos, sin: ``[B or 1, s, D]``, the rotary tables of this piece's positions (HF's
+            ``position_embeddings``), rotate-half convention; no gradient.
+        wq, wk, wv: ``[H D, E]``, ``[K D, E]``, ``[K D, E]`` (``nn.Linear`` weights);
+            ``bq``/``bk``/``bv`` their optional biases (Qwen2).
+        wo, bo: o_proj, ``[E, H D]`` and optional ``[E]``.
+        q_norm_weight, k_norm_weight, norm_eps: optional per-head RMSNorm ``[D]`` applied to
+            q and k before RoPE (Qwen3); both or neither.
+        num_heads, num_kv_heads: H and K; heads are split over the mesh's ``"ulysses"`` axis
+            as in :func:`ulysses.sharding.head_layout`.
+        mesh: from :meth:`SequenceParallelDims.build_mesh`; with ``"ring"`` > 1 each chunk
+            attends by ring attention (hybrid).
+        head_chunk_size: an int from :func:`ulysses.head_chunking.valid_chunk_sizes`, or
+            ``"auto"`` (within ``chunk_budget_bytes``).
+        causal, softmax_scale, backend, buffer_pool, chunk_overlap, zigzag, segments: as for
+            :func:`ulysses.ulysses_attention`.
+
+    Returns:
+        ``y_BsE``, sharded like ``x``. Gradients flow to ``x`` and every weight and bias.
+
+    Every ``ValueError`` is raised before any collective.
+    """
+    weights = dict(wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo,
+                   q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight)
+    D = _validate(x, cos, sin, weights, num_heads, num_kv_heads)
+    check_mesh(mesh)
+    B, s, _ = x.shape
+    U = axis_size(mesh, "ulysses")
+    layout = head_layout(num_heads, num_kv_heads, U)
+    check_hybrid(s, mesh, zigzag)
+    if head_chunk_size is None:
+        raise ValueError("fused_attention needs head_chunk_size (an int or 'auto'): the "
+                         "projections are fused into the head-chunk loop")
+    c = resolve_chunk_size(head_chunk_size, layout, B, s * U, D, x.dtype, chunk_budget_bytes)
+    backend = select_backend(x.device, x.dtype, D, backend)
+    attn = between_exchanges(mesh, batch=B, local_len=s, causal=causal,
+                             scale=default_scale(D, softmax_scale), backend=backend,
+                             unpadded_len=None, zigzag=zigzag, segments=segments)
+    schedule = tuple(build_schedule(layout, c))
+    chunks = ChunkConfig(group=axis_group(mesh, "ulysses"), rank=axis_rank(mesh, "ulysses"),
+                         layout=layout, schedule=schedule, attn=attn, overlap=chunk_overlap)
+
+    def plan(ranges):
+        return None if ranges is None else _heads(ranges, D, x.device)
+
+    cfg = FusedConfig(
+        chunks=chunks, head_dim=D, norm_eps=float(norm_eps),
+        q_heads=tuple(plan(st.q) for st in schedule),
+        kv_new=tuple(plan(_new_kv(st)) for st in schedule),
+        kv_done=tuple(plan([kv if done else (kv[0], 0) for kv, done in zip(st.kv, st.kv_done)])
+                      if any(st.kv_done) else None for st in schedule))
+    pool = BufferPool(keep_between_calls=False) if buffer_pool is None else buffer_pool
+    return _FusedFn.apply(x, cos, sin, wq, bq, wk, bk, wv, bv, wo, bo, q_norm_weight,
+                          k_norm_weight, cfg, pool)
