@@ -58,6 +58,8 @@ from ulysses.buffer_pool import BufferPool
 from ulysses.head_chunking import (DEFAULT_CHUNK_BUDGET_BYTES, ChunkConfig, _as_BSnD, _new_kv,
                                    _release, _scatter_into, _to_heads, _to_seq, build_schedule,
                                    resolve_chunk_size)
+from ulysses.head_projection import (HeadSet, Projection, ProjectionGrads, head_set, project,
+                                     project_backward)
 from ulysses.hybrid import check_hybrid
 from ulysses.kernels import default_scale, select_backend
 from ulysses.mesh import axis_group, axis_rank, axis_size, check_mesh
@@ -65,134 +67,25 @@ from ulysses.sharding import head_layout
 
 
 @dataclass(frozen=True, slots=True)
-class _Heads:
-    """The heads one exchange carries: per rank ``(first global head, count)``."""
-
-    ranges: tuple[tuple[int, int], ...]
-    local: tuple[tuple[int, int], ...]
-    """The same heads as ``(offset, count)`` into the ``[B, s, n, D]`` tensor sent."""
-    rows: Tensor
-    """Their weight rows (q/k/v) or columns (o_proj), in send order: ``[n D]``."""
-    count: int
-
-
-def _heads(ranges, D: int, device) -> _Heads:
-    local, off = [], 0
-    for _, n in ranges:
-        local.append((off, n))
-        off += n
-    rows = torch.cat([torch.arange(start * D, (start + n) * D, device=device)
-                      for start, n in ranges if n])
-    return _Heads(tuple(ranges), tuple(local), rows, off)
-
-
-@dataclass(frozen=True, slots=True)
 class FusedConfig:
+    """What one fused call needs besides tensors: the chunk schedule and, per step, the head
+    sets of its exchanges (with their weight rows)."""
+
     chunks: ChunkConfig
     head_dim: int
     norm_eps: float
-    q_heads: tuple[_Heads, ...]
+    q_heads: tuple[HeadSet, ...]
     """Per step: the query heads sent (and, in backward, their dq received back)."""
-    kv_new: tuple[_Heads | None, ...]
+    kv_new: tuple[HeadSet | None, ...]
     """Per step: the kv heads sent, where some rank needs a new kv chunk."""
-    kv_done: tuple[_Heads | None, ...]
+    kv_done: tuple[HeadSet | None, ...]
     """Per step: the kv heads whose summed dk/dv come back."""
-
-
-@dataclass(frozen=True, slots=True)
-class _Proj:
-    """One of q/k/v: ``weight [heads D, E]``, optional ``bias [heads D]``, optional per-head
-    RMSNorm ``norm [D]`` (Qwen3), and whether RoPE applies (q and k)."""
-
-    weight: Tensor
-    bias: Tensor | None
-    norm: Tensor | None
-    rope: bool
-
-
-@dataclass(slots=True)
-class _Grads:
-    """Accumulators of one projection's gradients; None where no gradient is needed."""
-
-    weight: Tensor | None
-    bias: Tensor | None
-    norm: Tensor | None
-    """fp32; cast to the weight dtype at the end."""
-
-
-# --- the per-head prologue: linear, RMSNorm, RoPE (and their transposes) ------------------
-
-def _rope(t_BsnD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """HF's ``q * cos + rotate_half(q) * sin``; cos/sin ``[B|1, s, 1, D]``."""
-    t1, t2 = t_BsnD.chunk(2, dim=-1)
-    return t_BsnD * cos + torch.cat((-t2, t1), dim=-1) * sin
-
-
-def _rope_backward(g_BsnD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """The transpose of :func:`_rope`: rotate_half^T(z) = cat(z2, -z1)."""
-    z1, z2 = (g_BsnD * sin).chunk(2, dim=-1)
-    return g_BsnD * cos + torch.cat((z2, -z1), dim=-1)
-
-
-def _rms_norm(p_BsnD: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Qwen3's per-head RMSNorm: in fp32, cast back, times ``weight [D]``."""
-    p32 = p_BsnD.float()
-    rstd = torch.rsqrt(p32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * (p32 * rstd).to(p_BsnD.dtype)
-
-
-def _rms_norm_backward(p_BsnD: Tensor, weight: Tensor, eps: float,
-                       g_BsnD: Tensor) -> tuple[Tensor, Tensor]:
-    """``(dp, dweight_fp32)`` of :func:`_rms_norm` at ``p`` for the output gradient ``g``."""
-    p32 = p_BsnD.float()
-    rstd = torch.rsqrt(p32.pow(2).mean(-1, keepdim=True) + eps)
-    normed = p32 * rstd
-    dweight = (g_BsnD.float() * normed.to(p_BsnD.dtype)).sum(dim=(0, 1, 2))
-    dn = (g_BsnD * weight).float()
-    dp = rstd * (dn - normed * (dn * normed).mean(-1, keepdim=True))
-    return dp.to(p_BsnD.dtype), dweight
-
-
-def _linear(x_NE: Tensor, proj: _Proj, heads: _Heads) -> tuple[Tensor, Tensor]:
-    """``(x @ W[rows]^T + b[rows], W[rows])``: ``[B s, n D]`` and ``[n D, E]``."""
-    w = proj.weight.index_select(0, heads.rows)
-    b = None if proj.bias is None else proj.bias.index_select(0, heads.rows)
-    return F.linear(x_NE, w, b), w
-
-
-def _project(x_NE: Tensor, proj: _Proj, heads: _Heads, shape, rope, eps: float) -> Tensor:
-    """The ``[B, s, n, D]`` heads ``heads`` of one projection, normed and rotated."""
-    B, s, D = shape
-    t = _linear(x_NE, proj, heads)[0].view(B, s, heads.count, D)
-    if proj.norm is not None:
-        t = _rms_norm(t, proj.norm, eps)
-    return _rope(t, *rope) if proj.rope else t
-
-
-def _project_backward(x_NE: Tensor, proj: _Proj, heads: _Heads, shape, rope, eps: float,
-                      g_BsnD: Tensor, grads: _Grads, dx_NE: Tensor | None) -> None:
-    """Accumulate the gradients of :func:`_project` for output gradient ``g_BsnD``."""
-    B, s, D = shape
-    if proj.rope:
-        g_BsnD = _rope_backward(g_BsnD, *rope)
-    if proj.norm is not None:
-        p, _ = _linear(x_NE, proj, heads)  # recomputed: the pre-norm values of these heads
-        g_BsnD, dnorm = _rms_norm_backward(p.view(B, s, heads.count, D), proj.norm, eps, g_BsnD)
-        if grads.norm is not None:
-            grads.norm += dnorm
-    # [B, s, n, D] -> [B s, n D]
-    g = g_BsnD.reshape(B * s, heads.count * D)
-    if dx_NE is not None:
-        dx_NE.addmm_(g, proj.weight.index_select(0, heads.rows))
-    if grads.weight is not None:
-        grads.weight.index_add_(0, heads.rows, g.t() @ x_NE)
-    if grads.bias is not None:
-        grads.bias.index_add_(0, heads.rows, g.sum(0))
 
 
 # --- forward / backward ---------------------------------------------------------------------
 
-def _exchange_kv(x_NE, k: _Proj, v: _Proj, j: int, cfg: FusedConfig, pool, shape, rope):
+def _exchange_kv(x_NE, k: Projection, v: Projection, j: int, cfg: FusedConfig, pool, shape,
+                 rotary):
     """Step j's kv projection and exchange, if any rank needs a new kv chunk; as
     ``head_chunking._exchange_kv``: ``(pending, (k_BSkD, v_BSkD))`` for this rank's new chunk,
     or None if it keeps its current one."""
@@ -202,7 +95,7 @@ def _exchange_kv(x_NE, k: _Proj, v: _Proj, j: int, cfg: FusedConfig, pool, shape
     ch = cfg.chunks
     U, me, (B, s, D) = len(ch.layout.q_sizes), ch.rank, shape
     mine = heads.ranges[me][1]
-    pend = [_to_heads(_project(x_NE, proj, heads, shape, rope, cfg.norm_eps), heads.local,
+    pend = [_to_heads(project(x_NE, proj, heads, shape, rotary, cfg.norm_eps), heads.local,
                       mine, ch.group, pool) for proj in (k, v)]
     if not ch.schedule[j].kv_new[me]:
         for p in pend:
@@ -211,7 +104,8 @@ def _exchange_kv(x_NE, k: _Proj, v: _Proj, j: int, cfg: FusedConfig, pool, shape
     return pend, tuple(_as_BSnD(p, (s, B, mine, D), U) for p in pend)
 
 
-def _forward(x, rope, q: _Proj, k: _Proj, v: _Proj, cfg: FusedConfig, pool: BufferPool):
+def _forward(x, rotary, q: Projection, k: Projection, v: Projection, cfg: FusedConfig,
+             pool: BufferPool):
     """Returns ``out_BsHD`` (before o_proj) and ``lse_BhS`` (fp32, this rank's h heads).
 
     The loop of ``head_chunking._forward``, with each exchange's input projected from ``x``
@@ -226,14 +120,14 @@ def _forward(x, rope, q: _Proj, k: _Proj, v: _Proj, cfg: FusedConfig, pool: Buff
 
     def launch(j):
         heads = cfg.q_heads[j]
-        q_send = _project(x_NE, q, heads, shape, rope, cfg.norm_eps)
+        q_send = project(x_NE, q, heads, shape, rotary, cfg.norm_eps)
         return _to_heads(q_send, heads.local, steps[j].q[me][1], ch.group, pool)
 
     kv, pend_out, nxt = None, None, launch(0)
     for j, st in enumerate(steps):
         if pend_out is not None:
             _scatter_into(*pend_out, add=False)
-        kv = _exchange_kv(x_NE, k, v, j, cfg, pool, shape, rope) or kv
+        kv = _exchange_kv(x_NE, k, v, j, cfg, pool, shape, rotary) or kv
         pq, n = nxt, st.q[me][1]
         q_j = _as_BSnD(pq, (s, B, n, D), U)  # waits before the next launch
         nxt = launch(j + 1) if ch.overlap and j + 1 < len(steps) else None
@@ -260,9 +154,9 @@ def _forward(x, rope, q: _Proj, k: _Proj, v: _Proj, cfg: FusedConfig, pool: Buff
     return out, lse
 
 
-def _backward(dy, x, rope, q: _Proj, k: _Proj, v: _Proj, wo, out, lse, cfg: FusedConfig,
-              pool: BufferPool, grads: dict, dx: Tensor | None) -> None:
-    """Accumulate every gradient into ``grads`` (``"q"``/``"k"``/``"v"``: :class:`_Grads`,
+def _backward(dy, x, rotary, q: Projection, k: Projection, v: Projection, wo, out, lse,
+              cfg: FusedConfig, pool: BufferPool, grads: dict, dx: Tensor | None) -> None:
+    """Accumulate every gradient into ``grads`` (``"q"``/``"k"``/``"v"``: :class:`ProjectionGrads`,
     ``"wo"``/``"bo"``) and ``dx``; the loop of ``head_chunking._backward``."""
     ch = cfg.chunks
     U, me, steps = len(ch.layout.q_sizes), ch.rank, ch.schedule
@@ -277,7 +171,7 @@ def _backward(dy, x, rope, q: _Proj, k: _Proj, v: _Proj, wo, out, lse, cfg: Fuse
 
     def launch(j):
         heads, n = cfg.q_heads[j], steps[j].q[me][1]
-        q_send = _project(x_NE, q, heads, shape, rope, cfg.norm_eps)
+        q_send = project(x_NE, q, heads, shape, rotary, cfg.norm_eps)
         # dout of these heads only: [B s, E] @ [E, n D] -> [B, s, n, D]
         dout_send = (dy_NE @ wo.index_select(1, heads.rows)).view(B, s, heads.count, D)
         return [_to_heads(t, heads.local, n, ch.group, pool) for t in (q_send, dout_send)]
@@ -288,7 +182,7 @@ def _backward(dy, x, rope, q: _Proj, k: _Proj, v: _Proj, wo, out, lse, cfg: Fuse
         for pending, proj, heads, name in sent:
             blocks = [b for b, (_, n) in zip(pending.wait(), heads.ranges) if n]
             g = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)  # [B, s, n, D]
-            _project_backward(x_NE, proj, heads, shape, rope, cfg.norm_eps, g, grads[name],
+            project_backward(x_NE, proj, heads, shape, rotary, cfg.norm_eps, g, grads[name],
                               dx_NE)
             del g, blocks
             pending.release()
@@ -296,7 +190,7 @@ def _backward(dy, x, rope, q: _Proj, k: _Proj, v: _Proj, wo, out, lse, cfg: Fuse
     kv, dkv_sum, sent, nxt = None, None, [], launch(0)
     for j, st in enumerate(steps):
         finish(sent)
-        kv = _exchange_kv(x_NE, k, v, j, cfg, pool, shape, rope) or kv
+        kv = _exchange_kv(x_NE, k, v, j, cfg, pool, shape, rotary) or kv
         n = st.q[me][1]
         p_out = _to_heads(out, st.q, n, ch.group, pool)
         out_j = _as_BSnD(p_out, (s, B, n, D), U)  # waits: frees its send buffer
@@ -348,10 +242,10 @@ def _zeros_if(needed: bool, t: Tensor | None, dtype=None) -> Tensor | None:
 class _FusedFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin, wq, bq, wk, bk, wv, bv, wo, bo, q_norm, k_norm, cfg, pool):
-        rope = (cos.unsqueeze(2), sin.unsqueeze(2))  # [B|1, s, D] -> [B|1, s, 1, D]
-        q, k, v = (_Proj(wq, bq, q_norm, True), _Proj(wk, bk, k_norm, True),
-                   _Proj(wv, bv, None, False))
-        out, lse = _forward(x, rope, q, k, v, cfg, pool)
+        rotary = (cos.unsqueeze(2), sin.unsqueeze(2))  # [B|1, s, D] -> [B|1, s, 1, D]
+        q, k, v = (Projection(wq, bq, q_norm, True), Projection(wk, bk, k_norm, True),
+                   Projection(wv, bv, None, False))
+        out, lse = _forward(x, rotary, q, k, v, cfg, pool)
         pool.end_call()
         # Kept for backward: x, cos/sin, the weights, out (the one all-heads seq-local tensor;
         # see the module docstring) and the fp32 lse.
@@ -364,21 +258,21 @@ class _FusedFn(torch.autograd.Function):
     def backward(ctx, dy):
         x, cos, sin, wq, bq, wk, bk, wv, bv, wo, q_norm, k_norm, out, lse = ctx.saved_tensors
         need = ctx.needs_input_grad
-        rope = (cos.unsqueeze(2), sin.unsqueeze(2))
-        q, k, v = (_Proj(wq, bq, q_norm, True), _Proj(wk, bk, k_norm, True),
-                   _Proj(wv, bv, None, False))
+        rotary = (cos.unsqueeze(2), sin.unsqueeze(2))
+        q, k, v = (Projection(wq, bq, q_norm, True), Projection(wk, bk, k_norm, True),
+                   Projection(wv, bv, None, False))
         grads = {
-            "q": _Grads(_zeros_if(need[3], wq), _zeros_if(need[4], bq),
-                        _zeros_if(need[11], q_norm, torch.float32)),
-            "k": _Grads(_zeros_if(need[5], wk), _zeros_if(need[6], bk),
-                        _zeros_if(need[12], k_norm, torch.float32)),
-            "v": _Grads(_zeros_if(need[7], wv), _zeros_if(need[8], bv), None),
+            "q": ProjectionGrads(_zeros_if(need[3], wq), _zeros_if(need[4], bq),
+                                 _zeros_if(need[11], q_norm, torch.float32)),
+            "k": ProjectionGrads(_zeros_if(need[5], wk), _zeros_if(need[6], bk),
+                                 _zeros_if(need[12], k_norm, torch.float32)),
+            "v": ProjectionGrads(_zeros_if(need[7], wv), _zeros_if(need[8], bv), None),
             "wo": _zeros_if(need[9], wo),
             "bo": (torch.zeros(wo.shape[0], dtype=wo.dtype, device=wo.device)
                    if ctx.has_bo and need[10] else None),
         }
         dx = _zeros_if(need[0], x)
-        _backward(dy.contiguous(), x, rope, q, k, v, wo, out, lse, ctx.cfg, ctx.pool, grads, dx)
+        _backward(dy.contiguous(), x, rotary, q, k, v, wo, out, lse, ctx.cfg, ctx.pool, grads, dx)
         ctx.pool.end_call()
         norms = [None if g is None else g.to(w.dtype)
                  for g, w in ((grads["q"].norm, q_norm), (grads["k"].norm, k_norm))]
@@ -491,7 +385,7 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
                          layout=layout, schedule=schedule, attn=attn, overlap=chunk_overlap)
 
     def plan(ranges):
-        return None if ranges is None else _heads(ranges, D, x.device)
+        return None if ranges is None else head_set(ranges, D, x.device)
 
     cfg = FusedConfig(
         chunks=chunks, head_dim=D, norm_eps=float(norm_eps),
