@@ -26,7 +26,7 @@ from torch import nn
 from arctic.config import SequenceParallelConfig, _load
 from arctic.data import SequenceParallelDataLoader
 from arctic.loss import apply_sp_loss
-from arctic.tiling import apply_tiled_mlp
+from arctic.tiling import apply_tiled_mlp, apply_tiled_norms
 from offload import apply_activation_checkpointing
 from ulysses import DeepSpeedMPU
 
@@ -81,6 +81,9 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
                             fuse_projections=config.fuse_projections)
     if config.tiled_mlp is not None:
         apply_tiled_mlp(model, tiles=config.tiled_mlp)
+        # With the MLP tiled, the RMSNorms' float32 temporaries set the step's peak (found by
+        # the planner, arctic.plan); they are tiled with it, by their own byte budget.
+        apply_tiled_norms(model)
     apply_sp_loss(model, group=mesh["sp"].get_group(), loss_tiles=config.loss_tiles,
                   averaged_over_sp=averaged_over_sp)
     if config.activation_checkpointing:

@@ -189,6 +189,43 @@ def apply_tiled_mlp(model: nn.Module, *, tiles: int | str = "auto",
     return model
 
 
+NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
+"""The per-token norms of a HF decoder layer that see ``[B, S, E]`` (Llama, Mistral, Qwen2/3)."""
+
+
+def apply_tiled_norms(model: nn.Module, *, tiles: int | str = "auto",
+                      budget_bytes: int = DEFAULT_TILE_BUDGET_BYTES,
+                      group: dist.ProcessGroup | None = None) -> nn.Module:
+    """Tile each decoder layer's RMSNorms and the final norm over the sequence, as
+    :func:`apply_tiled_mlp` tiles the MLP: forward without autograd, input saved, backward
+    recomputed tile by tile.
+
+    HF's RMSNorm computes in float32: for a bf16 ``[B, S, E]`` input its backward makes about
+    five float32 ``[B, S, E]`` temporaries, 10 GB each at 625K local tokens of an 8B model.
+    The memory planner (``python -m arctic.plan``) found them to be the step's peak once the
+    MLP and the loss were tiled; per tile they are ``1 / tiles`` of that. The norm is per
+    row, so tiling changes nothing in the result. ``"auto"`` sizes tiles so that about four
+    float32 rows of the tile fit ``budget_bytes``. Returns ``model``.
+    """
+    hidden = model.config.hidden_size
+    norms = [getattr(m, n) for m in model.modules() if hasattr(m, "self_attn")
+             for n in NORM_NAMES if isinstance(getattr(m, n, None), nn.Module)]
+    final = getattr(getattr(model, "model", model), "norm", None)
+    if isinstance(final, nn.Module):
+        norms.append(final)
+    if not norms:
+        raise ValueError(f"{type(model).__name__} has no decoder-layer norms to tile")
+    if tiles != "auto":
+        resolve_tiles(tiles, 1, 1)  # type check before touching the model
+    record_apply(model, "tiling")
+    # _tiled_call sizes "auto" tiles by 3 x F elements of the input dtype per row; four float32
+    # copies of a row of E are 16 E bytes.
+    for norm in norms:
+        if not isinstance(norm.forward, _TiledForward):
+            norm.forward = _TiledForward(norm.forward, tiles, 3 * hidden, budget_bytes, group)
+    return model
+
+
 # --- tiled logits + loss ---------------------------------------------------------------------
 
 def _tile_logits(h_tE: Tensor, weight_VE: Tensor) -> Tensor:

@@ -54,7 +54,7 @@ sys.path.insert(0, str(REPO))
 from arctic.data import prepare_sp_batch  # noqa: E402
 from arctic.hf_attention import apply_sequence_parallel  # noqa: E402
 from arctic.loss import apply_sp_loss, sp_token_loss  # noqa: E402
-from arctic.tiling import apply_tiled_mlp  # noqa: E402
+from arctic.tiling import apply_tiled_mlp, apply_tiled_norms  # noqa: E402
 from offload import apply_activation_checkpointing  # noqa: E402
 from ulysses import SequenceParallelDims  # noqa: E402
 
@@ -78,6 +78,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--loss-tiles", type=int, default=8)
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--out", type=Path, default=None)
+    p.add_argument("--stacks", nargs="+", default=None,
+                   help=f"a subset of {list(STACKS) + [UNCHUNKED, PEER]} (default: all)")
+    p.add_argument("--predict", action="store_true",
+                   help="no ranks: trace rank 0 of --world ranks under FakeTensorMode with the "
+                        "memory planner (arctic.plan) and write its predicted peaks")
+    p.add_argument("--world", type=int, default=2, help="ranks to predict for (--predict)")
     return p.parse_args()
 
 
@@ -90,7 +96,9 @@ def build(stack: str, args, mesh, device, seq_len: int):
                       num_key_value_heads=4, max_position_embeddings=args.seq,
                       tie_word_embeddings=False)
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(device)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    if next(model.parameters()).device != device:  # (fake tensors, --predict, cannot move)
+        model = model.to(device)
     if stack == PEER:
         model.sp_loss_applied = True
         return _alst_peer.apply_alst(model, mesh=mesh, seq_len=seq_len,
@@ -101,6 +109,7 @@ def build(stack: str, args, mesh, device, seq_len: int):
     apply_sequence_parallel(model, mesh=mesh, head_chunk_size=args.chunk if chunked else None)
     if level >= 2:
         apply_tiled_mlp(model, tiles=args.mlp_tiles)
+        apply_tiled_norms(model, tiles=args.mlp_tiles)
         apply_sp_loss(model, group=mesh["sp"].get_group(), loss_tiles=args.loss_tiles)
     if level >= 3:
         apply_activation_checkpointing(model, offload_to_cpu=True,
@@ -159,8 +168,44 @@ def max_over_ranks(value: float, device) -> float:
     return t.item()
 
 
+def predict(args) -> None:
+    """The planner's prediction of each stack's device peak on rank 0: the same ``build`` and
+    ``step`` traced under FakeTensorMode on torch's fake process group (arctic.plan)."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from arctic.plan import fake_world, track_peak
+
+    fake_world(args.world)
+    mesh = SequenceParallelDims(world_size=args.world,
+                                ulysses_degree=args.world).build_mesh("cpu")
+    group = mesh["sp"].get_group()
+    device = torch.device("cpu")
+    record = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
+              "predicted": {}}
+    for s in args.stacks or STACKS + (UNCHUNKED,):
+        if s == PEER:
+            continue  # DeepSpeed's pieces are not ours to plan
+        with FakeTensorMode(allow_non_fake_inputs=True):
+            ids = torch.randint(0, 256, (1, args.seq))
+            batch = prepare_sp_batch({"input_ids": ids}, mesh)
+            model = build(s, args, mesh, device, args.seq)
+            step(model, batch, group)  # warm-up, as measured: the host pool's buffers exist
+            model.zero_grad(set_to_none=True)
+            with track_peak(track=(*model.parameters(), *batch.values())) as tracker:
+                step(model, batch, group)
+        peak = tracker.breakdown("cpu")
+        record["predicted"][s] = {"device_peak_bytes": peak.total, "by_kind": peak.by_kind}
+        print(f"{s:<16} predicted device peak {peak.total / MIB:8.1f} MiB", flush=True)
+    out = args.out or Path(__file__).parent / "results" / \
+        f"memory_predicted_w{args.world}_s{args.seq}_l{args.layers}.json"
+    out.write_text(json.dumps(record, indent=2) + "\n")
+    print(f"wrote {out}")
+
+
 def main() -> None:
     args = parse_args()
+    if args.predict:
+        return predict(args)
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) \
         if torch.cuda.is_available() else torch.device("cpu")
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
@@ -174,7 +219,12 @@ def main() -> None:
     _alst_peer.check_shards(ids.to(device), batch, mesh)
     seq_len = batch["input_ids"].shape[1] * world
 
-    models = {s: build(s, args, mesh, device, seq_len) for s in STACKS + (UNCHUNKED, PEER)}
+    missing = set(STACKS) - set(args.stacks or STACKS)
+    if missing:
+        raise SystemExit(f"--stacks must include the four stacks {list(STACKS)}; missing "
+                         f"{sorted(missing)}")
+    models = {s: build(s, args, mesh, device, seq_len)
+              for s in args.stacks or STACKS + (UNCHUNKED, PEER)}
     for model in models.values():  # warm-up: kernels, the pool's buffers
         step(model, batch, group)
     mem = {s: measure(m, batch, group, device) for s, m in models.items()}
@@ -202,6 +252,7 @@ def main() -> None:
         diff = max((m["grads"][n] - g).abs().max().item() for n, g in ref["grads"].items())
         record["stacks"][s] = {
             "device_peak_bytes": max_over_ranks(m["peak"], device),
+            "rank0_device_peak_bytes": m["peak"],  # printed by rank 0: its own
             "host_peak_bytes": max_over_ranks(m["host_peak"], device),
             "host_pool_bytes": max_over_ranks(m["host_reserved"], device),
             "pool_grew_bytes": max_over_ranks(m["pool_grew"], device),
@@ -220,8 +271,9 @@ def main() -> None:
     }
     record["vs_peer"] = {f"{s}_over_{PEER}_{what}": st[s][key] / st[PEER][key]
                          for s in STACKS[2:] for what, key in (("device_peak", "device_peak_bytes"),
-                                                               ("step_time", "median_step_s"))}
-    record["chunking_in_full_stack"] = {
+                                                               ("step_time", "median_step_s"))
+                         if PEER in st}
+    record["chunking_in_full_stack"] = {} if UNCHUNKED not in st else {
         "device_peak_chunked_over_unchunked": st[STACKS[-1]]["device_peak_bytes"] /
         st[UNCHUNKED]["device_peak_bytes"],
         "step_time_chunked_over_unchunked": st[STACKS[-1]]["median_step_s"] /
