@@ -57,6 +57,9 @@ class SequenceParallelConfig:
     """The HF attention name to switch models to."""
     tiled_mlp: int | Literal["auto"] | None = None
     """MLP sequence tiles; None = no tiling."""
+    tiled_norms: bool = True
+    """With ``tiled_mlp``, also tile the RMSNorms over the sequence (their float32 backward
+    temporaries are the next peak; :func:`arctic.tiling.apply_tiled_norms`)."""
     loss_tiles: int | Literal["auto"] = "auto"
     """Sequence tiles of the logits + loss."""
     activation_checkpointing: bool = False
@@ -83,7 +86,8 @@ class SequenceParallelConfig:
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(f"ulysses.attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, "
                              f"got {self.attn_implementation!r}")
-        for name in ("fuse_projections", "activation_checkpointing", "offload_activations"):
+        for name in ("fuse_projections", "tiled_norms", "activation_checkpointing",
+                     "offload_activations"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ulysses.{name} must be true or false, got "
                                  f"{getattr(self, name)!r}")

@@ -81,9 +81,10 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
                             fuse_projections=config.fuse_projections)
     if config.tiled_mlp is not None:
         apply_tiled_mlp(model, tiles=config.tiled_mlp)
-        # With the MLP tiled, the RMSNorms' float32 temporaries set the step's peak (found by
-        # the planner, arctic.plan); they are tiled with it, by their own byte budget.
-        apply_tiled_norms(model)
+        if config.tiled_norms:
+            # With the MLP tiled, the RMSNorms' float32 temporaries set the step's peak (found
+            # by the planner, arctic.plan); they are tiled with it, by their own byte budget.
+            apply_tiled_norms(model)
     apply_sp_loss(model, group=mesh["sp"].get_group(), loss_tiles=config.loss_tiles,
                   averaged_over_sp=averaged_over_sp)
     if config.activation_checkpointing:

@@ -182,8 +182,8 @@ def train_step(model: nn.Module, optimizer, batch: dict, *, on_phase=None) -> to
 STACKS: dict[str, dict] = {
     # name -> SequenceParallelConfig fields (sequence_parallel_size comes from the world)
     "ulysses": dict(loss_tiles=1),
-    "alst": dict(tiled_mlp="auto", loss_tiles="auto", activation_checkpointing=True,
-                 offload_activations=True),
+    "alst": dict(tiled_mlp="auto", tiled_norms=False, loss_tiles="auto",
+                 activation_checkpointing=True, offload_activations=True),
     "ours": dict(head_chunk_size=1, fuse_projections=True, tiled_mlp="auto", loss_tiles="auto",
                  activation_checkpointing=True, offload_activations=True),
     "ours-unfused": dict(head_chunk_size=1, tiled_mlp="auto", loss_tiles="auto",
@@ -197,8 +197,8 @@ STACKS: dict[str, dict] = {
 ``alst``: DeepSpeed ALST's recipe (Ulysses without head chunking, tiled MLP and loss,
 checkpointing with the layer inputs offloaded), built from our code. ``ours``: the same with
 head chunking (one head per chunk) and the q/k/v/o projections fused into the chunk loop;
-``ours-unfused`` without that fusion. ``hybrid``: ``ours`` over ring 2 x Ulysses W/2. Every
-stack with tiled MLP also tiles the RMSNorms (:func:`arctic.tiling.apply_tiled_norms`)."""
+``ours-unfused`` without that fusion. ``hybrid``: ``ours`` over ring 2 x Ulysses W/2. Ours
+also tile the RMSNorms (:func:`arctic.tiling.apply_tiled_norms`); ALST does not."""
 
 
 def stack_config(stack: str | dict, *, world: int) -> SequenceParallelConfig:
@@ -482,7 +482,7 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
     return Estimate(model=model, stack=name, seq_len=seq_len, world=world, gpus_per_node=gpus,
                     sp={k: getattr(sp, k) for k in ("sequence_parallel_size", "ring_degree",
                                                     "head_chunk_size", "fuse_projections",
-                                                    "tiled_mlp", "loss_tiles",
+                                                    "tiled_mlp", "tiled_norms", "loss_tiles",
                                                     "activation_checkpointing",
                                                     "offload_activations")},
                     peak=peak, device_budget=int(gpu_memory * (1 - reserve)),
@@ -546,6 +546,10 @@ def parse_args(argv=None) -> argparse.Namespace:
                        help="MLP tiles: an int, auto or none")
     stack.add_argument("--loss-tiles", type=_int_auto_none, default=argparse.SUPPRESS,
                        help="logits + loss tiles: an int or auto")
+    stack.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction,
+                       default=None, help="q/k/v/o projections inside the head-chunk loop")
+    stack.add_argument("--tiled-norms", action=argparse.BooleanOptionalAction, default=None,
+                       help="tile the RMSNorms with the MLP")
     stack.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                        help="checkpoint layers and offload their inputs to the host")
     stack.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=None)
@@ -577,7 +581,7 @@ def settings_from_args(args: argparse.Namespace) -> dict:
         fields = SequenceParallelConfig.from_ds_config(ds, world_size=world)
         fields = {k: getattr(fields, k) for k in (
             "sequence_parallel_size", "ring_degree", "head_chunk_size", "fuse_projections",
-            "tiled_mlp",
+            "tiled_mlp", "tiled_norms",
             "loss_tiles", "activation_checkpointing", "offload_activations")}
     else:
         fields = dict(STACKS[args.stack or "ours"])
@@ -589,6 +593,9 @@ def settings_from_args(args: argparse.Namespace) -> dict:
                      ("loss_tiles", "loss_tiles")):
         if hasattr(args, arg):
             fields[key] = getattr(args, arg)
+    for arg in ("fuse_projections", "tiled_norms"):
+        if getattr(args, arg) is not None:
+            fields[arg] = getattr(args, arg)
     if args.checkpointing is not None:
         fields["activation_checkpointing"] = args.checkpointing
         if not args.checkpointing:
