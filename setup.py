@@ -11,7 +11,9 @@ setup(
     # A range, never a pin: GPU users keep the CUDA build they already have.
     install_requires=["torch>=2.5", "einops>=0.7"],
     extras_require={
-        "test": ["pytest>=7", "deepspeed>=0.17", "numpy", "transformers>=5.0", "accelerate>=1.0"],
+        "test": ["pytest>=7", "deepspeed>=0.17", "numpy", "transformers>=5.0", "accelerate>=1.0",
+                 "matplotlib"],
         "hf": ["deepspeed>=0.17", "transformers>=5.0", "accelerate>=1.0"],
+        "plan": ["transformers>=5.0", "matplotlib"],  # python -m arctic.plan [--plot]
     },
 )

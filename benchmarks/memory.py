@@ -1,14 +1,14 @@
 """Benchmark: per-rank peak memory and step time of the memory stack, one feature at a time.
 
 The tiny Llama of ``examples/train.py`` trains one step (forward + backward, SP over all ranks)
-under four stacks, each built from the same seed. It runs with 8 decoder layers by default
-(``--layers``; the CPU demo's model has 2): per-layer checkpointing keeps one layer's
-activations at a time, so with 2 layers it can drop at most half of them, which says little
-about a 32-layer model. Both are in ``results/`` (``_l8``, ``_l2``). The stacks:
+under four stacks, each built from the same seed. It has the demo model's 2 decoder layers by
+default (``--layers``; ``results/`` also holds an 8-layer run, ``_l8``, made before the
+tiled norms and fused projections existed). The stacks:
 
 1. ``ulysses``: SP attention, HF's own logits and a plain cross-entropy;
-2. ``+chunking``: head-chunked attention (``--chunk`` heads at a time);
-3. ``+tiling``: tiled MLP and tiled logits + loss;
+2. ``+chunking``: head-chunked attention (``--chunk`` heads at a time) with the q/k/v/o
+   projections fused into the chunk loop (``--no-fuse``: chunking alone);
+3. ``+tiling``: tiled MLP and RMSNorms, tiled logits + loss;
 4. ``+ckpt+offload``: per-layer checkpointing, layer inputs in the host buffer pool;
 
 then ``full, unchunked`` (stack 4 without chunking, to show what chunking is worth there)
@@ -29,7 +29,8 @@ Time: ``--iters`` rounds, stacks alternating, each step timed as the max over ra
 Every stack's loss and gradients are compared with stack 1's. The acceptance checks cover
 our four stacks only; the peer gets ratios (``vs_peer``), for information.
 
-    torchrun --nproc_per_node 2 benchmarks/memory.py [--seq 16384 --layers 8 --iters 2]
+    torchrun --nproc_per_node 2 benchmarks/memory.py [--seq 16384 --layers 2 --iters 2]
+    python benchmarks/memory.py --predict --world 2 [...]   # the planner's prediction
 """
 
 from __future__ import annotations
@@ -71,9 +72,11 @@ activations (without checkpointing they hide the attention transient that chunki
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--seq", type=int, default=16384, help="full sequence length")
-    p.add_argument("--layers", type=int, default=8,
-                   help="decoder layers (examples/train.py's tiny-llama has 2; see the doc)")
+    p.add_argument("--layers", type=int, default=2,
+                   help="decoder layers (examples/train.py's tiny-llama has 2)")
     p.add_argument("--chunk", type=int, default=1, help="heads per chunk in stacks 2-4")
+    p.add_argument("--fuse", action=argparse.BooleanOptionalAction, default=True,
+                   help="chunked stacks fuse q/k/v/o into the chunk loop (fuse_projections)")
     p.add_argument("--mlp-tiles", type=int, default=8)
     p.add_argument("--loss-tiles", type=int, default=8)
     p.add_argument("--iters", type=int, default=3)
@@ -106,7 +109,8 @@ def build(stack: str, args, mesh, device, seq_len: int):
     level = 3 if stack == UNCHUNKED else STACKS.index(stack)
     model.sp_loss_applied = level >= 2
     chunked = 1 <= level and stack != UNCHUNKED
-    apply_sequence_parallel(model, mesh=mesh, head_chunk_size=args.chunk if chunked else None)
+    apply_sequence_parallel(model, mesh=mesh, head_chunk_size=args.chunk if chunked else None,
+                            fuse_projections=chunked and args.fuse)
     if level >= 2:
         apply_tiled_mlp(model, tiles=args.mlp_tiles)
         apply_tiled_norms(model, tiles=args.mlp_tiles)
