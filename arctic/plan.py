@@ -675,6 +675,8 @@ def find_max(plan_at, *, start: int, granule: int, log=print) -> tuple[int, list
             hi = (e.seq_len, load(e))
         if hi is not None and hi[0] <= granule and not e.fits:
             return 0, tried
+    if lo is None:  # not even one granule fits
+        return 0, tried
     while hi[0] - lo[0] > max(granule, lo[0] // 50):
         (n0, f0), (n1, f1) = lo, hi
         guess = n0 + (1 - f0) * (n1 - n0) / (f1 - f0) if f1 > f0 else (n0 + n1) / 2

@@ -90,9 +90,9 @@ def test_find_max_verdict_and_plot(tmp_path):
 
 
 def test_verdict_names_the_limit(tmp_path):
-    """Plain Ulysses (untiled logits) at 1M tokens on 8 x 80 GiB does not fit; the full stack
+    """Plain Ulysses (untiled logits) at 512K tokens on 8 x 80 GiB does not fit; the full stack
     does, and uses far less."""
-    args = ["--model", "llama3-8b", "--layers", "2", "--seq-len", "1M", "--gpus", "8"]
+    args = ["--model", "llama3-8b", "--layers", "2", "--seq-len", "512K", "--gpus", "8"]
     plain = _plan(tmp_path, *args, "--stack", "ulysses", name="u.json")["estimate"]
     ours = _plan(tmp_path, *args, name="o.json")["estimate"]
     assert not plain["fits"] and plain["limit"] in ("temporaries", "activations")
