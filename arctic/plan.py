@@ -578,6 +578,11 @@ def settings_from_args(args: argparse.Namespace) -> dict:
         if zero not in (0, 3):
             raise ValueError(f"--ds-config has ZeRO stage {zero}: the planner plans full "
                              f"sharding (ZeRO-3 or FSDP2); use stage 3")
+        if ds.get("zero_optimization", {}).get("offload_optimizer") or \
+                ds.get("zero_optimization", {}).get("offload_param"):
+            print("note: the config offloads the optimizer or parameters to the host; the "
+                  "planner keeps them on the GPU (FSDP2 shards), so its device peak is an "
+                  "upper bound", file=sys.stderr)
         fields = SequenceParallelConfig.from_ds_config(ds, world_size=world)
         fields = {k: getattr(fields, k) for k in (
             "sequence_parallel_size", "ring_degree", "head_chunk_size", "fuse_projections",
