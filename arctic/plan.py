@@ -665,13 +665,17 @@ def find_max(plan_at, *, start: int, granule: int, log=print) -> tuple[int, list
         lo = (e.seq_len, load(e))
     else:
         hi = (e.seq_len, load(e))
-    while lo is None or hi is None:  # bracket: scale by the line through the origin
+    while lo is None or hi is None:
+        # Bracket. Memory is about a + b n with a > 0 (parameters, optimizer state), so scaling
+        # by the line through the origin lands short of the crossing: step 5% past it when
+        # growing, 2% short of it when shrinking, so the next trace lands on the other side.
         n, f = lo or hi
-        target = snap(n / f * (0.98 if lo is None else 1.0)) if f > 0 else 2 * n
-        target = max(target, 2 * n) if lo is not None and target <= n else target
-        if hi is not None and target >= n:
-            target = snap(n // 2)
-        if target == n:
+        if lo is not None:
+            target = snap(n / f * 1.05) if f > 0 else 2 * n
+            target = max(target, n + granule)
+        else:
+            target = min(snap(n / f * 0.98), snap(n // 2) if f > 2 else n - granule)
+        if target == n or target < granule:
             break
         e = at(target)
         if e.fits:

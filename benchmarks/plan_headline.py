@@ -28,7 +28,7 @@ from arctic.plan import _as_json, find_max, parse_bytes, plan  # noqa: E402
 
 ANCHORS = {"alst_8xh100": 3_700_000, "alst_32xh100": 15_000_000, "upipe_8xh100": 5_000_000,
            "target_8x80gb": 6_000_000}
-START = {("alst", 8): 3_000_000, ("ours", 8): 5_000_000, ("hybrid", 8): 5_000_000,
+START = {("alst", 8): 3_000_000, ("ours", 8): 5_700_000, ("hybrid", 8): 5_700_000,
          ("alst", 32): 12_000_000, ("ours", 32): 18_000_000, ("hybrid", 32): 18_000_000}
 
 
