@@ -200,3 +200,63 @@ def _rank_all_ignored(sp):
 
 def test_sp_loss_with_no_valid_label_anywhere_is_zero_not_nan():
     assert dist_pool.run(_rank_all_ignored, 2, world_size=2) == [(0.0, 0.0, 0.0)] * 2
+
+
+def _llama(dtype):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                      num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4)
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(dtype)
+
+
+def test_tiled_norms_match_untiled_and_cut_the_norm_backward_peak():
+    """apply_tiled_norms: every RMSNorm (2 per layer + the final one) runs over tiles, the
+    loss is identical and the gradients match; one bf16 norm's backward no longer holds its
+    float32 [S, E] temporaries whole."""
+    pytest.importorskip("transformers")
+    from arctic.tiling import apply_tiled_norms
+
+    ids = torch.randint(0, 256, (2, 96), generator=torch.Generator().manual_seed(1))
+
+    def run(tiles):
+        model = _llama(torch.float32)
+        if tiles:
+            apply_tiled_norms(model, tiles=tiles)
+        loss = model(input_ids=ids, labels=ids).loss
+        loss.backward()
+        return loss.detach(), torch.cat([p.grad.flatten() for p in model.parameters()]), model
+
+    loss0, grad0, _ = run(None)
+    loss1, grad1, model = run(3)
+    assert torch.equal(loss0, loss1)
+    torch.testing.assert_close(grad1, grad0, atol=1e-6, rtol=1e-5)
+    norms = [m for m in model.modules() if type(m).__name__.endswith("RMSNorm")]
+    assert len(norms) == 5 and all(type(m.forward).__name__ == "_TiledForward" for m in norms)
+
+    # Memory: one norm, bf16 input [1, S, E]; its untiled backward makes float32 [S, E]
+    # temporaries (4 bytes per element, several of them); tiled, at most a tile's worth.
+    S, E, tiles = 8192, 128, 8
+    norm = _llama(torch.bfloat16).model.norm
+    x = torch.randn(1, S, E, dtype=torch.bfloat16, requires_grad=True)
+
+    def peak(module):
+        mt = MemTracker()
+        mt.track_external(module, x)
+        with mt:
+            module(x).float().sum().backward()
+        x.grad = None
+        return mt.get_tracker_snapshot("peak")[x.device]["Total"]
+
+    plain = peak(norm)
+    wrapper = nn.Module()
+    wrapper.config = type("C", (), {"hidden_size": E})()
+    wrapper.model = nn.Module()
+    wrapper.model.norm = norm
+    apply_tiled_norms(wrapper, tiles=tiles)
+    tiled = peak(norm)
+    fp32_full = S * E * 4
+    print(f"\nRMSNorm fwd+bwd peak: untiled {plain / 2**20:.2f} MiB, {tiles} tiles "
+          f"{tiled / 2**20:.2f} MiB")
+    assert plain - tiled >= 2 * fp32_full
