@@ -281,13 +281,15 @@ def _tracker_class():
                     where = max(self._mod_tracker.parents, key=len, default="")
                     phase = "backward" if self._mod_tracker.is_bw else "forward"
                     self.labels[st] = (f"{self._op} in {where or 'the step'} ({phase})",
-                                       st.nbytes())
+                                       st.nbytes(), t.device.type)
 
         def _largest(self, top: int = 6) -> list[tuple[str, int, int]]:
             """The live storages grouped by what made them: (label, count, bytes), largest
             first."""
             groups: dict[str, list[int]] = {}
-            for label, nbytes in list(self.labels.values()):
+            for label, nbytes, device in list(self.labels.values()):
+                if device == "meta":  # the offload pool's host buffers (planned, not real)
+                    continue
                 g = groups.setdefault(label, [0, 0])
                 g[0] += 1
                 g[1] += nbytes
