@@ -36,7 +36,8 @@ def test_predicted_peaks_match_the_memory_benchmark_within_10_percent(tmp_path):
     """Issue 8's validation: the four stacks of benchmarks/memory.py, tiny Llama, 2 ranks. The
     measured peak is MemTracker's on real tensors over gloo; the prediction traces rank 0 with
     fake tensors on the fake process group, through the same build() and step()."""
-    common = ["--seq", "2048", "--layers", "2"]
+    # 4 layers: offload lowers the peak (at 2 the prefetch brings layer 0 back for the peak)
+    common = ["--seq", "4096", "--layers", "4"]
     stacks = ["ulysses", "+chunking", "+tiling", "+ckpt+offload"]
     real = _run("-m", "torch.distributed.run", "--nproc_per_node", "2",
                 "benchmarks/memory.py", *common, "--iters", "1", "--stacks", *stacks,
@@ -51,7 +52,9 @@ def test_predicted_peaks_match_the_memory_benchmark_within_10_percent(tmp_path):
         m, p = measured[s]["rank0_device_peak_bytes"], predicted[s]["device_peak_bytes"]
         print(f"{s:<14} measured {m / 2**20:7.2f} MiB  predicted {p / 2**20:7.2f} MiB  "
               f"ratio {p / m:.4f}")
-        assert abs(p / m - 1) <= 0.10, (s, m, p)
+        # The issue asks for 10%; the trace reproduces the measured bytes exactly, so hold it
+        # to 1%: a planner that, e.g., kept offloaded inputs on the device would pass 10%.
+        assert abs(p / m - 1) <= 0.01, (s, m, p)
     # The stacks differ by far more than the tolerance, so matching each is not luck.
     assert measured["+ckpt+offload"]["rank0_device_peak_bytes"] < \
         0.5 * measured["ulysses"]["rank0_device_peak_bytes"]
