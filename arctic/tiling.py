@@ -179,14 +179,21 @@ def apply_tiled_mlp(model: nn.Module, *, tiles: int | str = "auto",
               if isinstance(getattr(m, "mlp", None), nn.Module) and hasattr(m, "self_attn")]
     if not layers:
         raise ValueError(f"{type(model).__name__} has no decoder layer with an mlp to tile")
+    _tile_forwards(model, [layer.mlp for layer in layers], tiles, intermediate, budget_bytes,
+                   group)
+    return model
+
+
+def _tile_forwards(model: nn.Module, modules, tiles, intermediate_size, budget_bytes,
+                   group) -> None:
+    """Check ``tiles``, record the tiling stage, then give each module (once) the tiled run of
+    its own ``forward``."""
     if tiles != "auto":
         resolve_tiles(tiles, 1, 1)  # type check before touching the model
     record_apply(model, "tiling")
-    for layer in layers:
-        mlp = layer.mlp
-        if not isinstance(mlp.forward, _TiledForward):
-            mlp.forward = _TiledForward(mlp.forward, tiles, intermediate, budget_bytes, group)
-    return model
+    for m in modules:
+        if not isinstance(m.forward, _TiledForward):
+            m.forward = _TiledForward(m.forward, tiles, intermediate_size, budget_bytes, group)
 
 
 NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
@@ -215,14 +222,9 @@ def apply_tiled_norms(model: nn.Module, *, tiles: int | str = "auto",
         norms.append(final)
     if not norms:
         raise ValueError(f"{type(model).__name__} has no decoder-layer norms to tile")
-    if tiles != "auto":
-        resolve_tiles(tiles, 1, 1)  # type check before touching the model
-    record_apply(model, "tiling")
     # _tiled_call sizes "auto" tiles by 3 x F elements of the input dtype per row; four float32
     # copies of a row of E are 16 E bytes.
-    for norm in norms:
-        if not isinstance(norm.forward, _TiledForward):
-            norm.forward = _TiledForward(norm.forward, tiles, 3 * hidden, budget_bytes, group)
+    _tile_forwards(model, norms, tiles, 3 * hidden, budget_bytes, group)
     return model
 
 
