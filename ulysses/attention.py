@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from ulysses.all_to_all import all_to_all
+from ulysses.band import check_window
 from ulysses.buffer_pool import BufferPool
 from ulysses.head_chunking import (DEFAULT_CHUNK_BUDGET_BYTES, head_chunked_attention,
                                    resolve_chunk_size)
@@ -24,6 +25,7 @@ from ulysses.kernels import attention_with_lse, check_qkv, default_scale, select
 from ulysses.mesh import axis_group, axis_rank, axis_size, check_mesh
 from ulysses.segments import SegmentedAttention, check_segments
 from ulysses.sharding import HeadLayout, head_layout
+from ulysses.sinks import check_sinks
 
 
 def _validate(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, causal: bool,
@@ -47,18 +49,20 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, causal: bool,
 
 def between_exchanges(mesh: DeviceMesh, *, batch: int, local_len: int, causal: bool,
                       scale: float, backend: str, unpadded_len: int | None, zigzag: bool,
-                      segments):
+                      segments, window: int | None = None):
     """The attention that runs between the two all-to-alls, on ``[B, S, h, D]`` tensors:
-    within documents (``segments``), the ring (R > 1), or the local kernel.
+    within documents (``segments``), the ring (R > 1), or the local kernel; each with a
+    causal sliding ``window`` when one is given.
 
     Raises ``NotImplementedError`` for segments with a ring and ``ValueError`` for bad
-    segments, both before any collective.
+    segments or a bad window, all before any collective.
     """
+    window = check_window(window, causal)
     # Padded keys can only be seen without a causal mask (the padding is the sequence's tail).
     kv_len = unpadded_len if unpadded_len is not None and not causal else None
     if segments is None:
         return inner_attention(mesh, causal=causal, scale=scale, backend=backend, kv_len=kv_len,
-                               zigzag=zigzag)
+                               zigzag=zigzag, window=window)
     if axis_size(mesh, "ring") > 1:
         raise NotImplementedError("packed documents (segments) with ring_degree > 1: the ring "
                                   "kernels cannot mask across documents; use ring_degree=1")
@@ -66,7 +70,7 @@ def between_exchanges(mesh: DeviceMesh, *, batch: int, local_len: int, causal: b
         raise ValueError("pass either segments or unpadded_len: make the padded tail its own "
                          "segment instead")
     return SegmentedAttention(causal=causal, scale=scale, backend=backend, starts=check_segments(
-        segments, batch, local_len * axis_size(mesh, "ulysses")))
+        segments, batch, local_len * axis_size(mesh, "ulysses")), window=window)
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, causal: bool,
@@ -75,7 +79,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
                       buffer_pool: BufferPool | None = None,
                       chunk_budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES,
                       chunk_overlap: bool = True, zigzag: bool = True,
-                      segments=None) -> Tensor:
+                      segments=None, window: int | None = None,
+                      sinks: Tensor | None = None) -> Tensor:
     """Sequence-parallel attention over the mesh's ``"ulysses"`` and ``"ring"`` axes.
 
     Args:
@@ -105,6 +110,11 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
         segments: packed documents: per batch row, the start offsets (in the full sequence,
             beginning with 0) of its documents; no token attends across a boundary. Needs
             R = 1 (``NotImplementedError`` otherwise) and no ``unpadded_len``.
+        window: causal sliding window: a query sees itself and the ``window - 1`` keys before
+            it (HF's ``sliding_window``; :mod:`ulysses.band`). Needs ``causal``; works with
+            head chunking, rings (blocks outside the window are skipped) and segments.
+        sinks: ``[H]`` attention-sink logits (GPT-OSS's ``s_aux``), one per query head: each
+            joins its head's softmax with a zero value (:mod:`ulysses.sinks`); differentiable.
 
     Returns:
         ``out_BsHD``, sharded like ``q``.
@@ -113,19 +123,24 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     divide ``U`` give uneven splits. Every ``ValueError`` is raised before any collective.
     """
     layout, backend = _validate(q, k, v, mesh, causal, backend, unpadded_len, zigzag)
+    check_sinks(sinks, q.shape[2], q.device)
     group = axis_group(mesh, "ulysses")
+    rank = axis_rank(mesh, "ulysses")
     scale = default_scale(q.shape[-1], softmax_scale)
     attn = between_exchanges(mesh, batch=q.shape[0], local_len=q.shape[1], causal=causal,
                              scale=scale, backend=backend, unpadded_len=unpadded_len,
-                             zigzag=zigzag, segments=segments)
+                             zigzag=zigzag, segments=segments, window=window)
+    if sinks is not None:  # [H] -> [h]: this rank's query heads (autograd scatters the grad)
+        first = sum(layout.q_sizes[:rank])
+        sinks = sinks[first:first + layout.q_sizes[rank]]
     if head_chunk_size is not None:
         c = resolve_chunk_size(head_chunk_size, layout, q.shape[0], q.shape[1] * len(
             layout.q_sizes), q.shape[3], q.dtype, chunk_budget_bytes)
-        return head_chunked_attention(q, k, v, group=group, rank=axis_rank(mesh, "ulysses"),
-                                      layout=layout, head_chunk_size=c, attn=attn,
-                                      pool=buffer_pool, overlap=chunk_overlap)
+        return head_chunked_attention(q, k, v, group=group, rank=rank, layout=layout,
+                                      head_chunk_size=c, attn=attn, pool=buffer_pool,
+                                      overlap=chunk_overlap, sinks=sinks)
     if len(layout.q_sizes) == 1:  # U = 1: nothing to exchange (pure ring, or one rank)
-        out, _ = attention_with_lse(q, k, v, attn)
+        out, _ = attention_with_lse(q, k, v, attn, sinks)
         return out
     if layout.replicated:
         # [B, s, K, D] -> [B, s, sum(kv_sizes), D]: each rank's kv range in send order.
@@ -136,6 +151,6 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     # [B, s, K', D] -> [B, S, k, D]
     k_BSkD = all_to_all(k, group, scatter_dim=2, gather_dim=1, scatter_sizes=layout.kv_sizes)
     v_BSkD = all_to_all(v, group, scatter_dim=2, gather_dim=1, scatter_sizes=layout.kv_sizes)
-    out_BShD, _ = attention_with_lse(q_BShD, k_BSkD, v_BSkD, attn)
+    out_BShD, _ = attention_with_lse(q_BShD, k_BSkD, v_BSkD, attn, sinks)
     # [B, S, h, D] -> [B, s, H, D]
     return all_to_all(out_BShD, group, scatter_dim=1, gather_dim=2, gather_sizes=layout.q_sizes)

@@ -340,7 +340,8 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
                     softmax_scale: float | None = None, backend: str | None = None,
                     buffer_pool: BufferPool | None = None,
                     chunk_budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES,
-                    chunk_overlap: bool = True, zigzag: bool = True, segments=None) -> Tensor:
+                    chunk_overlap: bool = True, zigzag: bool = True, segments=None,
+                    window: int | None = None) -> Tensor:
     """A Llama-style attention block, ``o_proj(attn(rope(q_proj(x)), rope(k_proj(x)),
     v_proj(x)))``, sequence-parallel and head-chunked, with no all-heads q/k/v.
 
@@ -359,8 +360,8 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
             attends by ring attention (hybrid).
         head_chunk_size: an int from :func:`ulysses.head_chunking.valid_chunk_sizes`, or
             ``"auto"`` (within ``chunk_budget_bytes``).
-        causal, softmax_scale, backend, buffer_pool, chunk_overlap, zigzag, segments: as for
-            :func:`ulysses.ulysses_attention`.
+        causal, softmax_scale, backend, buffer_pool, chunk_overlap, zigzag, segments, window:
+            as for :func:`ulysses.ulysses_attention`.
 
     Returns:
         ``y_BsE``, sharded like ``x``. Gradients flow to ``x`` and every weight and bias.
@@ -382,7 +383,8 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
     backend = select_backend(x.device, x.dtype, D, backend)
     attn = between_exchanges(mesh, batch=B, local_len=s, causal=causal,
                              scale=default_scale(D, softmax_scale), backend=backend,
-                             unpadded_len=None, zigzag=zigzag, segments=segments)
+                             unpadded_len=None, zigzag=zigzag, segments=segments,
+                             window=window)
     schedule = tuple(build_schedule(layout, c))
     chunks = ChunkConfig(group=axis_group(mesh, "ulysses"), rank=axis_rank(mesh, "ulysses"),
                          layout=layout, schedule=schedule, attn=attn, overlap=chunk_overlap)

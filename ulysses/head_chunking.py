@@ -27,6 +27,7 @@ from torch import Tensor
 from ulysses.all_to_all import PendingExchange, exchange_blocks_async
 from ulysses.buffer_pool import BufferPool
 from ulysses.sharding import HeadLayout
+from ulysses.sinks import apply_sinks, sinks_grad
 
 DEFAULT_CHUNK_BUDGET_BYTES = 1 << 30
 """Byte budget that ``head_chunk_size="auto"`` fits the chunk buffers into (1 GiB)."""
@@ -207,8 +208,9 @@ def _release(kv) -> None:
 # - the previous step's output/gradient exchange finishes at the top of the next step, before
 #   anything new is acquired, and kernel outputs are dropped as soon as they are packed.
 
-def _forward(q, k, v, cfg: ChunkConfig, pool: BufferPool):
-    """Returns ``out_BsHD`` and ``lse_BhS`` (fp32, this rank's h query heads)."""
+def _forward(q, k, v, cfg: ChunkConfig, pool: BufferPool, sinks=None):
+    """Returns ``out_BsHD`` and ``lse_BhS`` (fp32, this rank's h query heads); ``sinks``
+    (``[h]``, this rank's heads) are applied per chunk."""
     U, me, steps = len(cfg.layout.q_sizes), cfg.rank, cfg.schedule
     B, s, _, D = q.shape
     out = torch.empty_like(q)
@@ -226,7 +228,11 @@ def _forward(q, k, v, cfg: ChunkConfig, pool: BufferPool):
         o_j = q.new_empty(B, s * U, 0, D)
         if n:
             k_j, v_j = kv[1]
-            o_j, lse[:, j * n:(j + 1) * n] = cfg.attn.forward(q_j, k_j, v_j)
+            o_j, lse_j = cfg.attn.forward(q_j, k_j, v_j)
+            if sinks is not None:
+                o_j, lse_j = apply_sinks(o_j, lse_j, sinks[j * n:(j + 1) * n])
+            lse[:, j * n:(j + 1) * n] = lse_j
+            del lse_j
         del q_j
         pq.release()
         if st.kv_done[me]:
@@ -246,12 +252,15 @@ def _forward(q, k, v, cfg: ChunkConfig, pool: BufferPool):
     return out, lse
 
 
-def _backward(dout, q, k, v, out, lse, cfg: ChunkConfig, pool: BufferPool):
+def _backward(dout, q, k, v, out, lse, cfg: ChunkConfig, pool: BufferPool, sinks=None):
     """Per chunk: redo the exchanges of q, k, v, out and dout, run the kernel backward with the
-    saved lse, and send dq (and, once per kv chunk, the summed dk/dv) back into place."""
+    saved lse, and send dq (and, once per kv chunk, the summed dk/dv) back into place.
+    Returns ``(dq, dk, dv, dsinks)``; ``dsinks`` (float32 ``[h]``) only when ``sinks``."""
     U, me, steps = len(cfg.layout.q_sizes), cfg.rank, cfg.schedule
     B, s, _, D = q.shape
     dq, dk, dv = torch.empty_like(q), torch.zeros_like(k), torch.zeros_like(v)
+    dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float32,
+                                                    device=sinks.device)
 
     def launch(j):
         st = steps[j]
@@ -274,8 +283,12 @@ def _backward(dout, q, k, v, out, lse, cfg: ChunkConfig, pool: BufferPool):
         dq_j = q.new_empty(B, s * U, 0, D)
         if n:
             k_j, v_j = kv[1]
-            dq_j, dk_j, dv_j = cfg.attn.backward(dout_j, q_j, k_j, v_j, out_j,
-                                                 lse[:, j * n:(j + 1) * n].contiguous())
+            lse_j = lse[:, j * n:(j + 1) * n].contiguous()
+            dq_j, dk_j, dv_j = cfg.attn.backward(dout_j, q_j, k_j, v_j, out_j, lse_j)
+            if sinks is not None:
+                dsinks[j * n:(j + 1) * n] = sinks_grad(dout_j, out_j, lse_j,
+                                                       sinks[j * n:(j + 1) * n])
+            del lse_j
             # Sum dk/dv over the q chunks sharing this kv chunk (in place); send once, when done.
             if st.kv_new[me]:
                 dkv_sum = (dk_j, dv_j)
@@ -307,30 +320,34 @@ def _backward(dout, q, k, v, out, lse, cfg: ChunkConfig, pool: BufferPool):
             nxt = launch(j + 1) if j + 1 < len(steps) else None
     finish(sent)
     _release(kv)
-    return dq, dk, dv
+    return dq, dk, dv, dsinks
 
 
 class _HeadChunkedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cfg, pool):
-        out, lse = _forward(q, k, v, cfg, pool)
+    def forward(ctx, q, k, v, cfg, pool, sinks):
+        out, lse = _forward(q, k, v, cfg, pool, sinks)
         pool.end_call()
         # Only seq-local tensors and the small fp32 lse are kept for backward.
-        ctx.save_for_backward(q, k, v, out, lse)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.cfg, ctx.pool = cfg, pool
         return out
 
     @staticmethod
     def backward(ctx, dout):
-        q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = _backward(dout.contiguous(), q, k, v, out, lse, ctx.cfg, ctx.pool)
+        q, k, v, out, lse, sinks = ctx.saved_tensors
+        dq, dk, dv, dsinks = _backward(dout.contiguous(), q, k, v, out, lse, ctx.cfg, ctx.pool,
+                                       sinks)
         ctx.pool.end_call()
-        return dq, dk, dv, None, None
+        if dsinks is not None:
+            dsinks = dsinks.to(sinks.dtype)
+        return dq, dk, dv, None, None, dsinks
 
 
 def head_chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, group, rank: int,
                            layout: HeadLayout, head_chunk_size: int, attn,
-                           pool: BufferPool | None = None, overlap: bool = True) -> Tensor:
+                           pool: BufferPool | None = None, overlap: bool = True,
+                           sinks: Tensor | None = None) -> Tensor:
     """Head-chunked Ulysses on already-validated inputs; see ``ulysses_attention``.
 
     Args:
@@ -344,6 +361,7 @@ def head_chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, group, rank: int,
         pool: reused chunk buffers; when ``None``, a fresh one whose buffers are freed at the
             end of the forward and of the backward (nothing held in between).
         overlap: exchange step j+1 while step j computes.
+        sinks: ``[h]`` attention-sink logits of this rank's query heads (:mod:`ulysses.sinks`).
 
     Returns:
         ``out_BsHD``.
@@ -353,4 +371,4 @@ def head_chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, group, rank: int,
                       overlap=overlap)
     if pool is None:
         pool = BufferPool(keep_between_calls=False)
-    return _HeadChunkedFn.apply(q, k, v, cfg, pool)
+    return _HeadChunkedFn.apply(q, k, v, cfg, pool, sinks)

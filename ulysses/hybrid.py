@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from torch.distributed.device_mesh import DeviceMesh
 
+from ulysses.band import WindowAttention
 from ulysses.kernels import LocalAttention
 from ulysses.mesh import axis_group, axis_rank, axis_size
 from ulysses.ring import RingAttention, check_ring_rows
@@ -28,15 +29,19 @@ def check_hybrid(local_rows: int, mesh: DeviceMesh, zigzag: bool) -> None:
 
 
 def inner_attention(mesh: DeviceMesh, *, causal: bool, scale: float, backend: str,
-                    kv_len: int | None, zigzag: bool) -> LocalAttention | RingAttention:
+                    kv_len: int | None, zigzag: bool, window: int | None = None
+                    ) -> LocalAttention | WindowAttention | RingAttention:
     """The attention to run on full-ring-rank, local-head tensors.
 
     ``kv_len`` (non-causal padding) counts keys of the whole sequence; the ring trims each
-    block to its real keys, the local kernel trims its one block.
+    block to its real keys, the local kernel trims its one block. ``window``: a causal
+    sliding window (:mod:`ulysses.band`), over the whole sequence on a ring too.
     """
     R = axis_size(mesh, "ring")
     if R == 1:
+        if window is not None:
+            return WindowAttention(window=window, scale=scale, backend=backend)
         return LocalAttention(causal=causal, scale=scale, backend=backend, kv_len=kv_len)
     return RingAttention(group=axis_group(mesh, "ring"), rank=axis_rank(mesh, "ring"), size=R,
                          causal=causal, scale=scale, backend=backend, zigzag=zigzag,
-                         kv_len=kv_len)
+                         kv_len=kv_len, window=window)

@@ -23,6 +23,8 @@ from typing import Literal
 import torch
 from torch import Tensor
 
+from ulysses.sinks import apply_sinks, sinks_grad
+
 Backend = Literal["cpu_flash", "sdpa_flash", "sdpa_efficient", "flash_attn", "math"]
 BACKENDS: tuple[str, ...] = ("cpu_flash", "sdpa_flash", "sdpa_efficient", "flash_attn", "math")
 
@@ -295,12 +297,15 @@ class LocalAttention:
 
 
 class _AttentionFn(torch.autograd.Function):
-    """Autograd around any inner attention (``LocalAttention``, ``RingAttention``)."""
+    """Autograd around any inner attention (``LocalAttention``, ``RingAttention``, ...), with
+    optional attention sinks (:mod:`ulysses.sinks`) folded into its ``(out, lse)``."""
 
     @staticmethod
-    def forward(ctx, q, k, v, attn):
+    def forward(ctx, q, k, v, attn, sinks):
         out, lse = attn.forward(q, k, v)
-        ctx.save_for_backward(q, k, v, out, lse)
+        if sinks is not None:
+            out, lse = apply_sinks(out, lse, sinks)
+        ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.attn = attn
         ctx.mark_non_differentiable(lse)
         # lse has no gradient; without this autograd would hand backward a zero-filled
@@ -310,14 +315,20 @@ class _AttentionFn(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, dout, _dlse):
-        q, k, v, out, lse = ctx.saved_tensors
+        q, k, v, out, lse, sinks = ctx.saved_tensors
         dq, dk, dv = ctx.attn.backward(dout, q, k, v, out, lse)
-        return dq, dk, dv, None
+        dsinks = None
+        if sinks is not None and ctx.needs_input_grad[4]:
+            dsinks = sinks_grad(dout, out, lse, sinks).to(sinks.dtype)
+        return dq, dk, dv, None, dsinks
 
 
-def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn) -> tuple[Tensor, Tensor]:
-    """``attn.forward`` with autograd (through ``attn.backward``); lse is not differentiable."""
-    return _AttentionFn.apply(q, k, v, attn)
+def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn,
+                       sinks: Tensor | None = None) -> tuple[Tensor, Tensor]:
+    """``attn.forward`` with autograd (through ``attn.backward``); lse is not differentiable.
+    ``sinks`` (``[H]``, one per query head of ``q``) are applied to the result and get a
+    gradient."""
+    return _AttentionFn.apply(q, k, v, attn, sinks)
 
 
 def local_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool,

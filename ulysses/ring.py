@@ -32,8 +32,9 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from ulysses.kernels import (attention_backward, attention_forward, attention_with_lse,
-                             check_qkv, default_scale, select_backend)
+from ulysses.band import (Piece, acc_dtype, band_pieces, check_window, merge_into,
+                          piece_backward, piece_forward)
+from ulysses.kernels import attention_with_lse, check_qkv, default_scale, select_backend
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +53,9 @@ class RingAttention:
     """Rows are in zigzag order (chunks r and 2R-1-r); False: one contiguous block."""
     kv_len: int | None = None
     """Non-causal only: keys at ring-global positions >= kv_len are padding, never attended."""
+    window: int | None = None
+    """Causal only: a sliding window over ring-global positions (:mod:`ulysses.band`); blocks
+    wholly outside it are skipped."""
 
     def forward(self, q_BLhD: Tensor, k_BLkD: Tensor, v_BLkD: Tensor) -> tuple[Tensor, Tensor]:
         """Returns ``(out_BLhD, lse_BhL)`` over the whole ring-global sequence."""
@@ -93,6 +97,28 @@ def _block(cfg: RingAttention, t: int, L: int) -> tuple[int, int, bool] | None:
     return (0, L, False) if owner < cfg.rank else None
 
 
+def _segments(cfg: RingAttention, owner: int, L: int):
+    """``owner``'s rows as ``(first ring-global position, length, first row)`` runs."""
+    if cfg.zigzag:
+        c = L // 2
+        return [(owner * c, c, 0), ((2 * cfg.size - 1 - owner) * c, c, c)]
+    return [(owner * L, L, 0)]
+
+
+def _pieces(cfg: RingAttention, t: int, L: int) -> list[Piece]:
+    """Step ``t``'s kernel calls: one (or none) as :func:`_block` says, or, under a window,
+    the pieces of the band between this rank's rows and the block owner's (none when the
+    block is wholly outside the window)."""
+    if cfg.window is not None:
+        owner = (cfg.rank - t) % cfg.size
+        return band_pieces(_segments(cfg, cfg.rank, L), _segments(cfg, owner, L), cfg.window)
+    blk = _block(cfg, t, L)
+    if blk is None:
+        return []
+    q0, nk, causal = blk
+    return [Piece(q0, L, 0, nk, "causal" if causal else "full")]
+
+
 class _Hop:
     """One ring hop in flight: tensors sent to the next rank, buffers filled by the previous."""
 
@@ -115,85 +141,51 @@ class _Hop:
         return self.recv
 
 
-def _merge(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
-    """Fold a block's ``(out_b [B,l,h,D], lse_b [B,h,l])`` into the float32 running
-    ``(out, lse)`` in place: the softmax over the union of both key sets."""
-    new = torch.logaddexp(lse, lse_b)
-    # [B, h, l] -> [B, l, h, 1]: per-row weights broadcast over D.
-    w_old = torch.exp(lse - new).transpose(1, 2).unsqueeze(-1)
-    w_blk = torch.exp(lse_b - new).transpose(1, 2).unsqueeze(-1)
-    out.mul_(w_old).addcmul_(out_b, w_blk)
-    lse.copy_(new)
-
-
-def _acc_dtype(dtype: torch.dtype) -> torch.dtype:
-    # Half-precision sums over R blocks lose bits with every hop (ring-flash-attention #42).
-    return torch.float32 if dtype in (torch.float16, torch.bfloat16) else dtype
-
-
 def _forward(q, k, v, cfg: RingAttention) -> tuple[Tensor, Tensor]:
-    L = q.shape[1]
-    out = lse = None  # running [B, L, h, D] (float32 for half inputs) and [B, h, L] float32
+    B, L, h, D = q.shape
+    # The running result: float32 for half inputs; lse -inf until a row has seen a key.
+    out = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
+    lse = torch.full((B, h, L), float("-inf"), dtype=torch.float32, device=q.device)
     cur, spare = (k, v), None
     for t in range(cfg.size):
         hop = _Hop(cur, spare, cfg) if t + 1 < cfg.size else None
-        blk = _block(cfg, t, L)
-        if blk is not None:
-            q0, nk, causal = blk
-            out_b, lse_b = attention_forward(q[:, q0:], cur[0][:, :nk], cur[1][:, :nk],
-                                             causal=causal, softmax_scale=cfg.scale,
-                                             backend=cfg.backend)
-            if out is None:
-                assert q0 == 0, "the first computed block covers every row"
-                out, lse = out_b.to(_acc_dtype(q.dtype)), lse_b
-            else:
-                _merge(out[:, q0:], lse[:, :, q0:], out_b, lse_b)
+        for p in _pieces(cfg, t, L):
+            out_b, lse_b = piece_forward(q, *cur, p, scale=cfg.scale, backend=cfg.backend)
+            merge_into(out[:, p.q0:p.q1], lse[:, :, p.q0:p.q1], out_b, lse_b)
             del out_b, lse_b
         if hop is not None:
             # The block just used becomes the next receive buffer (never the caller's k, v).
             spare = cur if t > 0 else None
             cur = hop.wait()
-    assert out is not None, "some block holds a real key"
     return out.to(q.dtype), lse
 
 
 def _backward(dout, q, k, v, out, lse, cfg: RingAttention) -> tuple[Tensor, Tensor, Tensor]:
     L = q.shape[1]
-    acc = _acc_dtype(q.dtype)
-    dq, cur, spare, dkv_hop = None, (k, v), None, None
+    acc = acc_dtype(q.dtype)
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    cur, spare, dkv_hop = (k, v), None, None
     for t in range(cfg.size):
         hop = _Hop(cur, spare, cfg) if t + 1 < cfg.size else None
-        blk = _block(cfg, t, L)
-        if blk is not None:
-            q0, nk, causal = blk
-            lse_b = lse[:, :, q0:] if q0 == 0 else lse[:, :, q0:].contiguous()
-            dq_b, dk_b, dv_b = attention_backward(
-                dout[:, q0:], q[:, q0:], cur[0][:, :nk], cur[1][:, :nk], out[:, q0:], lse_b,
-                causal=causal, softmax_scale=cfg.scale, backend=cfg.backend)
-            if dq is None and q0 == 0 and dq_b.dtype == acc:
-                dq = dq_b  # the first block covers every row: accumulate into its output
-            else:
-                if dq is None:
-                    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
-                dq[:, q0:].add_(dq_b)
-            del dq_b
         # The partial dk/dv of the block in hand: fresh at step 0, else what the previous
         # holder passed on (it travelled one hop behind the block itself).
         if dkv_hop is None:
             dkv = tuple(torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))
         else:
             dkv = dkv_hop.wait()
-        if blk is not None:
-            dkv[0][:, :nk].add_(dk_b)
-            dkv[1][:, :nk].add_(dv_b)
-            del dk_b, dv_b
+        for p in _pieces(cfg, t, L):
+            dq_b, dk_b, dv_b = piece_backward(dout, q, *cur, out, lse, p, scale=cfg.scale,
+                                              backend=cfg.backend)
+            dq[:, p.q0:p.q1] += dq_b
+            dkv[0][:, p.k0:p.k1] += dk_b
+            dkv[1][:, p.k0:p.k1] += dv_b
+            del dq_b, dk_b, dv_b
         dkv_hop = _Hop(dkv, None, cfg)  # after the last step this lands at the block's owner
         del dkv
         if hop is not None:
             spare = cur if t > 0 else None
             cur = hop.wait()
     dk, dv = dkv_hop.wait()
-    assert dq is not None, "some block holds a real key"
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
 
@@ -207,7 +199,7 @@ def check_ring_rows(rows: int, size: int, zigzag: bool) -> None:
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, causal: bool,
                    softmax_scale: float | None = None, zigzag: bool = True,
-                   backend: str | None = None) -> Tensor:
+                   backend: str | None = None, window: int | None = None) -> Tensor:
     """Ring attention over ``group``, shaped like ``flash_attn_func``.
 
     Args:
@@ -220,16 +212,19 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup,
         softmax_scale: defaults to ``1 / sqrt(D)``.
         zigzag: the row layout, which must match how the sequence was sharded.
         backend: attention kernel name (see :mod:`ulysses.kernels`), or ``None``.
+        window: a causal sliding window over the ring-global sequence (keys a query sees,
+            itself included); blocks wholly outside it are skipped.
 
     Returns:
         ``out_BLHD``, sharded like ``q``.
     """
     check_qkv(q, k, v, causal=causal)
+    window = check_window(window, causal)
     size = dist.get_world_size(group)
     check_ring_rows(q.shape[1], size, zigzag)
     attn = RingAttention(group=group, rank=dist.get_rank(group), size=size, causal=causal,
                          scale=default_scale(q.shape[-1], softmax_scale),
                          backend=select_backend(q.device, q.dtype, q.shape[-1], backend),
-                         zigzag=zigzag)
+                         zigzag=zigzag, window=window)
     out, _ = attention_with_lse(q, k, v, attn)
     return out

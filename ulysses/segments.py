@@ -14,7 +14,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-from ulysses.kernels import attention_backward, attention_forward
+from ulysses.band import WindowAttention
+from ulysses.kernels import LocalAttention
 
 
 @dataclass(frozen=True, slots=True)
@@ -28,6 +29,14 @@ class SegmentedAttention:
     backend: str
     starts: tuple[tuple[int, ...], ...]
     """Per batch row, the first position of each document (beginning with 0)."""
+    window: int | None = None
+    """Causal sliding window within each document (:mod:`ulysses.band`); None: none."""
+
+    def _inner(self) -> LocalAttention | WindowAttention:
+        """What attends one document."""
+        if self.window is not None:
+            return WindowAttention(window=self.window, scale=self.scale, backend=self.backend)
+        return LocalAttention(causal=self.causal, scale=self.scale, backend=self.backend)
 
     def _segments(self, seq_len: int):
         for b, row in enumerate(self.starts):
@@ -39,22 +48,21 @@ class SegmentedAttention:
         B, S, H, _ = q_BSHD.shape
         out = torch.empty_like(q_BSHD)
         lse = torch.empty(B, H, S, dtype=torch.float32, device=q_BSHD.device)
+        inner = self._inner()
         for b, a, e in self._segments(S):
-            o, l = attention_forward(q_BSHD[b:b + 1, a:e], k_BSKD[b:b + 1, a:e],
-                                     v_BSKD[b:b + 1, a:e], causal=self.causal,
-                                     softmax_scale=self.scale, backend=self.backend)
+            o, l = inner.forward(q_BSHD[b:b + 1, a:e], k_BSKD[b:b + 1, a:e],
+                                 v_BSKD[b:b + 1, a:e])
             out[b:b + 1, a:e], lse[b:b + 1, :, a:e] = o, l
         return out, lse
 
     def backward(self, dout_BSHD: Tensor, q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,
                  out_BSHD: Tensor, lse_BHS: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         dq, dk, dv = (torch.empty_like(t) for t in (q_BSHD, k_BSKD, v_BSKD))
+        inner = self._inner()
         for b, a, e in self._segments(q_BSHD.shape[1]):
             rows = (slice(b, b + 1), slice(a, e))
-            g = attention_backward(dout_BSHD[rows], q_BSHD[rows], k_BSKD[rows], v_BSKD[rows],
-                                   out_BSHD[rows], lse_BHS[b:b + 1, :, a:e].contiguous(),
-                                   causal=self.causal, softmax_scale=self.scale,
-                                   backend=self.backend)
+            g = inner.backward(dout_BSHD[rows], q_BSHD[rows], k_BSKD[rows], v_BSKD[rows],
+                               out_BSHD[rows], lse_BHS[b:b + 1, :, a:e].contiguous())
             dq[rows], dk[rows], dv[rows] = g
         return dq, dk, dv
 
