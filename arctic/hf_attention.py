@@ -1,22 +1,19 @@
 """Sequence-parallel attention for HuggingFace models, through transformers' AttentionInterface.
 
-Importing this module registers our attention under its own names; the stock ``"sdpa"`` and
-``"flash_attention_2"`` entries are never touched, so SP and non-SP models can share a
-process:
+Importing this module registers our attention under the name :data:`REGISTERED`; the stock
+``"sdpa"`` and ``"flash_attention_2"`` entries are never touched, so SP and non-SP models can
+share a process. The name contains neither "sdpa" nor "flash": transformers applies its SDPA
+or flash-attn capability checks to any name containing those (Gemma2, whose
+``_supports_sdpa`` is False, could not run under "ulysses_sdpa"). The kernel is chosen per
+model by ``attn_implementation`` (:data:`IMPLEMENTATIONS`).
 
-- ``"ulysses_sdpa"``: the backend is chosen by device and dtype (CPU flash, CUDA SDPA);
-- ``"ulysses_flash_attention_2"``: the ``flash_attn`` package's kernels.
-
-:func:`apply_sequence_parallel` switches a model to one of them and records, on every
-attention module, what that module needs: the mesh, its head counts (checked against the
-mesh when applied, not inside ``forward``), head chunking and the buffer pool. transformers
-creates no mask for implementations it does not know, so each layer sees ``attention_mask``
-None and the attention is causal over the whole (gathered) sequence.
-
-A forward pre-hook on the model checks that ``position_ids`` are given (without them every
-rank would apply RoPE from position 0, silently) and turns document boundaries in them
-(packed sequences: a position that does not follow its predecessor) into ``sp_segments``,
-which reach the attention as a keyword argument.
+:func:`apply_sequence_parallel` switches a model to it and records, on every attention module,
+what that module needs: the mesh, its head counts (checked against the mesh when applied, not
+inside ``forward``), head chunking, the buffer pool and the model's batch state
+(:mod:`arctic.hf_batch`: position ids and packed documents). transformers creates no mask for
+implementations it does not know, so each layer sees ``attention_mask`` None and the attention
+is causal over the whole (gathered) sequence, with the sliding window, sinks and documents
+the model asks for (:mod:`arctic.hf_features` honours or refuses each feature).
 """
 
 from __future__ import annotations
@@ -24,22 +21,27 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.distributed as dist
 from torch import nn
-from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface
 
+from arctic.hf_batch import BatchState, document_starts, install_batch_hook
+from arctic.hf_features import check_model_features, read_attention_kwargs
 from arctic.hf_fused import check_fusable, fuse, unfuse
 from offload.order import record_apply
-from ulysses import BufferPool, gather_sequence, ulysses_attention
+from ulysses import BufferPool, ulysses_attention
 from ulysses.head_chunking import resolve_chunk_size
 from ulysses.kernels import check_supported
 from ulysses.mesh import axis_size, check_mesh
 from ulysses.sharding import head_layout
 
+REGISTERED = "ulysses"
+"""The name our attention function is registered under in transformers."""
 IMPLEMENTATIONS = {"ulysses_sdpa": None, "ulysses_flash_attention_2": "flash_attn"}
-"""Our attention names -> kernel backend (None: automatic)."""
+"""``attn_implementation`` choices -> kernel backend (None: automatic by device and dtype)."""
+
+__all__ = ["IMPLEMENTATIONS", "REGISTERED", "SPAttentionSettings", "apply_sequence_parallel",
+           "document_starts"]
 
 
 @dataclass(slots=True)
@@ -53,52 +55,62 @@ class SPAttentionSettings:
     backend: str | None
     pool: BufferPool | None
     zigzag: bool
+    batch: BatchState
+    """The model's current batch: where its documents come from."""
     fuse_projections: bool = False
     """The module's forward is the fused one (:mod:`arctic.hf_fused`)."""
+    ran: bool = False
+    """Set by each call of the SP attention, checked after the module's forward."""
 
 
-def _sp_attention(module: nn.Module, query, key, value, attention_mask, dropout: float = 0.0,
-                  scaling: float | None = None, sp_segments=None, **kwargs):
-    """transformers' attention signature: q ``[B, H, s, D]``, k/v ``[B, K, s, D]`` (this rank's
-    sequence piece); returns ``([B, s, H, D], None)``."""
+def settings(module: nn.Module) -> SPAttentionSettings:
+    """The SP settings of an attention module; ``ValueError`` if it has none."""
     sp: SPAttentionSettings | None = getattr(module, "sp_attention", None)
     if sp is None:
         raise ValueError(f"{type(module).__name__} has no sequence-parallel settings; call "
                          f"arctic.apply_sequence_parallel(model, mesh=...) first")
+    return sp
+
+
+def _sp_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
+    """transformers' attention signature: q ``[B, H, s, D]``, k/v ``[B, K, s, D]`` (this rank's
+    sequence piece); returns ``([B, s, H, D], None)``. Every keyword argument is honoured or
+    refused (:func:`arctic.hf_features.read_attention_kwargs`) before any collective."""
+    sp = settings(module)
     if attention_mask is not None:
         raise ValueError("an explicit attention mask is not supported under sequence "
                          "parallelism; mark padding with labels=-100 and documents with "
                          "position_ids (arctic.data does both)")
-    if dropout:
-        raise ValueError(f"attention dropout ({dropout}) is not supported; set "
-                         f"config.attention_dropout=0")
+    call = read_attention_kwargs(module, kwargs)
     if query.shape[1] != sp.num_heads or key.shape[1] != sp.num_kv_heads:
         raise ValueError(f"{type(module).__name__} got {query.shape[1]} query / {key.shape[1]} kv "
                          f"heads, but was prepared for {sp.num_heads} / {sp.num_kv_heads}")
+    sp.ran = True
     # [B, H, s, D] -> [B, s, H, D] (views; the all-to-all packs them)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
-    out = ulysses_attention(q, k, v, mesh=sp.mesh, causal=True, softmax_scale=scaling,
+    out = ulysses_attention(q, k, v, mesh=sp.mesh, causal=True, softmax_scale=call.scaling,
                             head_chunk_size=sp.head_chunk_size, backend=sp.backend,
-                            buffer_pool=sp.pool, zigzag=sp.zigzag, segments=sp_segments)
+                            buffer_pool=sp.pool, zigzag=sp.zigzag, segments=sp.batch.segments(),
+                            window=call.window, sinks=call.sinks)
     return out, None
 
 
-for _name in IMPLEMENTATIONS:
-    AttentionInterface.register(_name, _sp_attention)
+AttentionInterface.register(REGISTERED, _sp_attention)
 
 
-def document_starts(position_ids_BS: torch.Tensor) -> tuple[tuple[int, ...], ...] | None:
-    """Per row, where a document starts: position 0, and wherever a position id is not its
-    predecessor's + 1. ``None`` when every row is one document.
+def _before_attention(module, args, kwargs):
+    module.sp_attention.ran = False
 
-    Fake position ids (the memory planner's trace, :mod:`arctic.plan`) hold no values: each
-    row is planned as one document, the case that needs the most attention memory."""
-    if is_fake(position_ids_BS):
-        return None
-    breaks = position_ids_BS[:, 1:] != position_ids_BS[:, :-1] + 1
-    if not bool(breaks.any()):
-        return None
-    return tuple((0,) + tuple((row.nonzero().squeeze(1) + 1).tolist()) for row in breaks)
+
+def _after_attention(module, args, output):
+    """Refuse an attention module that computed its attention without ours (e.g. after the
+    model was switched to another ``attn_implementation``): that would be local attention
+    over this rank's piece, silently."""
+    if not module.sp_attention.ran:
+        raise ValueError(f"{type(module).__name__} ran without the sequence-parallel attention "
+                         f"(config._attn_implementation is "
+                         f"{module.config._attn_implementation!r}, not {REGISTERED!r}); "
+                         f"call arctic.apply_sequence_parallel again after changing it")
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -123,6 +135,7 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
             :class:`ulysses.BufferPool` is shared by all layers when chunking, emptied after
             each attention forward and backward (nothing is held between layers).
         attn_implementation: a name from :data:`IMPLEMENTATIONS`.
+        attn_implementation: a name from :data:`IMPLEMENTATIONS` (the kernel).
         zigzag: the ring layout; must match how batches are sharded (``arctic.data``).
         fuse_projections: compute q/k/v (with RoPE) per head chunk from the hidden states and
             apply o_proj to the chunks' output (:mod:`arctic.hf_fused`), so that no all-heads
@@ -132,22 +145,21 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
             ZeRO-3 leaf. Calls must pass ``use_cache=False``. False restores the stock forward.
 
     Raises ``ValueError`` (before any communication) when the head counts do not fit the
-    mesh, the chunk size is invalid, attention dropout is on, no attention module exists, or
-    ``fuse_projections`` is asked for without chunking or on a module it does not support.
-    Inputs must then be this rank's shard, with ``position_ids``.
+    mesh, the chunk size is invalid, the config asks for an attention feature the SP attention
+    does not implement (:func:`arctic.hf_features.check_model_features`), no attention module
+    exists, or ``fuse_projections`` is asked for without chunking or on a module it does not
+    support. Inputs must then be this rank's shard, with ``position_ids``.
     """
     check_mesh(mesh)
     if attn_implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attn_implementation must be one of {sorted(IMPLEMENTATIONS)}, got "
                          f"{attn_implementation!r}")
     config = model.config
-    if getattr(config, "attention_dropout", 0.0):
-        raise ValueError(f"attention_dropout ({config.attention_dropout}) is not supported "
-                         f"under sequence parallelism; set it to 0")
     modules = _attention_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no attention module with q/k/v "
                          f"projections to make sequence-parallel")
+    check_model_features(model, modules)
     H = config.num_attention_heads
     K = getattr(config, "num_key_value_heads", None) or H
     layout = head_layout(H, K, axis_size(mesh, "ulysses"))  # ValueError names valid degrees
@@ -171,41 +183,20 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
     # to their peak (benchmarks/memory.py measured +6.5% on the full stack).
     pool = BufferPool(keep_between_calls=False) if head_chunk_size is not None else None
     record_apply(model, "sp_attention")  # after the checks: a refused call changes nothing
+    batch = BatchState(model, mesh, zigzag)
     for m in modules:
         m.sp_attention = SPAttentionSettings(
             mesh=mesh, num_heads=H, num_kv_heads=K, head_chunk_size=head_chunk_size,
-            backend=backend, pool=pool, zigzag=zigzag, fuse_projections=fuse_projections)
+            backend=backend, pool=pool, zigzag=zigzag, batch=batch,
+            fuse_projections=fuse_projections)
         if fuse_projections:
             fuse(m)
         else:
             unfuse(m)
-    model.set_attn_implementation(attn_implementation)
-    # On the base model, so that calling it directly (for a tiled loss) is checked as well.
-    # Applying again (e.g. with another mesh) replaces the hook rather than stacking a second.
-    base = getattr(model, "base_model", model)
-    old = getattr(base, "_sp_batch_hook", None)
-    if old is not None:
-        old.remove()
-    base._sp_batch_hook = base.register_forward_pre_hook(_make_batch_hook(mesh, zigzag),
-                                                         with_kwargs=True)
+        for handle in getattr(m, "_sp_ran_hooks", ()):
+            handle.remove()
+        m._sp_ran_hooks = (m.register_forward_pre_hook(_before_attention, with_kwargs=True),
+                           m.register_forward_hook(_after_attention))
+    model.set_attn_implementation(REGISTERED)
+    install_batch_hook(model, batch)
     return model
-
-
-def _make_batch_hook(mesh: DeviceMesh, zigzag: bool):
-    def hook(module, args, kwargs):
-        position_ids = kwargs.get("position_ids")
-        if position_ids is None:
-            raise ValueError("position_ids are required under sequence parallelism: pass this "
-                             "rank's shard of the full sequence's position_ids (arctic.data "
-                             "builds them); without them every rank would start RoPE at 0")
-        # Every rank gathers (the same collective everywhere), so every rank sees the same
-        # document boundaries and raises, or not, together.
-        full = gather_sequence(position_ids, mesh, dim=1, zigzag=zigzag)
-        # torch's fake process group (the planner, benchmarks/scale_gpu.py) moves no data:
-        # what came back is not the positions, so plan one document.
-        fake = dist.get_backend(mesh.get_group(0)) == "fake"
-        starts = None if fake else document_starts(full)
-        if starts is not None:
-            kwargs["sp_segments"] = starts
-        return args, kwargs
-    return hook

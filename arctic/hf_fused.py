@@ -33,9 +33,18 @@ import types
 import torch
 from torch import nn
 
+from arctic.hf_features import read_attention_kwargs
 from ulysses.fused_attention import fused_attention
 
-FUSABLE = ("LlamaAttention", "MistralAttention", "Qwen2Attention", "Qwen3Attention")
+_STOCK_WINDOW = {
+    "LlamaAttention": lambda m: None,
+    "MistralAttention": lambda m: getattr(m.config, "sliding_window", None),
+    "Qwen2Attention": lambda m: m.sliding_window,
+    "Qwen3Attention": lambda m: m.sliding_window,
+}
+"""Per fusable class, the ``sliding_window`` its stock forward passes to the attention (per
+layer for Qwen2/3, whose ``layer_types`` say which layers slide)."""
+FUSABLE = tuple(_STOCK_WINDOW)
 """Attention classes whose forward the fused path reproduces."""
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _NORMS = ("q_norm", "k_norm")
@@ -83,10 +92,15 @@ def check_fusable(module: nn.Module, *, num_heads: int, num_kv_heads: int,
 
 
 def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
-                   past_key_values=None, sp_segments=None, **kwargs):
+                   past_key_values=None, **kwargs):
     """The attention module's forward under ``fuse_projections``: hidden ``[B, s, E]`` (this
-    rank's piece) -> ``([B, s, E], None)``, like the stock forward."""
+    rank's piece) -> ``([B, s, E], None)``, like the stock forward. The keyword arguments the
+    stock forward would pass to the attention (its own dropout, scaling and sliding window,
+    and whatever the layer passed on) are honoured or refused as there."""
     sp = self.sp_attention
+    call = read_attention_kwargs(self, {
+        **kwargs, "dropout": self.attention_dropout if self.training else 0.0,
+        "scaling": self.scaling, "sliding_window": _STOCK_WINDOW[type(self).__name__](self)})
     if position_embeddings is None:
         raise ValueError(f"{type(self).__name__} got no position_embeddings=(cos, sin); the "
                          f"fused path applies RoPE from them")
@@ -99,6 +113,10 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
                          "KV cache: call the model with use_cache=False (arctic's SP loss does)")
     cos, sin = position_embeddings
     q_norm, k_norm = (getattr(self, n, None) for n in _NORMS)
+    if call.sinks is not None:  # no fusable class passes sinks; refuse rather than drop them
+        raise ValueError(f"{type(self).__name__} passed attention sinks, which "
+                         f"fuse_projections does not apply; use fuse_projections=False")
+    sp.ran = True
     y = fused_attention(
         hidden_states, cos, sin,
         wq=self.q_proj.weight, bq=self.q_proj.bias, wk=self.k_proj.weight, bk=self.k_proj.bias,
@@ -107,8 +125,8 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
         k_norm_weight=None if k_norm is None else k_norm.weight,
         norm_eps=1e-6 if q_norm is None else q_norm.variance_epsilon,
         num_heads=sp.num_heads, num_kv_heads=sp.num_kv_heads, mesh=sp.mesh,
-        head_chunk_size=sp.head_chunk_size, softmax_scale=self.scaling, backend=sp.backend,
-        buffer_pool=sp.pool, zigzag=sp.zigzag, segments=sp_segments)
+        head_chunk_size=sp.head_chunk_size, softmax_scale=call.scaling, backend=sp.backend,
+        buffer_pool=sp.pool, zigzag=sp.zigzag, segments=sp.batch.segments(), window=call.window)
     return y, None
 
 

@@ -32,8 +32,10 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
 class _CheckpointedForward:
     """A layer instance's forward, replaced by the original under non-reentrant checkpoint."""
 
-    def __init__(self, forward, session: OffloadSession | None, num_layers: int) -> None:
+    def __init__(self, forward, session: OffloadSession | None, num_layers: int,
+                 context_fn) -> None:
         self.forward, self.session, self.num_layers = forward, session, num_layers
+        self.kwargs = {} if context_fn is None else {"context_fn": context_fn}
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, nothing to redo
@@ -58,7 +60,7 @@ class _CheckpointedForward:
             return forward(*a, **kw)
 
         if self.session is None:
-            return checkpoint(run, *tensors, use_reentrant=False)
+            return checkpoint(run, *tensors, use_reentrant=False, **self.kwargs)
         if self.session.starts_new_pass():
             # The first layer of a forward: every layer will save about as much, so refuse
             # now if all of them cannot fit, before any layer has run.
@@ -68,7 +70,7 @@ class _CheckpointedForward:
                                    what=f"offloading the inputs of {self.num_layers} "
                                         f"checkpointed layers")
         with self.session.group():
-            return checkpoint(run, *tensors, use_reentrant=False)
+            return checkpoint(run, *tensors, use_reentrant=False, **self.kwargs)
 
 
 def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = False,
@@ -91,6 +93,11 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
             ``host_memory_limit`` (default 80% of available host memory per local rank,
             agreed over ``group``).
         min_offload_bytes: smaller saved tensors stay on the device.
+
+    A model may carry ``model.checkpoint_context_fn``, ``torch.utils.checkpoint``'s
+    ``context_fn``: every checkpoint call passes it on, so state the model keeps outside the
+    layer's inputs can be restored for the recompute (:mod:`arctic.hf_batch` keeps each
+    forward's packed documents this way).
 
     Returns ``model``; ``model.activation_offload`` is the :class:`OffloadSession` (or
     ``None``) whose ``pool.stats`` report bytes offloaded and peak host bytes. Raises
@@ -116,8 +123,9 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
         if pool is None:
             pool = HostBufferPool(limit_bytes=host_memory_limit, group=group)
         session = OffloadSession(pool, min_offload_bytes)
+    context_fn = getattr(model, "checkpoint_context_fn", None)
     for layer in layers:
-        layer.forward = _CheckpointedForward(layer.forward, session, len(layers))
+        layer.forward = _CheckpointedForward(layer.forward, session, len(layers), context_fn)
     model.activation_offload = session
     return model
 
