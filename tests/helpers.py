@@ -2,7 +2,11 @@
 
 from __future__ import annotations
 
+import contextlib
+from collections import Counter
+
 import torch
+import torch.distributed as dist
 
 from ulysses import SequenceParallelDims
 from ulysses.kernels import local_attention
@@ -50,3 +54,30 @@ def init_deepspeed_comm() -> None:
 
     if not ds_dist.is_initialized():
         ds_dist.init_distributed(dist_backend="gloo", verbose=False)
+
+
+_COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "all_to_all",
+                "all_to_all_single", "batch_isend_irecv", "broadcast", "barrier",
+                "reduce_scatter_tensor", "isend", "irecv", "send", "recv")
+
+
+@contextlib.contextmanager
+def count_collectives():
+    """Count calls of torch.distributed's collectives (rank side) while the block runs: a
+    ``Counter`` of names, empty when none started."""
+    counts: Counter = Counter()
+    saved = {name: getattr(dist, name) for name in _COLLECTIVES}
+
+    def counting(name, fn):
+        def call(*args, **kwargs):
+            counts[name] += 1
+            return fn(*args, **kwargs)
+        return call
+
+    for name, fn in saved.items():
+        setattr(dist, name, counting(name, fn))
+    try:
+        yield counts
+    finally:
+        for name, fn in saved.items():
+            setattr(dist, name, fn)

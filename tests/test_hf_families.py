@@ -1,0 +1,267 @@
+"""HF model families under sequence parallelism: every attention and loss feature the model
+asks for is honoured (the SP step equals the unmodified model's step on one process) or
+refused (``ValueError`` on every rank, before any collective).
+
+Each family is built from a tiny config with the feature switched on where it changes the
+result (a window of 16 at S = 128, sinks, logit transforms, packed documents). The reference
+is the unmodified model with its own loss (``labels=``) on one process, or, for packed
+documents, each document run on its own. Every case also checks that the reference with the
+feature switched off differs, so a path that dropped the feature would fail here.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dist_pool
+from helpers import TOL, count_collectives, get_mesh
+
+pytest.importorskip("transformers", reason="arctic needs transformers ([hf])")
+
+S, VOCAB, WINDOW = 128, 96, 16
+DOCS = (50, 30, S - 80)
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             max_position_embeddings=512, attention_dropout=0.0, tie_word_embeddings=False,
+             pad_token_id=0, bos_token_id=1, eos_token_id=2)
+
+
+def _config(family: str, feature_on: bool = True):
+    """The family's tiny config with its features on (or, ``feature_on=False``, off)."""
+    import transformers as tf
+
+    w = WINDOW if feature_on else None
+    alternate = ["sliding_attention", "full_attention"]
+    build = {
+        "mistral": lambda: tf.MistralConfig(**SMALL, sliding_window=w),
+        "qwen2": lambda: tf.Qwen2Config(**SMALL, use_sliding_window=feature_on,
+                                        sliding_window=WINDOW, max_window_layers=1),
+        "qwen3": lambda: tf.Qwen3Config(**SMALL, use_sliding_window=feature_on,
+                                        sliding_window=WINDOW, max_window_layers=1),
+        "gemma2": lambda: tf.Gemma2Config(**SMALL, sliding_window=WINDOW if feature_on else S,
+                                          attn_logit_softcapping=None,
+                                          final_logit_softcapping=2.0 if feature_on else None,
+                                          query_pre_attn_scalar=24, layer_types=alternate),
+        "gemma3": lambda: tf.Gemma3TextConfig(**SMALL, sliding_window=WINDOW if feature_on else S,
+                                              final_logit_softcapping=None,
+                                              query_pre_attn_scalar=24, layer_types=alternate),
+        "cohere2": lambda: tf.Cohere2Config(**SMALL, sliding_window=WINDOW if feature_on else S,
+                                            layer_types=alternate,
+                                            logit_scale=0.5 if feature_on else 1.0),
+        "gpt_oss": lambda: tf.GptOssConfig(**{**SMALL, "intermediate_size": 32},
+                                           sliding_window=WINDOW if feature_on else S,
+                                           layer_types=alternate, num_local_experts=4,
+                                           num_experts_per_tok=2),
+        "granite": lambda: tf.GraniteConfig(**SMALL, logits_scaling=4.0 if feature_on else 1.0,
+                                            attention_multiplier=0.2 if feature_on else 0.25,
+                                            embedding_multiplier=2.0, residual_multiplier=0.5),
+        "cohere": lambda: tf.CohereConfig(**SMALL, logit_scale=0.25 if feature_on else 1.0),
+        "stablelm": lambda: tf.StableLmConfig(**SMALL, partial_rotary_factor=0.5),
+        "nemotron": lambda: tf.NemotronConfig(**SMALL, partial_rotary_factor=0.5),
+        "llama": lambda: tf.LlamaConfig(**SMALL),
+    }[family]
+    return build()
+
+
+def _model(family: str, feature_on: bool = True, attn: str = "eager"):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(family, feature_on), attn_implementation=attn)
+    sinks = [m for n, m in model.named_parameters() if n.endswith("sinks")]
+    with torch.no_grad():  # sinks large enough to matter (GPT-OSS)
+        for i, s in enumerate(sinks):
+            s.copy_(torch.randn(s.shape, generator=torch.Generator().manual_seed(i)) * 2
+                    if feature_on else torch.full(s.shape, -1e4))
+    return model
+
+
+def _tokens():
+    return torch.randint(3, VOCAB, (1, S), generator=torch.Generator().manual_seed(1))
+
+
+def _doc_positions():
+    return torch.cat([torch.arange(n) for n in DOCS])[None]
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _reference(family: str, feature_on: bool = True, documents: bool = False):
+    """``(loss, grads)`` of the unmodified model on one process."""
+    model = _model(family, feature_on)
+    ids = _tokens()
+    if not documents:
+        loss = model(input_ids=ids, labels=ids).loss
+    else:  # the documents run one by one; the loss is the mean over all their tokens
+        total, count = 0.0, 0
+        for part in ids.split(list(DOCS), dim=1):
+            total = total + model(input_ids=part, labels=part).loss * (part.shape[1] - 1)
+            count += part.shape[1] - 1
+        loss = total / count
+    loss.backward()
+    return loss.item(), _grads(model)
+
+
+_REFS: dict = {}
+
+
+def _cached_reference(*key):
+    if key not in _REFS:
+        _REFS[key] = _reference(*key)
+    return _REFS[key]
+
+
+def _rank_step(family, ulysses, ring=1, chunk=None, fuse=False, documents=False):
+    """One SP training step of ``family``: loss and DDP-averaged gradients."""
+    import torch.distributed as dist
+
+    from arctic.data import prepare_sp_batch
+    from arctic.hf_attention import apply_sequence_parallel
+    from arctic.loss import apply_sp_loss
+
+    world = ulysses * ring
+    mesh = get_mesh(world, ulysses, ring)
+    model = apply_sequence_parallel(_model(family), mesh=mesh, head_chunk_size=chunk,
+                                    fuse_projections=fuse)
+    apply_sp_loss(model, group=mesh["sp"].get_group(), loss_tiles=2)
+    raw = {"input_ids": _tokens(), "labels": _tokens()}
+    if documents:
+        raw["position_ids"] = _doc_positions()
+    loss = model(**prepare_sp_batch(raw, mesh))
+    loss.backward()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world
+    return loss.item(), _grads(model)
+
+
+def _differs(a, b) -> float:
+    """How far two ``(loss, grads)`` are apart: the largest gradient difference."""
+    return max((a[1][n] - b[1][n]).abs().max().item() for n in a[1] if n in b[1])
+
+
+def _check(results, ref, off):
+    loss, grads = ref
+    for got_loss, got in results:
+        assert abs(got_loss - loss) <= 1e-5 * abs(loss), (got_loss, loss)
+        assert set(got) == set(grads)
+        for n, g in got.items():
+            torch.testing.assert_close(g, grads[n], **TOL[torch.float32],
+                                       msg=lambda m: f"{n}: {m}")
+    # The feature changes the result: a run without it would fail the checks above.
+    assert _differs(ref, off) > 100 * TOL[torch.float32]["atol"], "the feature has no effect"
+
+
+# family -> (what it exercises, extra step arguments)
+HONOURED = {
+    "mistral": "sliding window on every layer",
+    "qwen2": "sliding window on layer 1 only (max_window_layers=1), bias",
+    "qwen3": "sliding window on layer 1 only, per-head q/k norms",
+    "gemma2": "sliding window on alternate layers, query_pre_attn_scalar, final softcapping",
+    "gemma3": "sliding window on alternate layers, query_pre_attn_scalar",
+    "cohere2": "sliding window on alternate layers (RoPE only there), logit_scale",
+    "gpt_oss": "attention sinks (s_aux) and sliding window on alternate layers",
+    "granite": "logits_scaling and attention_multiplier (scaling)",
+    "cohere": "logit_scale",
+}
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("family", list(HONOURED))
+def test_family_matches_single_device(family, sp):
+    results = dist_pool.run(_rank_step, family, sp, world_size=sp)
+    _check(results, _cached_reference(family), _cached_reference(family, False))
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("family", ["stablelm", "nemotron", "mistral"])
+def test_packed_documents_reach_the_attention(family, sp):
+    """StableLM and Nemotron decoder layers pass no keyword arguments on to their attention:
+    the documents must reach it anyway. Mistral: documents inside a sliding window."""
+    results = dist_pool.run(_rank_step, family, sp, documents=True, world_size=sp)
+    _check(results, _cached_reference(family, True, True), _cached_reference(family))
+
+
+@pytest.mark.parametrize("family,sp,ring,chunk,fuse", [
+    ("mistral", 2, 1, 1, True),     # window, head chunks, fused projections
+    ("qwen2", 4, 1, 1, True),       # per-layer window, replicated kv, fused
+    ("gemma2", 4, 1, 1, False),     # window with head chunks
+    ("mistral", 2, 2, None, False),  # window across a zigzag ring (U=2 x R=2)
+    ("gpt_oss", 2, 2, 1, False),    # sinks and window: ring and head chunks
+])
+def test_chunked_fused_and_ring_paths(family, sp, ring, chunk, fuse):
+    results = dist_pool.run(_rank_step, family, sp, ring, chunk, fuse, world_size=sp * ring)
+    _check(results, _cached_reference(family), _cached_reference(family, False))
+
+
+# --- refusals -------------------------------------------------------------------------------
+
+REFUSED = {
+    "gemma2_attn_softcapping": ["Gemma2ForCausalLM", "attn_logit_softcapping"],
+    "llama4_chunked_attention": ["Llama4ForCausalLM", "attention_chunk_size"],
+    "attention_dropout": ["LlamaForCausalLM", "attention_dropout"],
+    "output_attentions": ["LlamaAttention", "output_attentions"],
+    "varlen_kwargs": ["LlamaAttention", "varlen"],
+    "attention_switched_back": ["LlamaAttention", "'sdpa'"],
+}
+"""Each refusal -> words its message must hold (the model or module class, the feature)."""
+
+
+def _refused_calls():
+    """name -> a call that must raise, on an SP=2 mesh (rank side)."""
+    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Llama4TextConfig
+
+    from arctic.hf_attention import apply_sequence_parallel
+
+    mesh = get_mesh(2, 2)
+    ids, pos = _tokens()[:, :64], torch.arange(64)[None]
+
+    def apply(model, **kw):
+        return apply_sequence_parallel(model, mesh=mesh, **kw)
+
+    def build(config):
+        return AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+
+    def switched_back():
+        model = apply(_model("llama"))
+        model.set_attn_implementation("sdpa")
+        return model(input_ids=ids, position_ids=pos)
+
+    varlen = dict(cu_seq_lens_q=torch.tensor([0, 64]), cu_seq_lens_k=torch.tensor([0, 64]),
+                  max_length_q=64, max_length_k=64)
+    return {
+        "gemma2_attn_softcapping": lambda: apply(build(Gemma2Config(**SMALL))),
+        "llama4_chunked_attention": lambda: apply(build(Llama4TextConfig(
+            **{**SMALL, "intermediate_size_mlp": 96}, attention_chunk_size=32))),
+        "attention_dropout": lambda: apply(build(LlamaConfig(**{**SMALL,
+                                                                "attention_dropout": 0.1}))),
+        "output_attentions": lambda: apply(_model("llama"))(input_ids=ids, position_ids=pos,
+                                                            output_attentions=True),
+        "varlen_kwargs": lambda: apply(_model("llama"))(input_ids=ids, position_ids=pos,
+                                                        **varlen),
+        "attention_switched_back": switched_back,
+    }
+
+
+def _rank_refusals():
+    found = {}
+    for name, call in _refused_calls().items():
+        with count_collectives() as counts:
+            try:
+                call()
+                found[name] = ("no error", dict(counts))
+            except ValueError as e:
+                found[name] = (str(e), dict(counts))
+    return found
+
+
+def test_refusals_raise_on_every_rank_before_any_collective():
+    for found in dist_pool.run(_rank_refusals, world_size=2):
+        for name, words in REFUSED.items():
+            message, counts = found[name]
+            assert all(w in message for w in words), (name, message)
+            assert not counts, (name, counts)
