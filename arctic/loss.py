@@ -14,18 +14,29 @@ Gradients: rank r's true share of the sequence gradient is ``d(loss_sum_r) / N``
 Either way, after the framework's reduction the gradients equal those of single-device
 training on the whole sequence (and with dp > 1, the mean over the dp replicas' sequences, as
 in plain data parallelism).
+
+The head: a causal LM's own forward may transform the logits before its loss (Granite
+divides them by ``logits_scaling``, Cohere multiplies by ``logit_scale``, Gemma 2/3 cap them
+with ``final_logit_softcapping``). :func:`apply_sp_loss` skips that forward, so it finds the
+transform (:func:`find_logit_transform`: config keys, checked by a weight-free probe of the
+forward) and applies it inside the tiled loss, or refuses the model with a ``ValueError``.
 """
 
 from __future__ import annotations
 
+import functools
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from offload.order import record_apply
-from arctic.tiling import tiled_logits_loss
+from arctic.tiling import check_logit_transform, tiled_logits_loss, transform_logits_
 
 
 class _SPTokenLoss(torch.autograd.Function):
@@ -71,15 +82,219 @@ def sp_token_loss(loss_sum: Tensor, num_valid: Tensor | int, *,
     return _SPTokenLoss.apply(loss_sum, num_valid.to(loss_sum.device), group, averaged_over_sp)
 
 
+# --- the head's logit transform -----------------------------------------------------------------
+
+SCALE_KEYS = ("logits_scaling", "logit_scale", "lm_head_multiplier")
+"""Config keys of a constant factor on the logits: Granite divides by ``logits_scaling``
+(HyperCLOVAX multiplies by it), Cohere multiplies by ``logit_scale``, FalconH1 by
+``lm_head_multiplier``. Each value is tried as a factor and as a divisor."""
+SOFTCAP_KEYS = ("final_logit_softcapping", "logits_soft_cap", "output_logit_soft_cap")
+"""Config keys of a tanh cap on the logits: Gemma 2/3/4, Beam, NanoChat, VaultGemma
+(``final_logit_softcapping``), RecurrentGemma (``logits_soft_cap``), xLSTM
+(``output_logit_soft_cap``)."""
+PROBE_TOKENS = 4
+PROBE_RTOL, PROBE_ATOL = 1e-4, 1e-5
+
+
+@dataclass(frozen=True, kw_only=True, slots=True)
+class LogitTransform:
+    """What a causal LM's forward does to the float32 lm_head logits ``z`` before its loss:
+    ``z * scale``, then ``softcap * tanh(z / softcap)`` unless ``softcap`` is None."""
+
+    scale: float = 1.0
+    """Factor on the logits; finite and not 0."""
+    softcap: float | None = None
+    """The tanh cap (> 0), applied after ``scale``; None: no cap."""
+
+    def __post_init__(self) -> None:
+        check_logit_transform(self.scale, self.softcap)
+
+
+def _usable(value, *, positive: bool) -> bool:
+    if not isinstance(value, (int, float)) or isinstance(value, bool):
+        return False
+    return abs(value) < float("inf") and (value > 0 if positive else value != 0)
+
+
+def _candidates(config) -> tuple[dict[str, Any], list[LogitTransform]]:
+    """The config's logit keys that are set, and the transforms they could mean."""
+    found = {k: getattr(config, k) for k in SCALE_KEYS + SOFTCAP_KEYS
+             if getattr(config, k, None) is not None}
+    scales = [1.0]
+    for k in SCALE_KEYS:
+        if _usable(found.get(k), positive=False):
+            scales += [float(found[k]), 1.0 / found[k]]
+    caps = [None] + [float(found[k]) for k in SOFTCAP_KEYS
+                     if _usable(found.get(k), positive=True)]
+    return found, [LogitTransform(scale=s, softcap=c) for c in caps for s in scales]
+
+
+@contextmanager
+def _stubbed(module: nn.Module, forward: Callable) -> Iterator[None]:
+    """``module.forward`` replaced by ``forward`` (an instance attribute) and its forward hooks
+    set aside, both restored on exit. The hooks must not run in the probe: the SP batch hook of
+    :func:`arctic.apply_sequence_parallel` all-gathers the position ids, and FSDP2 or ZeRO-3
+    hooks gather parameters, while the probe must issue no collective."""
+    had = "forward" in module.__dict__
+    old = module.__dict__.get("forward")
+    hooks = module._forward_pre_hooks, module._forward_hooks
+    module._forward_pre_hooks, module._forward_hooks = type(hooks[0])(), type(hooks[1])()
+    module.forward = forward
+    try:
+        yield
+    finally:
+        module._forward_pre_hooks, module._forward_hooks = hooks
+        if had:
+            module.forward = old
+        else:
+            del module.forward
+
+
+class _NotVerifiable(Exception):
+    """The probe ran but found a forward the tiled loss does not mirror."""
+
+
+@functools.cache
+def _probe_output_type():
+    from transformers.modeling_outputs import MoeModelOutputWithPast
+
+    class _ProbeOutput(MoeModelOutputWithPast):
+        """The stub base model's output: ``last_hidden_state`` and None for any other field a
+        causal LM may read (MoE ``router_logits``, Mamba's ``cache_params``, ...)."""
+
+        def __getattr__(self, name):
+            if name.startswith("__"):
+                raise AttributeError(name)
+            return None
+
+    return _ProbeOutput
+
+
+def _probe(model: nn.Module, base: nn.Module, head: nn.Module, vocab: int, hidden: int,
+           weight: Tensor) -> tuple[Tensor, list[Tensor], Tensor, Any]:
+    """Run the class's own forward with the base model returning a random ``h [1, T, E]`` and
+    the lm_head returning a random float32 ``z [1, T, V]``; returns ``(h, what the head was
+    called with, z, the forward's logits)``. Reads no weight and communicates nothing."""
+    _ProbeOutput = _probe_output_type()
+    # Meta and fake weights hold no values; the probe needs real ones (it reads no weight, so
+    # CPU does). A fixed generator leaves the global RNG, and so training, untouched.
+    device = torch.device("cpu") if weight.is_meta or is_fake(weight) else weight.device
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(1, PROBE_TOKENS, hidden, generator=g, device="cpu").to(device, weight.dtype)
+    # Magnitudes from 1e-2 to 1e2 along the vocab: a wrong scale shows at every size, a
+    # softcap where |z| is not small against the cap. All V columns, so that a forward that
+    # slices the vocab (e.g. an unpadded_vocab_size) shows as a shape mismatch.
+    z = (torch.randn(1, PROBE_TOKENS, vocab, generator=g, device="cpu") *
+         torch.logspace(-2, 2, vocab, device="cpu")).to(device)
+    seen: list[Tensor] = []
+    base_calls: list[None] = []
+
+    def base_forward(*args, **kwargs):
+        base_calls.append(None)
+        return _ProbeOutput(last_hidden_state=h)
+
+    def head_forward(x):
+        seen.append(x)
+        return z.clone()
+
+    ids = torch.zeros(1, PROBE_TOKENS, dtype=torch.long, device=device)
+    positions = torch.arange(PROBE_TOKENS, device=device).unsqueeze(0)
+    with _stubbed(base, base_forward), _stubbed(head, head_forward):
+        # The class's forward: the instance's is ours after apply_sp_loss (and may be already).
+        out = type(model).forward(model, input_ids=ids, position_ids=positions, use_cache=False)
+    if not base_calls:
+        raise _NotVerifiable(f"its forward does not call its base model "
+                             f"({type(base).__name__}), which the tiled loss calls")
+    return h, seen, z, out.logits if hasattr(out, "logits") else out[0]
+
+
+def find_logit_transform(model: nn.Module) -> LogitTransform:
+    """The transform ``model``'s forward applies to its lm_head logits, read from the config
+    (:data:`SCALE_KEYS`, :data:`SOFTCAP_KEYS`) and verified by a probe.
+
+    The probe calls the model class's own forward with the base model and the lm_head stubbed
+    (instance forwards, their hooks set aside, all restored): the base returns a random ``h``,
+    the head records its input (which must be ``h``) and returns a random float32 ``z``; the
+    forward's logits must equal ``transform(z)`` (rtol 1e-4, atol 1e-5) for one of the
+    transforms the config keys allow. It reads no weight value and runs no collective, so it
+    works on ZeRO-3-partitioned, meta and fake (``FakeTensorMode``) parameters, on CPU in the
+    last two cases.
+
+    Raises ``ValueError`` naming the model class when: ``config.output_router_logits`` is on
+    (HF adds the MoE router loss, the tiled loss would drop it); the head's input is not the
+    base model's output (e.g. MiniCPM3 scales the hidden states first); no candidate
+    transform reproduces the forward's logits; or the probe itself fails.
+    """
+    name = type(model).__name__
+    config = getattr(model, "config", None)
+    if getattr(config, "output_router_logits", False):
+        raise ValueError(f"{name} has config.output_router_logits=True: its forward adds the "
+                         f"MoE router auxiliary loss, which the tiled SP loss would drop. Set "
+                         f"config.output_router_logits=False (the router is then trained "
+                         f"without the balancing loss), or train with the model's own loss")
+    head, base = model.get_output_embeddings(), getattr(model, "base_model", model)
+    if head is None or base is model:
+        raise ValueError(f"the tiled loss needs a causal LM with a base model and an lm_head "
+                         f"(get_output_embeddings); {name} has "
+                         f"{'no lm_head' if head is None else 'no base model'}")
+    weight = getattr(head, "weight", None)
+    shape = tuple(getattr(weight, "ds_shape", getattr(weight, "shape", ())))  # ZeRO-3: ds_shape
+    if len(shape) != 2:
+        raise ValueError(f"{name}'s lm_head ({type(head).__name__}) needs a 2-D weight [vocab, "
+                         f"hidden], got {shape}")
+    found, candidates = _candidates(config)
+    instead = ("Train with the model's own forward and loss instead (skip apply_sp_loss; "
+               "arctic.loss.sp_token_loss combines any per-rank summed loss), at the cost of "
+               "holding this rank's whole logits")
+    with unset_fake_temporarily(), torch.no_grad():
+        try:
+            h, seen, z, logits = _probe(model, base, head, shape[0], shape[1], weight)
+        except _NotVerifiable as e:
+            raise ValueError(f"{name}: {e}. {instead}") from None
+        except Exception as e:  # re-raised: a head that cannot be verified is refused
+            raise ValueError(f"could not verify what {name}.forward does to the lm_head's "
+                             f"logits: called with a stub base model and lm_head, it raised "
+                             f"{type(e).__name__}: {e}. {instead}") from e
+        if len(seen) != 1:
+            raise ValueError(f"{name}.forward calls its lm_head {len(seen)} times, where the "
+                             f"tiled loss calls it once. {instead}")
+        x = seen[0]
+        if x.shape != h.shape or x.device != h.device or not torch.equal(x.float(), h.float()):
+            raise ValueError(f"{name}.forward does not pass its base model's last_hidden_state "
+                             f"unchanged to the lm_head (e.g. it scales or normalises the "
+                             f"hidden states first); the tiled loss cannot reproduce that. "
+                             f"{instead}")
+        if not torch.is_tensor(logits) or logits.shape != z.shape:
+            raise ValueError(f"{name}.forward returns logits of shape "
+                             f"{tuple(getattr(logits, 'shape', ()))} for lm_head output "
+                             f"{tuple(z.shape)} (e.g. it slices the vocab); the tiled loss "
+                             f"cannot reproduce that. {instead}")
+        got = logits.float().to(z.device)
+        worst = float("inf")
+        for t in candidates:
+            want = transform_logits_(z.clone(), scale=t.scale, softcap=t.softcap)
+            if torch.allclose(got, want, rtol=PROBE_RTOL, atol=PROBE_ATOL):
+                return t
+            worst = min(worst, float((got - want).abs().max()))
+    raise ValueError(f"{name}.forward transforms the lm_head's logits in a way the tiled loss "
+                     f"does not reproduce: no scale/softcap from its config "
+                     f"({found or 'no key of ' + str(SCALE_KEYS + SOFTCAP_KEYS)}) matches "
+                     f"(closest: max difference {worst:.3g}). {instead}")
+
+
+# --- the loss --------------------------------------------------------------------------------
+
 class _TiledHeadForward:
     """An lm_head instance's forward, replaced by the tiled logits + summed loss."""
 
-    def __init__(self, head: nn.Module, tiles, group) -> None:
-        self.head, self.tiles, self.group = head, tiles, group
+    def __init__(self, head: nn.Module, tiles, group, transform: LogitTransform) -> None:
+        self.head, self.tiles, self.group, self.transform = head, tiles, group, transform
 
     def __call__(self, hidden_BSE: Tensor, shift_labels_BS: Tensor) -> tuple[Tensor, Tensor]:
         return tiled_logits_loss(hidden_BSE, self.head.weight, shift_labels_BS,
-                                 tiles=self.tiles, group=self.group)
+                                 tiles=self.tiles, group=self.group,
+                                 logit_scale=self.transform.scale,
+                                 logit_softcap=self.transform.softcap)
 
 
 class _SPLossForward:
@@ -106,14 +321,20 @@ def apply_sp_loss(model: nn.Module, *, group, loss_tiles: int | str = "auto",
     The batch is one from :func:`arctic.data.prepare_sp_batch`. The loss runs through module
     calls only (the base model, then the lm_head), so parameter-sharding hooks (ZeRO-3) fire
     where the parameters are used. The lm_head keeps its parameters and state_dict keys; its
-    instance forward computes :func:`arctic.tiling.tiled_logits_loss` instead of logits.
-    ``averaged_over_sp``: see :func:`sp_token_loss` (True for DDP/FSDP2, False for DeepSpeed
-    given an SP ``mpu``). ``ValueError`` if the head has a bias.
+    instance forward computes :func:`arctic.tiling.tiled_logits_loss` instead of logits, with
+    the scale and softcap the model's own forward applies to them
+    (:func:`find_logit_transform`). ``averaged_over_sp``: see :func:`sp_token_loss` (True for
+    DDP/FSDP2, False for DeepSpeed given an SP ``mpu``).
+
+    Raises ``ValueError`` (model unchanged) if the head has a bias, or if the model's loss is
+    not what the tiled loss computes (see :func:`find_logit_transform`).
     """
     head = model.get_output_embeddings()
-    if head is None or getattr(head, "bias", None) is not None:
-        raise ValueError("the tiled loss needs an lm_head (get_output_embeddings) without bias")
-    record_apply(model, "tiling")
-    head.forward = _TiledHeadForward(head, loss_tiles, group)
+    if head is not None and getattr(head, "bias", None) is not None:
+        raise ValueError(f"{type(model).__name__}'s lm_head has a bias; the tiled loss computes "
+                         f"hidden @ weight^T only. Train with the model's own loss instead")
+    transform = find_logit_transform(model)
+    record_apply(model, "tiling")  # after the checks: a refused call changes nothing
+    head.forward = _TiledHeadForward(head, loss_tiles, group, transform)
     model.forward = _SPLossForward(model, group, averaged_over_sp)
     return model
