@@ -265,3 +265,49 @@ def test_refusals_raise_on_every_rank_before_any_collective():
             message, counts = found[name]
             assert all(w in message for w in words), (name, message)
             assert not counts, (name, counts)
+
+
+# --- checkpoint recompute sees its own documents ---------------------------------------------
+
+def _rank_interleaved(hf_checkpointing: bool):
+    """Forward a packed batch, then a plain one, then backward the first: the recompute of the
+    first forward's layers must use its own documents (ours), or be refused (HF's)."""
+    import torch.distributed as dist
+
+    from arctic.data import prepare_sp_batch
+    from arctic.hf_attention import apply_sequence_parallel
+    from arctic.loss import apply_sp_loss
+    from offload import apply_activation_checkpointing
+
+    mesh = get_mesh(2, 2)
+    model = apply_sequence_parallel(_model("stablelm"), mesh=mesh)
+    apply_sp_loss(model, group=mesh["sp"].get_group(), loss_tiles=2)
+    model.train()
+    if hf_checkpointing:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+    else:
+        apply_activation_checkpointing(model)
+    packed = prepare_sp_batch({"input_ids": _tokens(), "labels": _tokens(),
+                               "position_ids": _doc_positions()}, mesh)
+    plain = prepare_sp_batch({"input_ids": _tokens(), "labels": _tokens()}, mesh)
+    loss = model(**packed)
+    try:
+        model(**plain)
+    except ValueError as e:
+        return str(e)
+    loss.backward()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= 2
+    return loss.item(), _grads(model)
+
+
+def test_checkpoint_recompute_uses_its_own_documents():
+    results = dist_pool.run(_rank_interleaved, False, world_size=2)
+    _check(results, _cached_reference("stablelm", True, True), _cached_reference("stablelm"))
+
+
+def test_hf_checkpointing_refuses_a_forward_with_other_documents_before_backward():
+    for message in dist_pool.run(_rank_interleaved, True, world_size=2):
+        assert "before the previous forward's backward" in message, message
