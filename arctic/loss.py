@@ -133,8 +133,8 @@ def _candidates(config) -> tuple[dict[str, Any], list[LogitTransform]]:
 def _stubbed(module: nn.Module, forward: Callable) -> Iterator[None]:
     """``module.forward`` replaced by ``forward`` (an instance attribute) and its forward hooks
     set aside, both restored on exit. The hooks must not run in the probe: the SP batch hook of
-    :func:`arctic.apply_sequence_parallel` all-gathers the position ids, and FSDP2 or ZeRO-3
-    hooks gather parameters, while the probe must issue no collective."""
+    :func:`arctic.apply_sequence_parallel` would record the probe as the current batch, and
+    FSDP2 or ZeRO-3 hooks gather parameters, while the probe must issue no collective."""
     had = "forward" in module.__dict__
     old = module.__dict__.get("forward")
     hooks = module._forward_pre_hooks, module._forward_hooks

@@ -1,9 +1,10 @@
-"""Attention within documents (packed sequences): one kernel call per document.
+"""Attention within documents (packed sequences): one attention per document.
 
 A row of the batch may hold several documents back to back; ``position_ids`` restart at
 each. No query may see a key of another document, which a single kernel call over the row
-cannot express, so :class:`SegmentedAttention` runs one call per (row, document) and writes
-its slice of ``out``/``lse`` (and, in backward, of dq/dk/dv). It has the interface of
+cannot express, so :class:`SegmentedAttention` attends each (row, document) on its own (one
+kernel call, or the calls of a sliding window, :mod:`ulysses.band`) and writes its slice of
+``out``/``lse`` (and, in backward, of dq/dk/dv). It has the interface of
 :class:`ulysses.kernels.LocalAttention`, so plain and head-chunked Ulysses wrap it alike.
 """
 
@@ -22,7 +23,7 @@ from ulysses.kernels import LocalAttention
 class SegmentedAttention:
     """Attention within documents only (packed sequences): row b of the batch holds documents
     ``[starts[b][i], starts[b][i+1])``, and no query sees a key of another document. One
-    kernel call per document; the same interface as :class:`LocalAttention`."""
+    attention per document; the same interface as :class:`LocalAttention`."""
 
     causal: bool
     scale: float
