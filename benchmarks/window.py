@@ -22,7 +22,6 @@ import argparse
 import json
 import statistics
 import sys
-import time
 from pathlib import Path
 
 import torch
@@ -30,8 +29,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.sequence.layer import DistributedAttention
 
-from attention import (DTYPES, MIB, TOLERANCE, fwd_bwd, gather_ints, init_distributed,
-                       make_inputs, peak_memory, sync)
+from attention import DTYPES, MIB, TOLERANCE, gather_ints, init_distributed, make_inputs, run_all
 from ulysses import SequenceParallelDims, ulysses_attention
 
 
@@ -78,19 +76,7 @@ def main() -> None:
     mesh = SequenceParallelDims(world, world).build_mesh(device.type)
     impls = make_impls(mesh, args.seq, args.window, device)
     inputs = make_inputs(args, mesh, device)
-    memory, results = {}, {}
-    for name, fn in impls.items():
-        memory[name], results[name] = peak_memory(fn, inputs, device)
-    times = {name: [] for name in impls}
-    for _ in range(args.iters):
-        for name, fn in impls.items():
-            sync(device)
-            start = time.perf_counter()
-            fwd_bwd(fn, inputs)
-            sync(device)
-            elapsed = torch.tensor(time.perf_counter() - start, dtype=torch.float64)
-            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)
-            times[name].append(elapsed.item())
+    times, memory, results = run_all(impls, inputs, args, device)
     tol = TOLERANCE[DTYPES[args.dtype]]
     diffs, ok = {}, True
     for name in ("ours_window", "ours_window_c1"):
