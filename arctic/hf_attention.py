@@ -109,7 +109,8 @@ def _after_attention(module, args, output):
     if not module.sp_attention.ran:
         raise ValueError(f"{type(module).__name__} ran without the sequence-parallel attention "
                          f"(config._attn_implementation is "
-                         f"{module.config._attn_implementation!r}, not {REGISTERED!r}); "
+                         f"{getattr(getattr(module, 'config', None), '_attn_implementation', None)!r}, not "
+                         f"{REGISTERED!r}); "
                          f"call arctic.apply_sequence_parallel again after changing it")
 
 
@@ -134,7 +135,6 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
         head_chunk_size: ``None``, an int or ``"auto"``; see ``ulysses_attention``. One
             :class:`ulysses.BufferPool` is shared by all layers when chunking, emptied after
             each attention forward and backward (nothing is held between layers).
-        attn_implementation: a name from :data:`IMPLEMENTATIONS`.
         attn_implementation: a name from :data:`IMPLEMENTATIONS` (the kernel).
         zigzag: the ring layout; must match how batches are sharded (``arctic.data``).
         fuse_projections: compute q/k/v (with RoPE) per head chunk from the hidden states and
