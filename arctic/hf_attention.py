@@ -107,11 +107,10 @@ def _after_attention(module, args, output):
     model was switched to another ``attn_implementation``): that would be local attention
     over this rank's piece, silently."""
     if not module.sp_attention.ran:
+        now = getattr(getattr(module, "config", None), "_attn_implementation", None)
         raise ValueError(f"{type(module).__name__} ran without the sequence-parallel attention "
-                         f"(config._attn_implementation is "
-                         f"{getattr(getattr(module, 'config', None), '_attn_implementation', None)!r}, not "
-                         f"{REGISTERED!r}); "
-                         f"call arctic.apply_sequence_parallel again after changing it")
+                         f"(config._attn_implementation is {now!r}, not {REGISTERED!r}); call "
+                         f"arctic.apply_sequence_parallel again after changing it")
 
 
 def _attention_modules(model: nn.Module) -> list[nn.Module]:
