@@ -169,3 +169,20 @@ def test_window_and_sinks_across_ranks(name):
         assert (no_sinks[0] - want[0]).abs().max() > 1e-2
     no_window = reference(q, k, v, dout, sinks=sinks, starts=starts)
     assert (no_window[0] - want[0]).abs().max() > 1e-2
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (CPU CI has none)")
+@pytest.mark.parametrize("backend", ["sdpa_flash", "sdpa_efficient"])
+def test_window_and_sinks_on_cuda(backend):
+    """The band pieces and sinks on the CUDA kernels (bf16), against the fp64 reference."""
+    q, k, v, dout = make_qkv(3, 2, 300, 8, 2, 64, torch.bfloat16)
+    sinks = _sinks(8).to(torch.bfloat16)
+    want = reference(q, k, v, dout, window=37, sinks=sinks)
+    leaves = [t.cuda().requires_grad_() for t in (q, k, v)]
+    s_leaf = sinks.cuda().requires_grad_()
+    attn = WindowAttention(window=37, scale=default_scale(64, None), backend=backend)
+    out, _ = attention_with_lse(*leaves, attn, s_leaf)
+    out.backward(dout.cuda())
+    for what, got, ref in zip(("out", "dq", "dk", "dv", "dsinks"),
+                              (out, *(x.grad for x in leaves), s_leaf.grad), want):
+        _close(got.cpu(), ref, torch.bfloat16, what)
