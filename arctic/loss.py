@@ -190,6 +190,8 @@ def _probe(model: nn.Module, base: nn.Module, head: nn.Module, vocab: int, hidde
     base_calls: list[None] = []
 
     def base_forward(*args, **kwargs):
+        # The stub base model of the probe: whatever the forward passes it (ids, positions,
+        # flags) cannot change h, which is the point; only that it was called is recorded.
         base_calls.append(None)
         return _ProbeOutput(last_hidden_state=h)
 
