@@ -13,7 +13,7 @@ heads, c query heads of one chunk, n the heads this rank sends at one step (ever
 chunk of its piece: ``n <= U c``).
 
 A step (the schedule, kv sharing, uneven heads, idle ranks, overlap and buffers are those of
-:mod:`ulysses.head_chunking`):
+:mod:`ulysses.chunk_schedule` and :mod:`ulysses.chunk_loop`):
 
 1. ``q_Bsn = rope(x @ Wq[rows]^T + bq[rows])`` for the n heads that step j sends; seq -> head
    all-to-all gives ``q_BScD``. k and v likewise, at the steps where a kv chunk is new.
@@ -58,9 +58,9 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ulysses.attention import between_exchanges
 from ulysses.buffer_pool import BufferPool
-from ulysses.head_chunking import (DEFAULT_CHUNK_BUDGET_BYTES, ChunkConfig, _as_BSnD, _new_kv,
-                                   _release, _scatter_into, _to_heads, _to_seq, build_schedule,
-                                   resolve_chunk_size)
+from ulysses.chunk_loop import ChunkConfig, run_backward, run_forward
+from ulysses.chunk_schedule import (DEFAULT_CHUNK_BUDGET_BYTES, Step, build_schedule,
+                                    resolve_chunk_size)
 from ulysses.head_projection import (HeadSet, Projection, ProjectionGrads, head_set, project,
                                      project_backward)
 from ulysses.hybrid import check_hybrid
@@ -85,157 +85,50 @@ class FusedConfig:
     """Per step: the kv heads whose summed dk/dv come back."""
 
 
-# --- forward / backward ---------------------------------------------------------------------
+@dataclass(slots=True)
+class _ProjectedChunks:
+    """A :class:`ulysses.chunk_loop.ChunkSource` that computes each step's heads from ``x``:
+    ``project`` right before they are sent (and dropped once packed), ``dout = dy @ Wo[:, cols]``
+    for those heads only; a returning gradient runs the projection's backward at once,
+    accumulating into ``grads`` and ``dx``."""
 
-def _exchange_kv(x_NE, k: Projection, v: Projection, j: int, cfg: FusedConfig, pool, shape,
-                 rotary):
-    """Step j's kv projection and exchange, if any rank needs a new kv chunk; as
-    ``head_chunking._exchange_kv``: ``(pending, (k_BSkD, v_BSkD))`` for this rank's new chunk,
-    or None if it keeps its current one."""
-    heads = cfg.kv_new[j]
-    if heads is None:
-        return None
-    ch = cfg.chunks
-    U, me, (B, s, D) = len(ch.layout.q_sizes), ch.rank, shape
-    mine = heads.ranges[me][1]
-    pend = [_to_heads(project(x_NE, proj, heads, shape, rotary, cfg.norm_eps), heads.local,
-                      mine, ch.group, pool) for proj in (k, v)]
-    if not ch.schedule[j].kv_new[me]:
-        for p in pend:
-            p.wait(), p.release()
-        return None
-    return pend, tuple(_as_BSnD(p, (s, B, mine, D), U) for p in pend)
+    x_NE: Tensor
+    rotary: tuple[Tensor, Tensor]
+    proj: dict[str, Projection]
+    """``"q"``, ``"k"``, ``"v"``."""
+    cfg: FusedConfig
+    shape: tuple[int, int, int]
+    """``(B, s, D)``."""
+    dy_NE: Tensor | None = None
+    wo: Tensor | None = None
+    grads: dict | None = None
+    dx_NE: Tensor | None = None
 
+    def _heads(self, kind: str, j: int, sending: bool) -> HeadSet:
+        if kind in ("q", "dout"):
+            return self.cfg.q_heads[j]
+        return (self.cfg.kv_new if sending else self.cfg.kv_done)[j]
 
-def _forward(x, rotary, q: Projection, k: Projection, v: Projection, cfg: FusedConfig,
-             pool: BufferPool):
-    """Returns ``out_BsHD`` (before o_proj) and ``lse_BhS`` (fp32, this rank's h heads).
+    def send(self, kind: str, j: int, step: Step):
+        heads = self._heads(kind, j, sending=True)
+        if kind == "dout":  # [B s, E] @ [E, n D] -> [B, s, n, D]
+            B, s, D = self.shape
+            g = (self.dy_NE @ self.wo.index_select(1, heads.rows)).view(B, s, heads.count, D)
+            return g, heads.local
+        return project(self.x_NE, self.proj[kind], heads, self.shape, self.rotary,
+                       self.cfg.norm_eps), heads.local
 
-    The loop of ``head_chunking._forward``, with each exchange's input projected from ``x``
-    just before it is sent (and dropped once it is packed)."""
-    ch = cfg.chunks
-    U, me, steps = len(ch.layout.q_sizes), ch.rank, ch.schedule
-    B, s, E = x.shape
-    D = cfg.head_dim
-    shape, x_NE = (B, s, D), x.reshape(B * s, E)
-    out = x.new_empty(B, s, sum(ch.layout.q_sizes), D)
-    lse = torch.empty(B, ch.layout.q_sizes[me], s * U, dtype=torch.float32, device=x.device)
-
-    def launch(j):
-        heads = cfg.q_heads[j]
-        q_send = project(x_NE, q, heads, shape, rotary, cfg.norm_eps)
-        return _to_heads(q_send, heads.local, steps[j].q[me][1], ch.group, pool)
-
-    kv, pend_out, nxt = None, None, launch(0)
-    for j, st in enumerate(steps):
-        if pend_out is not None:
-            _scatter_into(*pend_out, add=False)
-        kv = _exchange_kv(x_NE, k, v, j, cfg, pool, shape, rotary) or kv
-        pq, n = nxt, st.q[me][1]
-        q_j = _as_BSnD(pq, (s, B, n, D), U)  # waits before the next launch
-        nxt = launch(j + 1) if ch.overlap and j + 1 < len(steps) else None
-        o_j = x.new_empty(B, s * U, 0, D)
-        if n:
-            k_j, v_j = kv[1]
-            o_j, lse[:, j * n:(j + 1) * n] = ch.attn.forward(q_j, k_j, v_j)
-        del q_j
-        pq.release()
-        if st.kv_done[me]:
-            _release(kv)
-            kv = None
-        if nxt is not None:
-            nxt.wait()  # ran during the kernel; frees its send buffer
-        pend_out = (_to_seq(o_j, st.q, ch.group, pool), out, st.q)
-        del o_j
-        if not ch.overlap:
-            _scatter_into(*pend_out, add=False)
-            pend_out = None
-            nxt = launch(j + 1) if j + 1 < len(steps) else None
-    if pend_out is not None:
-        _scatter_into(*pend_out, add=False)
-    _release(kv)
-    return out, lse
+    def take(self, kind: str, j: int, step: Step, blocks: list[Tensor]) -> None:
+        heads = self._heads(kind, j, sending=False)
+        blocks = [b for b, (_, n) in zip(blocks, heads.ranges) if n]
+        g = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)  # [B, s, n, D]
+        project_backward(self.x_NE, self.proj[kind], heads, self.shape, self.rotary,
+                         self.cfg.norm_eps, g, self.grads[kind], self.dx_NE)
 
 
-def _backward(dy, x, rotary, q: Projection, k: Projection, v: Projection, wo, out, lse,
-              cfg: FusedConfig, pool: BufferPool, grads: dict, dx: Tensor | None) -> None:
-    """Accumulate every gradient into ``grads`` (``"q"``/``"k"``/``"v"``: :class:`ProjectionGrads`,
-    ``"wo"``/``"bo"``) and ``dx``; the loop of ``head_chunking._backward``."""
-    ch = cfg.chunks
-    U, me, steps = len(ch.layout.q_sizes), ch.rank, ch.schedule
-    B, s, E = x.shape
-    D, H = cfg.head_dim, out.shape[2]
-    shape, x_NE, dy_NE = (B, s, D), x.reshape(B * s, E), dy.reshape(B * s, E)
-    dx_NE = None if dx is None else dx.view(B * s, E)
-    if grads["wo"] is not None:
-        grads["wo"].addmm_(dy_NE.t(), out.view(B * s, H * D))
-    if grads["bo"] is not None:
-        grads["bo"] += dy_NE.sum(0)
-
-    def launch(j):
-        heads, n = cfg.q_heads[j], steps[j].q[me][1]
-        q_send = project(x_NE, q, heads, shape, rotary, cfg.norm_eps)
-        # dout of these heads only: [B s, E] @ [E, n D] -> [B, s, n, D]
-        dout_send = (dy_NE @ wo.index_select(1, heads.rows)).view(B, s, heads.count, D)
-        return [_to_heads(t, heads.local, n, ch.group, pool) for t in (q_send, dout_send)]
-
-    def finish(sent):
-        """head -> seq arrived: the gradient of what this rank sent; run its projection's
-        backward now."""
-        for pending, proj, heads, name in sent:
-            blocks = [b for b, (_, n) in zip(pending.wait(), heads.ranges) if n]
-            g = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)  # [B, s, n, D]
-            project_backward(x_NE, proj, heads, shape, rotary, cfg.norm_eps, g, grads[name],
-                              dx_NE)
-            del g, blocks
-            pending.release()
-
-    kv, dkv_sum, sent, nxt = None, None, [], launch(0)
-    for j, st in enumerate(steps):
-        finish(sent)
-        kv = _exchange_kv(x_NE, k, v, j, cfg, pool, shape, rotary) or kv
-        n = st.q[me][1]
-        p_out = _to_heads(out, st.q, n, ch.group, pool)
-        out_j = _as_BSnD(p_out, (s, B, n, D), U)  # waits: frees its send buffer
-        pqs = nxt + [p_out]
-        q_j, dout_j = (_as_BSnD(p, (s, B, n, D), U) for p in pqs[:2])  # waits before next
-        nxt = launch(j + 1) if ch.overlap and j + 1 < len(steps) else None
-        dq_j = x.new_empty(B, s * U, 0, D)
-        if n:
-            k_j, v_j = kv[1]
-            dq_j, dk_j, dv_j = ch.attn.backward(dout_j, q_j, k_j, v_j, out_j,
-                                                lse[:, j * n:(j + 1) * n].contiguous())
-            # Sum dk/dv over the q chunks sharing this kv chunk (in place); send once, when done.
-            if st.kv_new[me]:
-                dkv_sum = (dk_j, dv_j)
-            else:
-                dkv_sum[0].add_(dk_j), dkv_sum[1].add_(dv_j)
-            del dk_j, dv_j
-        del q_j, out_j, dout_j
-        for p in pqs:
-            p.release()
-        if st.kv_done[me]:
-            _release(kv)
-            kv = None
-        for p in nxt or ():
-            p.wait()
-        sent = [(_to_seq(dq_j, st.q, ch.group, pool), q, cfg.q_heads[j], "q")]
-        del dq_j
-        heads = cfg.kv_done[j]
-        if heads is not None:
-            empty = x.new_empty(B, s * U, 0, D)
-            sends = dkv_sum if st.kv_done[me] else (empty, empty)
-            sent += [(_to_seq(d, heads.ranges, ch.group, pool), proj, heads, name)
-                     for d, proj, name in zip(sends, (k, v), "kv")]
-            if st.kv_done[me]:
-                dkv_sum = None
-            del sends
-        if not ch.overlap:
-            finish(sent)
-            sent = []
-            nxt = launch(j + 1) if j + 1 < len(steps) else None
-    finish(sent)
-    _release(kv)
+def _projections(wq, bq, wk, bk, wv, bv, q_norm, k_norm) -> dict[str, Projection]:
+    return {"q": Projection(wq, bq, q_norm, True), "k": Projection(wk, bk, k_norm, True),
+            "v": Projection(wv, bv, None, False)}
 
 
 def _zeros_if(needed: bool, t: Tensor | None, dtype=None) -> Tensor | None:
@@ -246,9 +139,13 @@ class _FusedFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin, wq, bq, wk, bk, wv, bv, wo, bo, q_norm, k_norm, cfg, pool):
         rotary = (cos.unsqueeze(2), sin.unsqueeze(2))  # [B|1, s, D] -> [B|1, s, 1, D]
-        q, k, v = (Projection(wq, bq, q_norm, True), Projection(wk, bk, k_norm, True),
-                   Projection(wv, bv, None, False))
-        out, lse = _forward(x, rotary, q, k, v, cfg, pool)
+        B, s, E = x.shape
+        src = _ProjectedChunks(x.reshape(B * s, E), rotary,
+                               _projections(wq, bq, wk, bk, wv, bv, q_norm, k_norm), cfg,
+                               (B, s, cfg.head_dim))
+        out = x.new_empty(B, s, sum(cfg.chunks.layout.q_sizes), cfg.head_dim)
+        lse = run_forward(src, out, cfg.chunks, pool)
+        del src
         pool.end_call()
         # Kept for backward: x, cos/sin, the weights, out (the one all-heads seq-local tensor;
         # see the module docstring) and the fp32 lse.
@@ -262,8 +159,6 @@ class _FusedFn(torch.autograd.Function):
         x, cos, sin, wq, bq, wk, bk, wv, bv, wo, q_norm, k_norm, out, lse = ctx.saved_tensors
         need = ctx.needs_input_grad
         rotary = (cos.unsqueeze(2), sin.unsqueeze(2))
-        q, k, v = (Projection(wq, bq, q_norm, True), Projection(wk, bk, k_norm, True),
-                   Projection(wv, bv, None, False))
         grads = {
             "q": ProjectionGrads(_zeros_if(need[3], wq), _zeros_if(need[4], bq),
                                  _zeros_if(need[11], q_norm, torch.float32)),
@@ -275,7 +170,20 @@ class _FusedFn(torch.autograd.Function):
                    if ctx.has_bo and need[10] else None),
         }
         dx = _zeros_if(need[0], x)
-        _backward(dy.contiguous(), x, rotary, q, k, v, wo, out, lse, ctx.cfg, ctx.pool, grads, dx)
+        B, s, E = x.shape
+        H, D = out.shape[2], out.shape[3]
+        dy_NE = dy.contiguous().reshape(B * s, E)
+        # o_proj's gradients first: one GEMM over the saved all-heads out.
+        if grads["wo"] is not None:
+            grads["wo"].addmm_(dy_NE.t(), out.view(B * s, H * D))
+        if grads["bo"] is not None:
+            grads["bo"] += dy_NE.sum(0)
+        src = _ProjectedChunks(x.reshape(B * s, E), rotary,
+                               _projections(wq, bq, wk, bk, wv, bv, q_norm, k_norm), ctx.cfg,
+                               (B, s, D), dy_NE, wo, grads,
+                               None if dx is None else dx.view(B * s, E))
+        run_backward(src, out, lse, ctx.cfg.chunks, ctx.pool)
+        del src
         ctx.pool.end_call()
         norms = [None if g is None else g.to(w.dtype)
                  for g, w in ((grads["q"].norm, q_norm), (grads["k"].norm, k_norm))]
@@ -358,7 +266,7 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
             as in :func:`ulysses.sharding.head_layout`.
         mesh: from :meth:`SequenceParallelDims.build_mesh`; with ``"ring"`` > 1 each chunk
             attends by ring attention (hybrid).
-        head_chunk_size: an int from :func:`ulysses.head_chunking.valid_chunk_sizes`, or
+        head_chunk_size: an int from :func:`ulysses.chunk_schedule.valid_chunk_sizes`, or
             ``"auto"`` (within ``chunk_budget_bytes``).
         causal, softmax_scale, backend, buffer_pool, chunk_overlap, zigzag, segments, window:
             as for :func:`ulysses.ulysses_attention`.
@@ -395,9 +303,8 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
     cfg = FusedConfig(
         chunks=chunks, head_dim=D, norm_eps=float(norm_eps),
         q_heads=tuple(plan(st.q) for st in schedule),
-        kv_new=tuple(plan(_new_kv(st)) for st in schedule),
-        kv_done=tuple(plan([kv if done else (kv[0], 0) for kv, done in zip(st.kv, st.kv_done)])
-                      if any(st.kv_done) else None for st in schedule))
+        kv_new=tuple(plan(st.kv_sent()) for st in schedule),
+        kv_done=tuple(plan(st.kv_returned()) for st in schedule))
     pool = BufferPool(keep_between_calls=False) if buffer_pool is None else buffer_pool
     return _FusedFn.apply(x, cos, sin, wq, bq, wk, bk, wv, bv, wo, bo, q_norm_weight,
                           k_norm_weight, cfg, pool)
