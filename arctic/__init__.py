@@ -1,9 +1,12 @@
 """The training recipe around real models: HF attention, SP data, tiling, the SP loss.
 
-torch-only pieces import eagerly; :func:`apply_sequence_parallel` (transformers) and
-:func:`initialize` (DeepSpeed) import their framework on first use (``pip install ".[hf]"``).
+The recipe's stages run in one order (:mod:`arctic.order`), and the parts of a HF model they
+act on are found in one place (:mod:`arctic.anatomy`). torch-only pieces import eagerly;
+:func:`apply_sequence_parallel` (transformers) and :func:`initialize` (DeepSpeed) import their
+framework on first use (``pip install ".[hf]"``).
 """
 
+from arctic.checkpointing import apply_activation_checkpointing
 from arctic.config import SequenceParallelConfig
 from arctic.data import SequenceParallelDataLoader, prepare_sp_batch
 from arctic.fsdp import apply_fsdp
@@ -14,6 +17,7 @@ __all__ = [
     "SequenceParallelConfig",
     "SequenceParallelDataLoader",
     "TiledMLP",
+    "apply_activation_checkpointing",
     "apply_fsdp",
     "apply_sequence_parallel",
     "apply_sp_loss",

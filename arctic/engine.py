@@ -23,11 +23,11 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from arctic.checkpointing import apply_activation_checkpointing
 from arctic.config import SequenceParallelConfig, _load
 from arctic.data import SequenceParallelDataLoader
 from arctic.loss import apply_sp_loss
 from arctic.tiling import apply_tiled_mlp, apply_tiled_norms
-from offload import apply_activation_checkpointing
 from ulysses import DeepSpeedMPU
 
 
@@ -69,7 +69,7 @@ def _zero3_reduction_settings(ds_config: dict, model: nn.Module, sp_size: int) -
 def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
                     averaged_over_sp: bool, host_memory_limit: int | None = None) -> nn.Module:
     """Apply everything ``config`` asks for to a HF causal LM, in the fixed order
-    (:mod:`offload.order`): SP attention, MLP tiling, the tiled SP loss, checkpointing with
+    (:mod:`arctic.order`): SP attention, MLP tiling, the tiled SP loss, checkpointing with
     the layer inputs offloaded to the host when ``config.offload_activations``.
     Parameter sharding (ZeRO, FSDP2) comes after, from the caller. ``host_memory_limit``
     (bytes per rank) caps the offload pool; default: 80% of the host's available memory per

@@ -1,6 +1,6 @@
 """Parameter sharding with FSDP2 (``torch.distributed.fsdp.fully_shard``) over dp x sp.
 
-The last stage of the recipe (:mod:`offload.order`): SP attention, tiling and the SP loss,
+The last stage of the recipe (:mod:`arctic.order`): SP attention, tiling and the SP loss,
 checkpointing, then :func:`apply_fsdp`. Every rank of the mesh is a shard rank, the SP ranks
 included, so parameters, gradients and optimizer state are split ``W = dp * sp`` ways.
 
@@ -20,8 +20,8 @@ from typing import Any
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from offload import decoder_layers
-from offload.order import record_apply
+from arctic.anatomy import decoder_layers
+from arctic.order import record_apply
 from ulysses.mesh import check_mesh
 
 SHARD_AXIS = "dp_sp"
@@ -47,9 +47,9 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
                mp_policy=None) -> nn.Module:
     """Shard ``model`` with FSDP2 over every rank of ``mesh``; returns ``model``.
 
-    Each decoder layer (:func:`offload.decoder_layers`: the modules holding a ``self_attn``
-    and an ``mlp``) becomes its own FSDP unit (all-gathered just before it runs, and
-    resharded after it when ``reshard_after_forward``), and the root holds the rest
+    Each decoder layer (:func:`arctic.anatomy.decoder_layers`: the modules holding a
+    ``self_attn`` and an ``mlp``) becomes its own FSDP unit (all-gathered just before it runs,
+    and resharded after it when ``reshard_after_forward``), and the root holds the rest
     (embeddings, final norm, lm_head). Parameters become ``DTensor``\\ s sharded on dim 0 over
     the mesh's ``"dp_sp"`` axis: every rank of an SP group is also a shard rank.
 
@@ -63,7 +63,7 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
 
     Args:
         model: a HF causal LM on the mesh's device type, after every earlier stage
-            (:mod:`offload.order`): SP attention, tiling and loss, checkpointing.
+            (:mod:`arctic.order`): SP attention, tiling and loss, checkpointing.
         mesh: from :meth:`ulysses.SequenceParallelDims.build_mesh`, axes
             ``("dp", "ring", "ulysses")`` plus the flattened ``"dp_sp"``.
         reshard_after_forward: free each layer's gathered parameters after its forward (and

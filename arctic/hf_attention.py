@@ -25,10 +25,11 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface
 
+from arctic.anatomy import attention_modules
 from arctic.hf_batch import BatchState, document_starts, install_batch_hook
 from arctic.hf_features import check_model_features, read_attention_kwargs
 from arctic.hf_fused import check_fusable, fuse, unfuse
-from offload.order import record_apply
+from arctic.order import record_apply
 from ulysses import BufferPool, ulysses_attention
 from ulysses.head_chunking import resolve_chunk_size
 from ulysses.kernels import check_supported
@@ -113,13 +114,6 @@ def _after_attention(module, args, output):
                          f"arctic.apply_sequence_parallel again after changing it")
 
 
-def _attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The self-attention modules of a HF decoder: they hold q/k/v projections."""
-    return [m for m in model.modules()
-            if all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj")) and
-            hasattr(m, "layer_idx")]
-
-
 def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
                             head_chunk_size: int | str | None = None,
                             attn_implementation: str = "ulysses_sdpa",
@@ -154,7 +148,7 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
         raise ValueError(f"attn_implementation must be one of {sorted(IMPLEMENTATIONS)}, got "
                          f"{attn_implementation!r}")
     config = model.config
-    modules = _attention_modules(model)
+    modules = attention_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no attention module with q/k/v "
                          f"projections to make sequence-parallel")

@@ -13,7 +13,7 @@ attention call runs before that first collective.
 
 Activation checkpointing recomputes a layer in backward, when the state may already hold a
 later forward's batch. :func:`recompute_context` restores the layer's own batch around the
-recompute (``offload.apply_activation_checkpointing`` passes it to ``torch.utils.checkpoint``
+recompute (``arctic.apply_activation_checkpointing`` passes it to ``torch.utils.checkpoint``
 as its ``context_fn``). HF's own ``gradient_checkpointing_enable`` offers no such hook, so
 under it a second forward with other documents, before the first forward's backward, is
 refused instead of recomputed with the wrong documents.
@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 
-from offload.order import _hf_checkpointing
+from arctic.anatomy import hf_checkpointing
 from ulysses import gather_sequence
 
 
@@ -91,7 +91,7 @@ class BatchState:
         """A new forward: refuse it if HF checkpointing would recompute the previous one's
         layers with this batch's documents; then make it current."""
         prev, new = self.current, _Batch(position_ids)
-        if prev is not None and prev.awaiting_backward and _hf_checkpointing(self.model):
+        if prev is not None and prev.awaiting_backward and hf_checkpointing(self.model):
             # Same control flow on every rank: the gathers below happen everywhere or nowhere.
             new.starts, new.position_ids = self._find(position_ids), None
             if self.segments() != new.starts:
@@ -99,7 +99,7 @@ class BatchState:
                     "a forward with other documents ran before the previous forward's "
                     "backward, under HF gradient checkpointing: its recompute would use the "
                     "new documents. Run backward before the next forward, or checkpoint with "
-                    "offload.apply_activation_checkpointing, which keeps each layer's batch")
+                    "arctic.apply_activation_checkpointing, which keeps each layer's batch")
         if torch.is_grad_enabled():
             new.awaiting_backward = True
         self.current = new

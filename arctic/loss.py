@@ -35,7 +35,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
-from offload.order import record_apply
+from arctic.order import record_apply
 from arctic.tiling import check_logit_transform, tiled_logits_loss, transform_logits_
 
 

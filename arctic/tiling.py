@@ -24,7 +24,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from offload.order import record_apply
+from arctic.anatomy import decoder_layers, token_norms
+from arctic.order import record_apply
 
 IGNORE_INDEX = -100
 DEFAULT_TILE_BUDGET_BYTES = 256 << 20
@@ -175,8 +176,7 @@ def apply_tiled_mlp(model: nn.Module, *, tiles: int | str = "auto",
     ``model``; ``ValueError`` if it has no decoder layer with an ``mlp``.
     """
     intermediate = getattr(model.config, "intermediate_size", None)
-    layers = [m for m in model.modules()
-              if isinstance(getattr(m, "mlp", None), nn.Module) and hasattr(m, "self_attn")]
+    layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no decoder layer with an mlp to tile")
     _tile_forwards(model, [layer.mlp for layer in layers], tiles, intermediate, budget_bytes,
@@ -196,10 +196,6 @@ def _tile_forwards(model: nn.Module, modules, tiles, intermediate_size, budget_b
             m.forward = _TiledForward(m.forward, tiles, intermediate_size, budget_bytes, group)
 
 
-NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
-"""The per-token norms of a HF decoder layer that see ``[B, S, E]`` (Llama, Mistral, Qwen2/3)."""
-
-
 def apply_tiled_norms(model: nn.Module, *, tiles: int | str = "auto",
                       budget_bytes: int = DEFAULT_TILE_BUDGET_BYTES,
                       group: dist.ProcessGroup | None = None) -> nn.Module:
@@ -215,11 +211,7 @@ def apply_tiled_norms(model: nn.Module, *, tiles: int | str = "auto",
     float32 rows of the tile fit ``budget_bytes``. Returns ``model``.
     """
     hidden = model.config.hidden_size
-    norms = [getattr(m, n) for m in model.modules() if hasattr(m, "self_attn")
-             for n in NORM_NAMES if isinstance(getattr(m, n, None), nn.Module)]
-    final = getattr(getattr(model, "model", model), "norm", None)
-    if isinstance(final, nn.Module):
-        norms.append(final)
+    norms = token_norms(model)
     if not norms:
         raise ValueError(f"{type(model).__name__} has no decoder-layer norms to tile")
     # _tiled_call sizes "auto" tiles by 3 x F elements of the input dtype per row; four float32

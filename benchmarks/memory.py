@@ -56,7 +56,7 @@ from arctic.data import prepare_sp_batch  # noqa: E402
 from arctic.hf_attention import apply_sequence_parallel  # noqa: E402
 from arctic.loss import apply_sp_loss, sp_token_loss  # noqa: E402
 from arctic.tiling import apply_tiled_mlp, apply_tiled_norms  # noqa: E402
-from offload import apply_activation_checkpointing  # noqa: E402
+from arctic import apply_activation_checkpointing  # noqa: E402
 from ulysses import SequenceParallelDims  # noqa: E402
 
 import _alst_peer  # noqa: E402  (benchmarks/, on sys.path as the script's directory)

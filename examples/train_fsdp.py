@@ -41,7 +41,7 @@ from arctic import SequenceParallelConfig, SequenceParallelDataLoader, apply_fsd
 from arctic.config import _load  # noqa: E402
 from arctic.engine import apply_sp_recipe  # noqa: E402
 from arctic.fsdp import check_no_zero  # noqa: E402
-from offload.order import STAGES, applied_stages  # noqa: E402
+from arctic.order import STAGES, applied_stages  # noqa: E402
 from train import ByteCorpus, build_model, peak_memory_mib, show_step  # noqa: E402,E501
 
 SP_FLAGS = ("sequence_parallel_size", "ring_degree", "head_chunk_size", "tiled_mlp",

@@ -336,7 +336,7 @@ def offload_saved_activations(pool: HostBufferPool | None = None, *,
     """Inside this block, every tensor autograd saves (of at least ``min_bytes``, parameters
     excepted) moves to a host buffer and comes back in backward.
 
-    For code outside HF decoder layers (a custom block, a loss head). Consecutive blocks that
+    For code outside the checkpointed layers (a custom block, a loss head). Consecutive blocks that
     share a ``session`` prefetch each other in backward as checkpointed layers do. Yields the
     pool, whose :attr:`HostBufferPool.stats` report bytes offloaded and peak host bytes.
     """

@@ -10,6 +10,10 @@ Tensors passed to a layer inside containers or as keyword arguments (HF passes R
 ``position_embeddings=(cos, sin)``) would be kept by the checkpoint's closure, out of reach of
 the hooks; the wrapper flattens every tensor into a positional argument so all of them go
 through the hooks.
+
+Which modules are layers is the caller's knowledge, not this package's: it is given the
+layers to wrap (``arctic.apply_activation_checkpointing`` finds a HF model's decoder layers and
+enforces the order of the recipe's stages).
 """
 
 from __future__ import annotations
@@ -20,29 +24,23 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from offload.activations import DEFAULT_MIN_OFFLOAD_BYTES, HostBufferPool, OffloadSession
-from offload.order import _hf_checkpointing, record_apply
-
-
-def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers of a HF causal LM: modules with both ``self_attn`` and ``mlp``."""
-    return [m for m in model.modules() if isinstance(getattr(m, "mlp", None), nn.Module)
-            and isinstance(getattr(m, "self_attn", None), nn.Module)]
 
 
 class _CheckpointedForward:
     """A layer instance's forward, replaced by the original under non-reentrant checkpoint."""
 
     def __init__(self, forward, session: OffloadSession | None, num_layers: int,
-                 context_fn) -> None:
+                 context_fn, drop_kwargs: tuple[str, ...]) -> None:
         self.forward, self.session, self.num_layers = forward, session, num_layers
         self.kwargs = {} if context_fn is None else {"context_fn": context_fn}
+        self.drop_kwargs = drop_kwargs
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, nothing to redo
             return self.forward(*args, **kwargs)
-        # A KV cache would be written twice (forward and recompute) and would hold every
-        # layer's k/v; transformers drops it under checkpointing too.
-        for name in ("past_key_values", "layer_past"):
+        # E.g. a KV cache: it would be written twice (forward and recompute) and would hold
+        # every layer's k/v.
+        for name in self.drop_kwargs:
             if kwargs.get(name) is not None:
                 kwargs[name] = None
         leaves, spec = tree_flatten((args, kwargs))
@@ -73,26 +71,49 @@ class _CheckpointedForward:
             return checkpoint(run, *tensors, use_reentrant=False, **self.kwargs)
 
 
-def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = False,
-                                   layers: list[nn.Module] | None = None,
+def check_activation_checkpointing(layers, *, offload_to_cpu: bool = False,
+                                   pool: HostBufferPool | None = None) -> list[nn.Module]:
+    """``ValueError`` unless :func:`apply_activation_checkpointing` can wrap ``layers``; returns
+    them as a list.
+
+    Separate so that a caller can check before it records anything on the model (the recipe's
+    stage order, :mod:`arctic.order`): a refused call must leave the model as it was.
+    """
+    layers = list(layers)
+    if not layers:
+        raise ValueError("layers is empty: pass layers=[...], the modules to checkpoint one by "
+                         "one (e.g. a decoder's layers)")
+    if any(isinstance(m.forward, _CheckpointedForward) for m in layers):
+        raise ValueError("apply_activation_checkpointing was already applied to this model")
+    if pool is not None and not offload_to_cpu:
+        raise ValueError("a pool was given but offload_to_cpu=False")
+    return layers
+
+
+def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: bool = False,
                                    pool: HostBufferPool | None = None,
                                    host_memory_limit: int | None = None,
                                    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+                                   drop_kwargs: tuple[str, ...] = (),
                                    group=None) -> nn.Module:
-    """Checkpoint every decoder layer (non-reentrant); optionally keep their inputs on the host.
+    """Checkpoint each of ``layers`` (non-reentrant); optionally keep their inputs on the host.
 
     Args:
-        model: a HF causal LM (or any module, with ``layers`` given), after SP attention and
-            tiling and before parameter sharding (:mod:`offload.order`).
+        model: the module that holds ``layers``; it carries the offload session and, if it
+            has one, the ``checkpoint_context_fn`` (below).
+        layers: the modules to checkpoint, each as one unit (required, not empty). For a HF
+            model, ``arctic.apply_activation_checkpointing`` passes its decoder layers.
         offload_to_cpu: move the tensors each checkpointed layer saves (its inputs: hidden
             states ``[B, S_local, E]``, RoPE cos/sin, position ids) to pinned host buffers,
             asynchronously on a side stream on CUDA; in backward, layer i's recompute starts
             the copy back of layer i-1's inputs.
-        layers: the modules to checkpoint; default :func:`decoder_layers`.
         pool: the host buffers; default a new :class:`HostBufferPool` with
             ``host_memory_limit`` (default 80% of available host memory per local rank,
             agreed over ``group``).
         min_offload_bytes: smaller saved tensors stay on the device.
+        drop_kwargs: keyword arguments passed to a layer as ``None`` while checkpointing
+            (state the layer would otherwise update twice, in forward and in the recompute,
+            such as a KV cache).
 
     A model may carry ``model.checkpoint_context_fn``, ``torch.utils.checkpoint``'s
     ``context_fn``: every checkpoint call passes it on, so state the model keeps outside the
@@ -101,23 +122,11 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
 
     Returns ``model``; ``model.activation_offload`` is the :class:`OffloadSession` (or
     ``None``) whose ``pool.stats`` report bytes offloaded and peak host bytes. Raises
-    ``ValueError`` when no layer is found, when a layer is already checkpointed (here or
-    with HF's ``gradient_checkpointing_enable``), or out of order; and, at the first layer of
-    a forward, when the inputs of all layers would exceed the host limit.
+    ``ValueError`` (:func:`check_activation_checkpointing`) when ``layers`` is empty or a
+    layer is already checkpointed; and, at the first layer of a forward, when the inputs of
+    all layers would exceed the host limit.
     """
-    layers = decoder_layers(model) if layers is None else list(layers)
-    if not layers:
-        raise ValueError(f"{type(model).__name__} has no decoder layer (a module with self_attn "
-                         f"and mlp) to checkpoint; pass layers=[...]")
-    if _hf_checkpointing(model):
-        raise ValueError("HF gradient checkpointing is already enabled on this model; call "
-                         "model.gradient_checkpointing_disable() first (checkpointing twice "
-                         "recomputes every layer twice)")
-    if any(isinstance(m.forward, _CheckpointedForward) for m in layers):
-        raise ValueError("apply_activation_checkpointing was already applied to this model")
-    if pool is not None and not offload_to_cpu:
-        raise ValueError("a pool was given but offload_to_cpu=False")
-    record_apply(model, "checkpointing")
+    layers = check_activation_checkpointing(layers, offload_to_cpu=offload_to_cpu, pool=pool)
     session = None
     if offload_to_cpu:
         if pool is None:
@@ -125,9 +134,10 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
         session = OffloadSession(pool, min_offload_bytes)
     context_fn = getattr(model, "checkpoint_context_fn", None)
     for layer in layers:
-        layer.forward = _CheckpointedForward(layer.forward, session, len(layers), context_fn)
+        layer.forward = _CheckpointedForward(layer.forward, session, len(layers), context_fn,
+                                             tuple(drop_kwargs))
     model.activation_offload = session
     return model
 
 
-__all__ = ["apply_activation_checkpointing", "decoder_layers"]
+__all__ = ["apply_activation_checkpointing", "check_activation_checkpointing"]

@@ -202,10 +202,10 @@ def _rank_model(name, kv_heads, ulysses, ring, chunk, checkpointing=False):
     """Loss and DDP-averaged gradients of one step, fused and unfused, on the same batch."""
     import torch.distributed as dist
 
+    from arctic import apply_activation_checkpointing
     from arctic.data import prepare_sp_batch
     from arctic.hf_attention import apply_sequence_parallel
     from arctic.loss import apply_sp_loss
-    from offload import apply_activation_checkpointing
 
     world = ulysses * ring
     mesh = get_mesh(world, ulysses, ring)
@@ -362,11 +362,11 @@ def _rank_fsdp2():
     """FSDP2 (arctic.apply_fsdp, each layer resharded after forward) over checkpointed, fused
     layers: the projections' weights are read from the unsharded layer in forward and in the
     backward recompute."""
+    from arctic import apply_activation_checkpointing
     from arctic.data import prepare_sp_batch
     from arctic.fsdp import apply_fsdp
     from arctic.hf_attention import apply_sequence_parallel
     from arctic.loss import apply_sp_loss
-    from offload import apply_activation_checkpointing
 
     mesh = get_mesh(2, 2)
     model = apply_sequence_parallel(_model("qwen3", 4), mesh=mesh, head_chunk_size=2,

@@ -274,10 +274,10 @@ def _rank_interleaved(hf_checkpointing: bool):
     first forward's layers must use its own documents (ours), or be refused (HF's)."""
     import torch.distributed as dist
 
+    from arctic import apply_activation_checkpointing
     from arctic.data import prepare_sp_batch
     from arctic.hf_attention import apply_sequence_parallel
     from arctic.loss import apply_sp_loss
-    from offload import apply_activation_checkpointing
 
     mesh = get_mesh(2, 2)
     model = apply_sequence_parallel(_model("stablelm"), mesh=mesh)

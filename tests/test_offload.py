@@ -12,8 +12,10 @@ import pytest
 import torch
 from torch import nn
 
-from offload import HostBufferPool, apply_activation_checkpointing, offload_saved_activations
-from offload.order import record_apply
+import offload
+from arctic import apply_activation_checkpointing
+from arctic.order import record_apply
+from offload import HostBufferPool, offload_saved_activations
 
 pytest.importorskip("transformers", reason="the layer tests use HF models ([hf])")
 
@@ -169,6 +171,8 @@ def test_apply_order_and_double_checkpointing_are_refused():
         record_apply(hf, "offload")
     with pytest.raises(ValueError, match="no decoder layer"):
         apply_activation_checkpointing(nn.Linear(2, 2))
+    with pytest.raises(ValueError, match="layers is empty"):  # offload is given the layers
+        offload.apply_activation_checkpointing(nn.Linear(2, 2), layers=[])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")

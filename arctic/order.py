@@ -4,7 +4,7 @@ The memory features wrap one another, so they compose in one order only:
 
 1. SP attention (:func:`arctic.apply_sequence_parallel`);
 2. tiling (:func:`arctic.apply_tiled_mlp`, :func:`arctic.apply_sp_loss`);
-3. activation checkpointing and offload (:func:`offload.apply_activation_checkpointing`);
+3. activation checkpointing and offload (:func:`arctic.apply_activation_checkpointing`);
 4. parameter sharding (:func:`arctic.fsdp.apply_fsdp`, or DeepSpeed ZeRO through
    :func:`arctic.initialize`).
 
@@ -13,23 +13,20 @@ them; FSDP2 must see the checkpointed layer so that its pre-backward unshard pre
 recompute. Applying a stage after a later one would leave the earlier wrapper outside, where
 it silently does nothing useful (tiles that checkpointing already saved whole) or breaks
 (parameters that are already sharded). Every ``apply_*`` calls :func:`record_apply` first.
+
+The order lives in ``arctic``, beside :func:`arctic.engine.apply_sp_recipe` that follows it,
+because telling which stages a model already has means knowing FSDP2, DeepSpeed ZeRO and HF
+checkpointing; ``offload`` stays torch-only.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
+from arctic.anatomy import hf_checkpointing
+
 STAGES = ("sp_attention", "tiling", "checkpointing", "sharding")
 _ATTR = "_sp_applied_stages"
-
-
-def _hf_checkpointing(model: nn.Module) -> bool:
-    """Whether HF's own gradient checkpointing is on (the property's name changed in
-    transformers 5: ``is_activation_checkpointing``)."""
-    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
-        if hasattr(type(model), name):
-            return bool(getattr(model, name))
-    return False
 
 
 def applied_stages(model: nn.Module) -> set[str]:
@@ -42,7 +39,7 @@ def applied_stages(model: nn.Module) -> set[str]:
     if any(isinstance(m, FSDPModule) for m in model.modules()) or \
             any(hasattr(p, "ds_id") for p in model.parameters()):
         stages.add("sharding")
-    if _hf_checkpointing(model):
+    if hf_checkpointing(model):
         stages.add("checkpointing")
     return stages
 
@@ -62,3 +59,6 @@ def record_apply(model: nn.Module, stage: str) -> None:
                          f"is already applied. The order is {' -> '.join(STAGES)}; apply "
                          f"{stage} to the model before {later[0]}")
     setattr(model, _ATTR, tuple(sorted(done | {stage}, key=STAGES.index)))
+
+
+__all__ = ["STAGES", "applied_stages", "record_apply"]

@@ -1,0 +1,59 @@
+"""Where the recipe finds things in a HuggingFace causal LM: its decoder layers, their
+attention modules and norms, and whether HF's own gradient checkpointing is on.
+
+transformers gives no API for "the decoder layers" or "the attention modules" that holds
+across model families, so each is found by the attribute names that the families share. They
+are defined once, here, so that every stage of the recipe (SP attention, tiling,
+checkpointing, FSDP2 units) agrees on what a layer is; the torch-only packages (``offload``,
+``ulysses``) are given the modules and never look for them.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
+"""The per-token norms of a HF decoder layer that see ``[B, S, E]`` (Llama, Mistral, Qwen2/3)."""
+
+CACHE_KWARGS = ("past_key_values", "layer_past")
+"""The keyword arguments through which HF decoder layers get a KV cache. Under activation
+checkpointing a cache would be written twice (forward and recompute) and would hold every
+layer's k/v; transformers drops it under its own checkpointing too."""
+
+
+def decoder_layers(model: nn.Module) -> list[nn.Module]:
+    """The decoder layers of a HF causal LM: modules with both ``self_attn`` and ``mlp``."""
+    return [m for m in model.modules() if isinstance(getattr(m, "mlp", None), nn.Module)
+            and isinstance(getattr(m, "self_attn", None), nn.Module)]
+
+
+def attention_modules(model: nn.Module) -> list[nn.Module]:
+    """The self-attention modules of a HF decoder: they hold q/k/v projections and know their
+    ``layer_idx``."""
+    return [m for m in model.modules()
+            if all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj")) and
+            hasattr(m, "layer_idx")]
+
+
+def token_norms(model: nn.Module) -> list[nn.Module]:
+    """The norms applied to every token's hidden state: each decoder layer's
+    :data:`NORM_NAMES` that it has, then the base model's final ``norm`` if there is one."""
+    norms = [getattr(layer, n) for layer in decoder_layers(model)
+             for n in NORM_NAMES if isinstance(getattr(layer, n, None), nn.Module)]
+    final = getattr(getattr(model, "model", model), "norm", None)
+    if isinstance(final, nn.Module):
+        norms.append(final)
+    return norms
+
+
+def hf_checkpointing(model: nn.Module) -> bool:
+    """Whether HF's own gradient checkpointing is on (the property's name changed in
+    transformers 5: ``is_activation_checkpointing``)."""
+    for name in ("is_activation_checkpointing", "is_gradient_checkpointing"):
+        if hasattr(type(model), name):
+            return bool(getattr(model, name))
+    return False
+
+
+__all__ = ["CACHE_KWARGS", "NORM_NAMES", "attention_modules", "decoder_layers",
+           "hf_checkpointing", "token_norms"]

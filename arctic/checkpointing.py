@@ -1,0 +1,64 @@
+"""Activation checkpointing (and host offload) of a HF model's decoder layers, as a recipe stage.
+
+:func:`offload.apply_activation_checkpointing` is torch-only: it wraps the layers it is given.
+This is the one-call form for HF causal LMs: it finds the decoder layers
+(:func:`arctic.anatomy.decoder_layers`), refuses a model already under HF's own gradient
+checkpointing, records the stage in the recipe's order (:mod:`arctic.order`) and drops the
+KV-cache arguments under checkpointing (:data:`arctic.anatomy.CACHE_KWARGS`).
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from arctic.anatomy import CACHE_KWARGS, decoder_layers, hf_checkpointing
+from arctic.order import record_apply
+from offload import DEFAULT_MIN_OFFLOAD_BYTES, HostBufferPool, check_activation_checkpointing
+from offload import apply_activation_checkpointing as _checkpoint_layers
+
+
+def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = False,
+                                   layers: list[nn.Module] | None = None,
+                                   pool: HostBufferPool | None = None,
+                                   host_memory_limit: int | None = None,
+                                   min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+                                   group=None) -> nn.Module:
+    """Checkpoint every decoder layer (non-reentrant); optionally keep their inputs on the host.
+
+    Args:
+        model: a HF causal LM (or any module, with ``layers`` given), after SP attention and
+            tiling and before parameter sharding (:mod:`arctic.order`).
+        offload_to_cpu: move the tensors each checkpointed layer saves (its inputs: hidden
+            states ``[B, S_local, E]``, RoPE cos/sin, position ids) to pinned host buffers,
+            asynchronously on a side stream on CUDA; in backward, layer i's recompute starts
+            the copy back of layer i-1's inputs.
+        layers: the modules to checkpoint; default :func:`arctic.anatomy.decoder_layers`.
+        pool: the host buffers; default a new :class:`offload.HostBufferPool` with
+            ``host_memory_limit`` (default 80% of available host memory per local rank,
+            agreed over ``group``).
+        min_offload_bytes: smaller saved tensors stay on the device.
+
+    Returns ``model``; ``model.activation_offload`` is the :class:`offload.OffloadSession` (or
+    ``None``) whose ``pool.stats`` report bytes offloaded and peak host bytes. Raises
+    ``ValueError``, leaving the model as it was, when no layer is found, when a layer is
+    already checkpointed (here or with HF's ``gradient_checkpointing_enable``), or out of
+    order; and, at the first layer of a forward, when the inputs of all layers would exceed
+    the host limit. See :func:`offload.apply_activation_checkpointing` for the rest.
+    """
+    layers = decoder_layers(model) if layers is None else list(layers)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no decoder layer (a module with self_attn "
+                         f"and mlp) to checkpoint; pass layers=[...]")
+    if hf_checkpointing(model):
+        raise ValueError("HF gradient checkpointing is already enabled on this model; call "
+                         "model.gradient_checkpointing_disable() first (checkpointing twice "
+                         "recomputes every layer twice)")
+    check_activation_checkpointing(layers, offload_to_cpu=offload_to_cpu, pool=pool)
+    record_apply(model, "checkpointing")  # after the checks: a refused call changes nothing
+    return _checkpoint_layers(model, layers=layers, offload_to_cpu=offload_to_cpu, pool=pool,
+                              host_memory_limit=host_memory_limit,
+                              min_offload_bytes=min_offload_bytes, drop_kwargs=CACHE_KWARGS,
+                              group=group)
+
+
+__all__ = ["apply_activation_checkpointing"]
