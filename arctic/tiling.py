@@ -170,10 +170,15 @@ def apply_tiled_mlp(model: nn.Module, *, tiles: int | str = "auto",
     Each mlp keeps its class, parameters and state_dict keys (checkpoints stay loadable); only
     the instance's ``forward`` is replaced by the tiled run of the original. The per-tile
     calls and the backward recompute call the original ``forward`` directly, so module hooks
-    fire once per layer call, not per tile. Parameter sharding that frees parameters after
-    forward (ZeRO-3, FSDP2) is not handled here yet. Apply after
-    :func:`arctic.apply_sequence_parallel` and before activation checkpointing. Returns
-    ``model``; ``ValueError`` if it has no decoder layer with an ``mlp``.
+    fire once per layer call, not per tile. That is also why parameter sharding that frees
+    parameters after forward works with it: under ZeRO-3 (the mlp's own hooks) and FSDP2 (its
+    decoder layer's, the FSDP unit) the parameters are gathered around that one call and
+    before its backward, where the tiles run and are recomputed; ZeRO's gradient hooks are
+    told that only the last tile completes a gradient (``ds_grad_is_ready``). Gradients equal
+    single-device ones under ZeRO 0-3 (``tests/test_arctic_engine.py``) and FSDP2
+    (``tests/test_fsdp.py``). Apply after :func:`arctic.apply_sequence_parallel` and before
+    activation checkpointing. Returns ``model``; ``ValueError`` if it has no decoder layer
+    with an ``mlp``.
     """
     intermediate = getattr(model.config, "intermediate_size", None)
     layers = decoder_layers(model)
