@@ -11,16 +11,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainingArguments
 
-from train import REPO, ByteCorpus, build_model  # examples/train.py, beside this file
+# examples/_common.py, beside this file; importing it puts the checkout on sys.path.
+from _common import REPO, ByteCorpus, build_model
 
-sys.path.insert(0, str(REPO))
-from arctic.trainer import SequenceParallelTrainer  # noqa: E402
+from arctic.trainer import SequenceParallelTrainer  # after _common: from the checkout
 
 
 class _Plain(Trainer):

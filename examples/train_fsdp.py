@@ -7,10 +7,10 @@
         [--log-file log.jsonl]
 
 The same job as ``examples/train.py`` (the tiny Llama, byte tokens of the shipped corpus, the
-progress bar with loss, tokens/s and peak memory per rank), with DeepSpeed swapped for FSDP2:
-``arctic.engine.apply_sp_recipe`` makes the model sequence-parallel, then
-``arctic.apply_fsdp`` shards it over every rank (dp x sp), and a plain AdamW steps the
-sharded parameters. The SP loss is built with ``averaged_over_sp=True`` because FSDP2
+progress bar with loss, tokens/s and peak memory per rank: ``examples/_common.py``), with
+DeepSpeed swapped for FSDP2: ``arctic.engine.apply_sp_recipe`` makes the model
+sequence-parallel, then ``arctic.apply_fsdp`` shards it over every rank (dp x sp), and a
+plain AdamW steps the sharded parameters. The SP loss is built with ``averaged_over_sp=True`` because FSDP2
 averages gradients over all ranks, SP ranks included (see :mod:`arctic.fsdp`).
 
 ``--config`` takes the SP settings from a DeepSpeed JSON (``sequence_parallel_size`` and the
@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import sys
 import time
 from pathlib import Path
 
@@ -34,15 +33,15 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-REPO = Path(__file__).resolve().parent.parent
-sys.path.insert(0, str(REPO))  # run from a checkout without installing
+# examples/_common.py, beside this file; importing it puts the checkout on sys.path.
+from _common import (ByteCorpus, Progress, add_job_args, build_model, gather_peaks,
+                     parse_job_args, resumable_batches, split_cpu_threads)
 
 from arctic import SequenceParallelConfig, SequenceParallelDataLoader, apply_fsdp  # noqa: E402
 from arctic.config import _load  # noqa: E402
 from arctic.engine import apply_sp_recipe  # noqa: E402
 from arctic.fsdp import check_no_zero  # noqa: E402
 from arctic.order import STAGES, applied_stages  # noqa: E402
-from train import ByteCorpus, build_model, peak_memory_mib, show_step  # noqa: E402,E501
 
 SP_FLAGS = ("sequence_parallel_size", "ring_degree", "head_chunk_size", "tiled_mlp",
             "no_activation_checkpointing", "offload_activations")
@@ -63,24 +62,14 @@ def parse_args() -> argparse.Namespace:
     sp.add_argument("--offload-activations", action="store_true", default=None)
     p.add_argument("--config", type=Path, default=None,
                    help="DeepSpeed JSON with sequence_parallel_size and the ulysses block")
-    p.add_argument("--model", default="tiny-llama")
-    p.add_argument("--data", type=Path, default=REPO / "examples" / "data" / "corpus.txt")
-    p.add_argument("--seq-len", type=int, default=256)
+    add_job_args(p, seq_len=256)
     p.add_argument("--batch-size", type=int, default=1, help="samples per dp rank per step")
-    p.add_argument("--max-steps", type=int, default=30)
     p.add_argument("--lr", type=float, default=1e-3)
     p.add_argument("--weight-decay", type=float, default=0.0)
     p.add_argument("--max-grad-norm", type=float, default=None, help="clip; default off")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--save-dir", type=Path, default=None)
-    p.add_argument("--save-every", type=int, default=10)
-    p.add_argument("--resume", action="store_true")
-    p.add_argument("--log-file", type=Path, default=None, help="JSON lines, one per step")
     p.add_argument("--dump-grads", type=Path, default=None,
                    help="torch.save the full gradients of this run's first step (rank 0)")
-    args = p.parse_args()
-    if args.resume and args.save_dir is None:
-        p.error("--resume needs --save-dir")
+    args = parse_job_args(p)
     given = [f"--{n.replace('_', '-')}" for n in SP_FLAGS if getattr(args, n) is not None]
     if args.config is not None and given:
         p.error(f"--config sets sequence parallelism; drop {', '.join(given)} or --config")
@@ -157,9 +146,7 @@ def main() -> None:
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
         torch.cuda.set_device(local_rank)
-    else:
-        local = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
-        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+    split_cpu_threads()
     dist.init_process_group("nccl" if cuda else "gloo")
     rank = dist.get_rank()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
@@ -187,64 +174,47 @@ def main() -> None:
         step, epoch, skip = load_checkpoint(path, model, optimizer)
     first_step = step + 1
 
-    bar = log = record = None
-    if rank == 0:
-        from tqdm import tqdm
-        bar = tqdm(total=args.max_steps, initial=step, desc="train fsdp", dynamic_ncols=True)
-        if args.log_file:
-            args.log_file.parent.mkdir(parents=True, exist_ok=True)
-            log = open(args.log_file, "a")
+    progress = Progress(desc="train fsdp", total=args.max_steps, initial=step,
+                        log_file=args.log_file)
     tokens_per_step = args.seq_len * args.batch_size * dp
     offload = getattr(model, "activation_offload", None)  # set by checkpointing with offload
+    batches = resumable_batches(loader, epoch=epoch, skip=skip)
     while step < args.max_steps:
-        loader.set_epoch(epoch)
-        for i, batch in enumerate(loader):
-            if i < skip:  # the batches this epoch had already consumed before the checkpoint
-                continue
-            start = time.perf_counter()
-            loss = model(**{k: v.to(device) for k, v in batch.items()})
-            loss.backward()
-            step += 1
-            if args.dump_grads and step == first_step:
-                full = {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()}
-                if rank == 0:
-                    torch.save(full, args.dump_grads)
-            norm = grad_norm(model)
-            if args.max_grad_norm is not None:
-                coef = min(1.0, args.max_grad_norm / (norm.item() + 1e-6))
-                for p in model.parameters():
-                    p.grad.mul_(coef)
-            optimizer.step()
-            optimizer.zero_grad(set_to_none=True)
-            elapsed = time.perf_counter() - start
-
-            # The loss is already the SP group's; the mean over dp is the global batch's.
-            mean_loss = loss.detach().clone()
-            dist.all_reduce(mean_loss, group=dp_group)
-            peaks = [torch.zeros((), device=device) for _ in range(dist.get_world_size())]
-            dist.all_gather(peaks, torch.tensor(peak_memory_mib(), device=device))
+        epoch, i, batch = next(batches)
+        start = time.perf_counter()
+        loss = model(**{k: v.to(device) for k, v in batch.items()})
+        loss.backward()
+        step += 1
+        if args.dump_grads and step == first_step:
+            full = {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()}
             if rank == 0:
-                record = {"step": step, "loss": mean_loss.item() / dp,
-                          "grad_norm": norm.item(), "tokens_per_s": tokens_per_step / elapsed,
-                          "peak_mib": [round(p.item(), 1) for p in peaks]}
-                if offload is not None:  # rank 0's layer inputs moved to the host this step
-                    record["offloaded_mib"] = round(offload.pool.stats.bytes_offloaded / 2**20, 3)
-                show_step(bar, log, record)
-            if offload is not None:
-                offload.pool.reset_stats()
-            if args.save_dir and step % args.save_every == 0:
-                save_checkpoint(args.save_dir / f"step{step}", model, optimizer,
-                                [step, epoch, i + 1])
-            if step >= args.max_steps:
-                break
-        else:
-            epoch, skip = epoch + 1, 0
-            continue
-        break
-    if bar:
-        bar.close()
-        last = f", final loss {record['loss']:.4f}" if record else ""
-        print(f"done: {step} steps{last}", flush=True)
+                torch.save(full, args.dump_grads)
+        norm = grad_norm(model)
+        if args.max_grad_norm is not None:
+            coef = min(1.0, args.max_grad_norm / (norm.item() + 1e-6))
+            for p in model.parameters():
+                p.grad.mul_(coef)
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        elapsed = time.perf_counter() - start
+
+        # The loss is already the SP group's; the mean over dp is the global batch's.
+        mean_loss = loss.detach().clone()
+        dist.all_reduce(mean_loss, group=dp_group)
+        peaks = gather_peaks(device)
+        if rank == 0:
+            record = {"step": step, "loss": mean_loss.item() / dp,
+                      "grad_norm": norm.item(), "tokens_per_s": tokens_per_step / elapsed,
+                      "peak_mib": peaks}
+            if offload is not None:  # rank 0's layer inputs moved to the host this step
+                record["offloaded_mib"] = round(offload.pool.stats.bytes_offloaded / 2**20, 3)
+            progress.show(record)
+        if offload is not None:
+            offload.pool.reset_stats()
+        if args.save_dir and step % args.save_every == 0:
+            save_checkpoint(args.save_dir / f"step{step}", model, optimizer,
+                            [step, epoch, i + 1])
+    progress.done(step)
     dist.barrier()
     dist.destroy_process_group()
 

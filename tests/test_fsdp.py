@@ -38,9 +38,10 @@ LOSS_RTOL = 1e-5
 GRAD_TOL = dict(atol=1e-6, rtol=1e-5)
 
 
-def _examples_train():
-    """examples/train.py as a module: the model and data the FSDP job uses."""
-    spec = importlib.util.spec_from_file_location("examples_train", REPO / "examples" / "train.py")
+def _examples_common():
+    """examples/_common.py as a module: the model and data the FSDP job uses."""
+    spec = importlib.util.spec_from_file_location("examples_common",
+                                                  REPO / "examples" / "_common.py")
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
     return module
@@ -75,7 +76,7 @@ def _reference(dp: int, steps: int, seq_len: int) -> tuple[list[float], dict[str
     """
     from torch.utils.data import DistributedSampler
 
-    train = _examples_train()
+    train = _examples_common()
     torch.manual_seed(0)
     model = train.build_model("tiny-llama", seq_len)
     data = train.ByteCorpus(REPO / "examples" / "data" / "corpus.txt", seq_len)

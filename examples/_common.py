@@ -1,0 +1,154 @@
+"""What the training examples share: the demo model and data, the job's command-line flags,
+the resumable data loop, and rank 0's progress bar and JSON log.
+
+``examples/train.py`` (DeepSpeed) and ``examples/train_fsdp.py`` (FSDP2) run the same job
+with a different sharding engine, so everything but the engine lives here, once: a change to
+the model, the data order or what is logged reaches both, and their losses stay comparable.
+Importing this module puts the checkout on ``sys.path``, so the examples run from a checkout
+without installing.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch.utils.data import Dataset
+
+REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))  # run from a checkout without installing
+
+
+class ByteCorpus(Dataset):
+    """Non-overlapping ``seq_len``-byte windows of a text file; token = byte value."""
+
+    def __init__(self, path: Path, seq_len: int) -> None:
+        data = torch.frombuffer(bytearray(path.read_bytes()), dtype=torch.uint8)
+        n = len(data) // seq_len
+        if n == 0:
+            raise ValueError(f"{path} holds {len(data)} bytes, fewer than one sequence "
+                             f"({seq_len}); lower --seq-len")
+        self.windows = data[:n * seq_len].view(n, seq_len).long()
+
+    def __len__(self) -> int:
+        return len(self.windows)
+
+    def __getitem__(self, i: int) -> dict:
+        return {"input_ids": self.windows[i]}
+
+
+def build_model(name: str, seq_len: int):
+    """``"tiny-llama"`` (the CPU demo: 2 layers, byte vocab, random weights) or a HF
+    ``config.json`` path; built from the config with ``attn_implementation="sdpa"``."""
+    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+    if name == "tiny-llama":
+        config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                             num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
+                             max_position_embeddings=max(seq_len, 2048),
+                             tie_word_embeddings=False)
+    else:
+        path = Path(name)
+        if not path.is_file():
+            raise ValueError(f"--model must be 'tiny-llama' or a config.json path, got {name!r}")
+        config = AutoConfig.for_model(**json.loads(path.read_text()))
+    return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
+
+
+def add_job_args(p: argparse.ArgumentParser, *, seq_len: int) -> None:
+    """The flags of the job itself: model, data, length, steps, seed, checkpoints, log."""
+    p.add_argument("--model", default="tiny-llama")
+    p.add_argument("--data", type=Path, default=REPO / "examples" / "data" / "corpus.txt")
+    p.add_argument("--seq-len", type=int, default=seq_len)
+    p.add_argument("--max-steps", type=int, default=30)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--save-dir", type=Path, default=None)
+    p.add_argument("--save-every", type=int, default=10)
+    p.add_argument("--resume", action="store_true")
+    p.add_argument("--log-file", type=Path, default=None, help="JSON lines, one per step")
+
+
+def parse_job_args(p: argparse.ArgumentParser) -> argparse.Namespace:
+    """``p.parse_args()``, refusing ``--resume`` without ``--save-dir``."""
+    args = p.parse_args()
+    if args.resume and args.save_dir is None:
+        p.error("--resume needs --save-dir")
+    return args
+
+
+def split_cpu_threads() -> None:
+    """On CPU, give each local rank its share of the cores: every rank defaulting to all of
+    them would oversubscribe the machine."""
+    if not torch.cuda.is_available():
+        local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1)))
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
+
+
+def peak_memory_mib() -> float:
+    """This rank's peak: the CUDA allocator's on GPU, the process's peak RSS on CPU."""
+    if torch.cuda.is_available():
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
+
+
+def gather_peaks(device: torch.device) -> list[float]:
+    """Every rank's :func:`peak_memory_mib` (MiB, 0.1 precision); a collective, so every rank
+    calls it."""
+    peaks = [torch.zeros((), device=device) for _ in range(dist.get_world_size())]
+    dist.all_gather(peaks, torch.tensor(peak_memory_mib(), device=device))
+    return [round(p.item(), 1) for p in peaks]
+
+
+def resumable_batches(loader, *, epoch: int, skip: int) -> Iterator[tuple[int, int, dict]]:
+    """``(epoch, index in the epoch, batch)`` without end, starting at a checkpoint's data
+    position: the first ``skip`` batches of ``epoch`` are the ones it had already consumed.
+    The loader's ``set_epoch`` gives each epoch its own order, so a resumed run sees the same
+    batches, in the same order, as one that never stopped."""
+    while True:
+        loader.set_epoch(epoch)
+        for i, batch in enumerate(loader):
+            if i >= skip:
+                yield epoch, i, batch
+        epoch, skip = epoch + 1, 0
+
+
+class Progress:
+    """Rank 0's progress bar (loss, tokens/s, per-rank peak memory) and its JSON-lines log,
+    one record per step; other ranks show nothing."""
+
+    def __init__(self, *, desc: str, total: int, initial: int, log_file: Path | None) -> None:
+        self.bar = self.log = self.last = None
+        if dist.get_rank() != 0:
+            return
+        from tqdm import tqdm
+
+        self.bar = tqdm(total=total, initial=initial, desc=desc, dynamic_ncols=True)
+        if log_file:
+            log_file.parent.mkdir(parents=True, exist_ok=True)
+            self.log = open(log_file, "a")
+
+    def show(self, record: dict, **extra: str) -> None:
+        """Rank 0: one step's ``record`` (``loss``, ``tokens_per_s``, ``peak_mib``, ...) on
+        the bar, with ``extra`` fields, and as a line of the log."""
+        self.last = record
+        self.bar.set_postfix(loss=f"{record['loss']:.4f}",
+                             tok_s=f"{record['tokens_per_s']:.0f}",
+                             peak_mib="/".join(f"{p:.0f}" for p in record["peak_mib"]), **extra)
+        self.bar.update(1)
+        if self.log:
+            self.log.write(json.dumps(record) + "\n")
+            self.log.flush()
+
+    def done(self, step: int) -> None:
+        """Rank 0: close the bar and print the step count and the last logged loss."""
+        if self.bar:
+            self.bar.close()
+            last = f", final loss {self.last['loss']:.4f}" if self.last else ""
+            print(f"done: {step} steps{last}", flush=True)
