@@ -12,6 +12,7 @@ receive) share buffers instead of each keeping their own.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -43,13 +44,19 @@ class BufferPool:
             the rest of the model runs (the MLP, the loss, other layers' recompute), where a
             kept buffer would only add to the peak. The caching allocator on CUDA makes the
             re-allocation cheap.
+        on_allocate: called with each buffer the pool creates (never with one it reuses), or
+            None. An observer's hook on this one pool: the memory planner
+            (:func:`arctic.plan.track_peak`) sets it on a model's pools to tell their chunk
+            buffers apart from other allocations. It may be set or reset at any time.
     """
 
-    def __init__(self, max_free: int = 32, *, keep_between_calls: bool = True) -> None:
+    def __init__(self, max_free: int = 32, *, keep_between_calls: bool = True,
+                 on_allocate: Callable[[Tensor], None] | None = None) -> None:
         if max_free < 0:
             raise ValueError(f"max_free must be >= 0, got {max_free}")
         self.max_free = max_free
         self.keep_between_calls = keep_between_calls
+        self.on_allocate = on_allocate
         self.stats = PoolStats()
         self._free: list[Tensor] = []  # base buffers, not in use
 
@@ -65,6 +72,8 @@ class BufferPool:
             base = torch.empty(numel, dtype=dtype, device=device)
             self.stats.allocated += 1
             self.stats.allocated_bytes += base.numel() * base.element_size()
+            if self.on_allocate is not None:
+                self.on_allocate(base)
         return base[:numel]
 
     def release(self, buf: Tensor) -> None:
