@@ -177,7 +177,7 @@ def predict(args) -> None:
     ``step`` traced under FakeTensorMode on torch's fake process group (arctic.plan)."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from arctic.plan import fake_world, track_peak
+    from arctic.plan import buffer_pools, fake_world, track_peak
 
     fake_world(args.world)
     mesh = SequenceParallelDims(world_size=args.world,
@@ -195,7 +195,8 @@ def predict(args) -> None:
             model = build(s, args, mesh, device, args.seq)
             step(model, batch, group)  # warm-up, as measured: the host pool's buffers exist
             model.zero_grad(set_to_none=True)
-            with track_peak(track=(*model.parameters(), *batch.values())) as tracker:
+            with track_peak(track=(*model.parameters(), *batch.values()),
+                            pools=buffer_pools(model)) as tracker:
                 step(model, batch, group)
         peak = tracker.breakdown("cpu")
         record["predicted"][s] = {"device_peak_bytes": peak.total, "by_kind": peak.by_kind}

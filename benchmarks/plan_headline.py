@@ -24,7 +24,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from arctic.plan import _as_json, find_max, parse_bytes, plan  # noqa: E402
+from arctic.plan import find_max, parse_bytes, plan  # noqa: E402
 
 ANCHORS = {"alst_8xh100": 3_700_000, "alst_32xh100": 15_000_000, "upipe_8xh100": 5_000_000,
            "target_8x80gb": 6_000_000}
@@ -61,9 +61,9 @@ def main() -> None:
         nearest = min(misfits, key=lambda e: e.seq_len) if misfits else None
         fits = [e for e in tried if e.fits and e.seq_len == best]
         record["stacks"][stack] = {
-            "max_seq_len": best, "at_max": _as_json(fits[0]) if fits else None,
-            "first_misfit": _as_json(nearest) if nearest else None,
-            "tried": [_as_json(e) for e in tried], "search_s": round(time.perf_counter() - start)}
+            "max_seq_len": best, "at_max": fits[0].as_dict() if fits else None,
+            "first_misfit": nearest.as_dict() if nearest else None,
+            "tried": [e.as_dict() for e in tried], "search_s": round(time.perf_counter() - start)}
         print(f"{stack}: longest that fits {best:,} tokens "
               f"(limit above it: {nearest.limit() if nearest else '-'})", flush=True)
         out.write_text(json.dumps(record, indent=2) + "\n")

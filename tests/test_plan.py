@@ -127,3 +127,26 @@ def test_sizes_parse():
     assert parse_tokens("512K") == 512 * 1024 and parse_tokens("5000000") == 5_000_000
     with pytest.raises(ValueError):
         parse_tokens("5 million")
+
+
+def test_track_peak_counts_the_given_pools_buffers_and_restores_their_hooks():
+    """The chunk buffers are told apart through each pool's own on_allocate hook (no class
+    patching): a buffer the pool creates counts as "attention buffers", a reused one is not
+    counted twice, a pool not given is not seen, and the previous hooks come back."""
+    import torch
+
+    from arctic.plan import track_peak
+    from ulysses import BufferPool
+
+    seen, other = [], BufferPool()
+    pool = BufferPool(on_allocate=seen.append)
+    with track_peak(pools=[pool]) as tracker:
+        buf = pool.acquire(1024, torch.float32, "cpu")
+        pool.release(buf)
+        again = pool.acquire(512, torch.float32, "cpu")  # reused: no new buffer
+        not_ours = other.acquire(4096, torch.float32, "cpu")
+    peak = tracker.breakdown("cpu")
+    assert peak.by_kind["attention buffers"] == 1024 * 4, peak.by_kind
+    assert peak.total >= (1024 + 4096) * 4
+    assert pool.on_allocate == seen.append and other.on_allocate is None and seen == []
+    del again, not_ours

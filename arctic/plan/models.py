@@ -1,0 +1,58 @@
+"""The models the planner knows by name, and how any model's transformers config is made.
+
+The planner builds models from their config alone (no weights), so a name only needs the
+published ``config.json`` values; any other model is planned from its own ``config.json``.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+MODELS: dict[str, tuple[str, dict]] = {
+    # name -> (transformers config class, its arguments), from the published config.json files
+    "llama3-8b": ("LlamaConfig", dict(
+        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+        num_attention_heads=32, num_key_value_heads=8, rope_theta=500000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    "llama3.2-3b": ("LlamaConfig", dict(
+        vocab_size=128256, hidden_size=3072, intermediate_size=8192, num_hidden_layers=28,
+        num_attention_heads=24, num_key_value_heads=8, head_dim=128, rope_theta=500000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=True)),
+    "qwen3-32b": ("Qwen3Config", dict(
+        vocab_size=151936, hidden_size=5120, intermediate_size=25600, num_hidden_layers=64,
+        num_attention_heads=64, num_key_value_heads=8, head_dim=128, rope_theta=1000000.0,
+        rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    "llama3-70b": ("LlamaConfig", dict(
+        vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
+        num_attention_heads=64, num_key_value_heads=8, rope_theta=500000.0,
+        rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    # examples/train.py's CPU demo model
+    "tiny-llama": ("LlamaConfig", dict(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+        num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)),
+}
+
+
+def model_config(name: str, *, layers: int | None = None, max_positions: int | None = None):
+    """A transformers config: a name from :data:`MODELS` or a ``config.json`` path.
+    ``layers`` overrides the decoder layer count (a 2-layer 8B-shaped model for GPU checks)."""
+    import transformers
+
+    if name in MODELS:
+        cls_name, kwargs = MODELS[name]
+        config = getattr(transformers, cls_name)(**kwargs)
+    elif Path(name).is_file():
+        config = transformers.AutoConfig.from_pretrained(Path(name).parent if
+                                                         Path(name).name == "config.json"
+                                                         else name)
+    else:
+        raise ValueError(f"--model must be one of {sorted(MODELS)} or a config.json path, "
+                         f"got {name!r}")
+    if layers is not None:
+        if layers < 1:
+            raise ValueError(f"layers must be >= 1, got {layers}")
+        config.num_hidden_layers = layers
+    if max_positions is not None:
+        config.max_position_embeddings = max(config.max_position_embeddings, max_positions)
+    config.use_cache = False
+    return config

@@ -1,0 +1,100 @@
+"""The training step the planner traces, and the named stacks it plans.
+
+One definition of the step serves three callers: the planner traces it under
+FakeTensorMode, ``benchmarks/scale_gpu.py`` runs it on a real GPU to check the planner, and
+``examples/train_fsdp.py`` is the same recipe at small scale. Keeping it here, apart from the
+tracing, means what is planned is what trains.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from arctic.config import SequenceParallelConfig
+
+
+def build(config, sp: SequenceParallelConfig, mesh, *, device, shard: bool = True,
+          host_memory_limit: int | None = None):
+    """The training setup of ``examples/train_fsdp.py`` at scale: the model from ``config``
+    (fp32 parameters), :func:`arctic.engine.apply_sp_recipe`, FSDP2 over every rank with bf16
+    compute and fp32 gradient reduction, AdamW. ``shard=False`` keeps the parameters whole,
+    in bf16 (single-device references). Returns ``(model, optimizer)``."""
+    from transformers import AutoModelForCausalLM
+
+    from arctic.engine import apply_sp_recipe
+    from arctic.fsdp import apply_fsdp
+
+    with torch.device(device):
+        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                 dtype=torch.float32)
+    apply_sp_recipe(model, config=sp, mesh=mesh, averaged_over_sp=True,
+                    host_memory_limit=host_memory_limit)
+    if shard:
+        from torch.distributed.fsdp import MixedPrecisionPolicy
+
+        apply_fsdp(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(
+            param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+    else:
+        model.to(torch.bfloat16)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
+    return model, optimizer
+
+
+def init_optimizer_state(model: nn.Module, optimizer) -> None:
+    """Create AdamW's state (as after the first step) so the planned step is a steady one:
+    zero gradients, one step, gradients dropped."""
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+
+
+def make_batch(seq_len: int, vocab: int, mesh, device) -> dict:
+    """This rank's shard of one packed sequence of ``seq_len`` tokens (``arctic.data``)."""
+    from arctic.data import prepare_sp_batch
+
+    ids = torch.randint(0, vocab, (1, seq_len), generator=torch.Generator().manual_seed(0))
+    return {k: v.to(device) for k, v in prepare_sp_batch({"input_ids": ids}, mesh).items()}
+
+
+def train_step(model: nn.Module, optimizer, batch: dict, *, on_phase=None) -> torch.Tensor:
+    """One training step: the SP loss, backward, AdamW, gradients dropped. ``on_phase(name)``
+    is called as "forward", "backward" and "optimizer" end (the planner's per-phase peaks)."""
+    mark = on_phase or (lambda name: None)
+    loss = model(**batch)
+    mark("forward")
+    loss.backward()
+    mark("backward")
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    mark("optimizer")
+    return loss.detach()
+
+
+STACKS: dict[str, dict] = {
+    # name -> SequenceParallelConfig fields (sequence_parallel_size comes from the world)
+    "ulysses": dict(loss_tiles=1),
+    "alst": dict(tiled_mlp="auto", tiled_norms=False, loss_tiles="auto",
+                 activation_checkpointing=True, offload_activations=True),
+    "ours": dict(head_chunk_size=1, fuse_projections=True, tiled_mlp="auto", loss_tiles="auto",
+                 activation_checkpointing=True, offload_activations=True),
+    "ours-unfused": dict(head_chunk_size=1, tiled_mlp="auto", loss_tiles="auto",
+                         activation_checkpointing=True, offload_activations=True),
+    "ours-no-offload": dict(head_chunk_size=1, tiled_mlp="auto", loss_tiles="auto",
+                            activation_checkpointing=True),
+    "hybrid": dict(ring_degree=2, head_chunk_size=1, fuse_projections=True, tiled_mlp="auto",
+                   loss_tiles="auto", activation_checkpointing=True, offload_activations=True),
+}
+"""Named stacks. ``ulysses``: SP attention alone (one loss tile: the full logits).
+``alst``: DeepSpeed ALST's recipe (Ulysses without head chunking, tiled MLP and loss,
+checkpointing with the layer inputs offloaded), built from our code. ``ours``: the same with
+head chunking (one head per chunk) and the q/k/v/o projections fused into the chunk loop;
+``ours-unfused`` without that fusion. ``hybrid``: ``ours`` over ring 2 x Ulysses W/2. Ours
+also tile the RMSNorms (:func:`arctic.tiling.apply_tiled_norms`); ALST does not."""
+
+
+def stack_config(stack: str | dict, *, world: int) -> SequenceParallelConfig:
+    """A named stack (:data:`STACKS`) or a dict of fields as a config over ``world`` ranks."""
+    fields = STACKS[stack] if isinstance(stack, str) else stack
+    return SequenceParallelConfig(**{"sequence_parallel_size": world, **fields})

@@ -1,0 +1,198 @@
+"""Tracing a step under FakeTensorMode: the fake world of ranks, and the peak tracker.
+
+Why a tracer and not a formula: the step's peak depends on the order in which everything
+the recipe does allocates and frees (tiles, recomputes, prefetches, FSDP's gathers), and
+MemTracker sees that order as it runs. The tracker below adds what the planner reports: the
+peak per phase, the chunk buffers of head-chunked attention apart from other temporaries
+(through the pools' :attr:`ulysses.BufferPool.on_allocate` hook), and what is alive at the
+peak, by the op and module that made it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import weakref
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from ulysses import BufferPool
+
+
+def fake_world(world: int) -> None:
+    """Make this process rank 0 of ``world`` ranks on torch's fake process group (replacing
+    an earlier fake group of another size). Refuses a real process group."""
+    from torch.testing._internal.distributed.fake_pg import FakeStore
+
+    if dist.is_initialized():
+        if dist.get_backend() != "fake":
+            raise ValueError("the planner needs a process of its own: a real process group "
+                             "is initialized here")
+        if dist.get_world_size() == world:
+            return
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+
+
+KINDS = ("parameters", "gradients", "optimizer", "activations", "attention buffers",
+         "temporaries")
+
+
+@dataclass
+class Peak:
+    """Per-rank device memory at the peak of a traced step, and the host bytes of offload."""
+
+    total: int
+    by_kind: dict[str, int]
+    host: int = 0
+    largest: list = field(default_factory=list)
+    """What is alive at the peak, grouped by the op and module that made it:
+    ``(label, tensors, bytes)``, largest first (at the last 1% step of the peak's climb)."""
+
+    def summary(self) -> dict:
+        return {"device_peak_bytes": self.total, "by_kind": dict(self.by_kind),
+                "host_peak_bytes": self.host,
+                "largest_at_peak": [{"made_by": k, "tensors": c, "bytes": b}
+                                    for k, c, b in self.largest]}
+
+
+def _tracker_class():
+    """The tracker's class, made when a trace runs: it subclasses torch's private MemTracker,
+    which importing the planner should not need."""
+    from torch.distributed._tools.common_utils import get_untyped_storages
+    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+    from torch.utils.weak import WeakIdKeyDictionary
+
+    names = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "parameters",
+             _MemRefType.GRAD: "gradients", _MemRefType.OPT: "optimizer",
+             _MemRefType.ACT: "activations", _MemRefType.TEMP: "temporaries",
+             _MemRefType.OTH: "temporaries"}
+
+    class Tracker(MemTracker):
+        """MemTracker that also notes, at each new peak, the bytes of head-chunk buffers
+        (storages that the traced pools created) alive at that moment."""
+
+        def __init__(self) -> None:
+            super().__init__()
+            self.pool_storages: weakref.WeakSet = weakref.WeakSet()
+            self.pool_at_peak: dict = {}
+            self.phases: dict[str, Peak] = {}
+            self.labels = WeakIdKeyDictionary()  # storage -> (what made it, bytes)
+            self.largest_at_peak: dict = {}
+            self._labeled_at: dict = {}
+            self._op = "before the step"
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            self._op = func.__name__.split(".")[0]
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def _track(self, reftype, t) -> None:
+            super()._track(reftype, t)
+            for st in get_untyped_storages(t):
+                if st not in self.labels:
+                    where = max(self._mod_tracker.parents, key=len, default="")
+                    phase = "backward" if self._mod_tracker.is_bw else "forward"
+                    self.labels[st] = (f"{self._op} in {where or 'the step'} ({phase})",
+                                       st.nbytes(), t.device.type)
+
+        def _largest(self, top: int = 6) -> list[tuple[str, int, int]]:
+            """The live storages grouped by what made them: (label, count, bytes), largest
+            first."""
+            groups: dict[str, list[int]] = {}
+            for label, nbytes, device in list(self.labels.values()):
+                if device == "meta":  # the offload pool's host buffers (planned, not real)
+                    continue
+                g = groups.setdefault(label, [0, 0])
+                g[0] += 1
+                g[1] += nbytes
+            return sorted(((k, c, b) for k, (c, b) in groups.items()),
+                          key=lambda x: -x[2])[:top]
+
+        def end_phase(self, name: str, device_type: str = "cpu") -> None:
+            """Note the peak since the last phase ended as ``name``'s, and start anew."""
+            self.phases[name] = self.breakdown(device_type)
+            self._labeled_at = {}
+            self._peak_mem = {d: s[_TOTAL_KEY] for d, s in self._curr_mem_snap.items()}
+            self._peak_mem_snap = {d: dict(s) for d, s in self._curr_mem_snap.items()}
+            self.pool_at_peak = {d: sum(st.nbytes() for st in list(self.pool_storages))
+                                 for d in self._curr_mem_snap}
+
+        def _update_peak_stats(self, peak_state) -> None:
+            # The step's peak only: MemTracker also keeps every module's peak, walking all
+            # modules at each allocation, which makes a 32-layer trace quadratic.
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
+                    self._peak_mem[dev] = snap[_TOTAL_KEY]
+                    self._peak_mem_snap[dev] = dict(snap)
+                    # (one device per trace; fake storages report "meta")
+                    self.pool_at_peak[dev] = sum(st.nbytes() for st in list(self.pool_storages))
+                    # What is alive at the peak, for the report; refreshed when the peak
+                    # grew by 1% (each refresh walks every live storage).
+                    if snap[_TOTAL_KEY] > 1.01 * self._labeled_at.get(dev, 0):
+                        self._labeled_at[dev] = snap[_TOTAL_KEY]
+                        self.largest_at_peak[dev] = self._largest()
+
+        def breakdown(self, device_type: str) -> Peak:
+            snaps = {d: s for d, s in self.get_tracker_snapshot("peak").items()
+                     if d.type == device_type}
+            if not snaps:
+                return Peak(0, dict.fromkeys(KINDS, 0))
+            dev, snap = next(iter(snaps.items()))
+            kinds = dict.fromkeys(KINDS, 0)
+            for ref, value in snap.items():
+                if ref in names:
+                    kinds[names[ref]] += value
+            pool = self.pool_at_peak.get(dev, 0)
+            kinds["attention buffers"] = pool
+            # Pool buffers were counted as activations (forward) or temporaries (backward).
+            for k in ("temporaries", "activations"):
+                take = min(pool, kinds[k])
+                kinds[k] -= take
+                pool -= take
+            return Peak(snap["Total"], kinds, largest=list(self.largest_at_peak.get(dev) or []))
+
+    return Tracker
+
+
+def buffer_pools(model: nn.Module) -> list[BufferPool]:
+    """The head-chunk buffer pools of ``model``'s SP attention modules, each once.
+
+    :func:`arctic.apply_sequence_parallel` gives all attention modules of a model one shared
+    pool when chunking (none without), recorded in each module's ``sp_attention`` settings;
+    this is how a tracer reaches it (:func:`track_peak`'s ``pools``).
+    """
+    pools: list[BufferPool] = []
+    for m in model.modules():
+        pool = getattr(getattr(m, "sp_attention", None), "pool", None)
+        if pool is not None and not any(pool is p for p in pools):
+            pools.append(pool)
+    return pools
+
+
+@contextlib.contextmanager
+def track_peak(*, track=(), pools: Sequence[BufferPool] = ()):
+    """Track every storage allocated inside the block (plus ``track``: modules, optimizers,
+    tensors that exist before it). Yields the tracker; ``tracker.breakdown("cpu")`` after.
+
+    The buffers that ``pools`` (:func:`buffer_pools`) create inside the block are reported as
+    "attention buffers": the block sets each pool's :attr:`ulysses.BufferPool.on_allocate`
+    hook to note them, and puts the previous hook back at its end.
+    """
+    tracker = _tracker_class()()
+    tracker.track_external(*track)
+    before = [pool.on_allocate for pool in pools]
+
+    def note(buf: torch.Tensor) -> None:
+        tracker.pool_storages.add(buf.untyped_storage())
+
+    for pool in pools:
+        pool.on_allocate = note
+    try:
+        with tracker:
+            yield tracker
+    finally:
+        for pool, hook in zip(pools, before):
+            pool.on_allocate = hook
