@@ -121,7 +121,7 @@ class SequenceParallelConfig:
 
         With ``world_size``, also check that ``sequence_parallel_size`` divides it.
         """
-        ds = _load(path_or_dict)
+        ds = load_ds_config(path_or_dict)
         block = ds.get(BLOCK)
         block = {} if block is None else block
         if not isinstance(block, dict):
@@ -146,7 +146,13 @@ class SequenceParallelConfig:
         return config
 
 
-def _load(path_or_dict) -> dict[str, Any]:
+def load_ds_config(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
+    """A DeepSpeed config as a dict: a dict is returned as it is, a path is read as JSON.
+
+    ``ValueError`` names the file when it is missing, not JSON, or not a JSON object, so
+    every entry point (the engine, the Trainer, FSDP2's example, the planner) refuses a bad
+    file with the same message before anything starts.
+    """
     if isinstance(path_or_dict, dict):
         return path_or_dict
     path = Path(path_or_dict)

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from arctic.checkpointing import apply_activation_checkpointing
-from arctic.config import SequenceParallelConfig, _load
+from arctic.config import SequenceParallelConfig, load_ds_config
 from arctic.data import SequenceParallelDataLoader
 from arctic.loss import apply_sp_loss
 from arctic.tiling import apply_tiled_mlp, apply_tiled_norms
@@ -116,7 +116,7 @@ def initialize(*, model: nn.Module, config: str | Path | dict, model_parameters=
     """
     import deepspeed
 
-    ds_config = dict(_load(config))
+    ds_config = dict(load_ds_config(config))
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
     elif not deepspeed.comm.is_initialized():

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 from transformers import Trainer
 
-from arctic.config import SequenceParallelConfig, _load
+from arctic.config import SequenceParallelConfig, load_ds_config
 from arctic.data import SequenceParallelDataLoader
 from arctic.engine import apply_sp_recipe
 
@@ -54,7 +54,7 @@ class SequenceParallelTrainer(Trainer):
         if args is None or not args.deepspeed:
             raise ValueError("SequenceParallelTrainer reads its settings from "
                              "TrainingArguments(deepspeed=<config with sequence_parallel_size>)")
-        ds = dict(_load(args.deepspeed))
+        ds = dict(load_ds_config(args.deepspeed))
         sp = SequenceParallelConfig.from_ds_config(ds, world_size=args.world_size)
         if getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing:
             # TrainingArguments(activation_checkpointing=True), or its older name

@@ -38,7 +38,7 @@ from _common import (ByteCorpus, Progress, add_job_args, build_model, gather_pea
                      parse_job_args, resumable_batches, split_cpu_threads)
 
 from arctic import SequenceParallelConfig, SequenceParallelDataLoader, apply_fsdp  # noqa: E402
-from arctic.config import _load  # noqa: E402
+from arctic.config import load_ds_config  # noqa: E402
 from arctic.engine import apply_sp_recipe  # noqa: E402
 from arctic.fsdp import check_no_zero  # noqa: E402
 from arctic.order import STAGES, applied_stages  # noqa: E402
@@ -82,7 +82,7 @@ def sp_config(args: argparse.Namespace, world_size: int) -> SequenceParallelConf
     Runs before the process group exists, so every rank raises the same error and none hangs.
     """
     if args.config is not None:
-        ds = _load(args.config)
+        ds = load_ds_config(args.config)
         check_no_zero(ds)
         return SequenceParallelConfig.from_ds_config(ds, world_size=world_size)
     config = SequenceParallelConfig(

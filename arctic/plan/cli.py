@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from arctic.config import SequenceParallelConfig, _load
+from arctic.config import SequenceParallelConfig, load_ds_config
 from arctic.plan.estimate import Estimate, plan
 from arctic.plan.models import MODELS, model_config
 from arctic.plan.search import find_max
@@ -100,7 +100,7 @@ def settings_from_args(args: argparse.Namespace) -> dict:
     if args.ds_config is not None:
         if args.stack is not None:
             raise ValueError("give --stack or --ds-config, not both")
-        ds = _load(args.ds_config)
+        ds = load_ds_config(args.ds_config)
         zero = ds.get("zero_optimization", {}).get("stage", 0)
         if zero not in (0, 3):
             raise ValueError(f"--ds-config has ZeRO stage {zero}: the planner plans full "
