@@ -146,6 +146,27 @@ class SequenceParallelConfig:
         return config
 
 
+def zero_stage(ds_config: dict[str, Any]) -> int:
+    """The ZeRO stage a DeepSpeed config asks for: 0, 1, 2 or 3.
+
+    Read as DeepSpeed reads ``zero_optimization.stage``: 0 when the block, or its ``stage``,
+    is absent or null; ``true`` and ``false`` are stages 1 and 0 (DeepSpeed's deprecated
+    ``"zero_optimization": true`` included). A bare value in place of the block
+    (``"zero_optimization": 3``) is taken as the stage. Any other stage (``"3"``, ``4``) is a
+    ``ValueError``: the engine, FSDP2 and the planner each act on the stage, and a malformed
+    one must not pass for "no ZeRO".
+    """
+    zero = ds_config.get("zero_optimization") or {}
+    stage = zero.get("stage", 0) if isinstance(zero, dict) else zero
+    if stage is None:
+        return 0
+    if isinstance(stage, bool):
+        return int(stage)
+    if not isinstance(stage, int) or not 0 <= stage <= 3:
+        raise ValueError(f"zero_optimization.stage must be 0, 1, 2 or 3, got {stage!r}")
+    return stage
+
+
 def load_ds_config(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
     """A DeepSpeed config as a dict: a dict is returned as it is, a path is read as JSON.
 

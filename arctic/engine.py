@@ -24,7 +24,7 @@ import torch.distributed as dist
 from torch import nn
 
 from arctic.checkpointing import apply_activation_checkpointing
-from arctic.config import SequenceParallelConfig, load_ds_config
+from arctic.config import SequenceParallelConfig, load_ds_config, zero_stage
 from arctic.data import SequenceParallelDataLoader
 from arctic.loss import apply_sp_loss
 from arctic.tiling import apply_tiled_mlp, apply_tiled_norms
@@ -42,9 +42,9 @@ def _zero3_reduction_settings(ds_config: dict, model: nn.Module, sp_size: int) -
     element embedding against the 500M default). With SP both must be avoided, or gradients
     come out 1/sp too small.
     """
-    zero = dict(ds_config.get("zero_optimization", {}))
-    if sp_size == 1 or zero.get("stage", 0) != 3:
+    if sp_size == 1 or zero_stage(ds_config) != 3:
         return ds_config
+    zero = dict(ds_config["zero_optimization"])
     if zero.get("reduce_scatter") is True:
         raise ValueError("zero_optimization.reduce_scatter=true with sequence_parallel_size > 1: "
                          "DeepSpeed's stage-3 reduce-scatter path ignores sequence parallelism "

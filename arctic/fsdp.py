@@ -21,6 +21,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from arctic.anatomy import decoder_layers
+from arctic.config import zero_stage
 from arctic.order import record_apply
 from ulysses.mesh import check_mesh
 
@@ -33,9 +34,8 @@ def check_no_zero(ds_config: dict[str, Any]) -> None:
 
     Stage 0 (or no ``zero_optimization`` block) is accepted: it shards nothing.
     """
-    zero = ds_config.get("zero_optimization") or {}
-    stage = zero.get("stage", 0) if isinstance(zero, dict) else zero
-    if stage not in (0, None, False):
+    stage = zero_stage(ds_config)
+    if stage != 0:
         raise ValueError(f"FSDP2 and ZeRO cannot be mixed: the config sets "
                          f"zero_optimization.stage={stage!r}, but FSDP2 already shards "
                          f"parameters, gradients and optimizer state over every rank. Remove "

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import dist_pool
-from arctic.config import SequenceParallelConfig
+from arctic.config import SequenceParallelConfig, load_ds_config, zero_stage
 from helpers import get_mesh
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
@@ -89,3 +89,33 @@ def test_deepspeed_initialize_accepts_the_cpu_demo_config():
     for stage, sp in dist_pool.run(_rank_deepspeed_accepts, str(CONFIGS / "cpu_demo.json"),
                                    world_size=2, timeout=180):
         assert (stage, sp) == (3, 2)
+
+
+@pytest.mark.parametrize("config,stage", [
+    ({}, 0),
+    ({"zero_optimization": None}, 0),
+    ({"zero_optimization": {}}, 0),
+    ({"zero_optimization": {"stage": None}}, 0),
+    ({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "cpu"}}}, 2),
+    ({"zero_optimization": {"stage": 3}}, 3),
+    ({"zero_optimization": {"stage": False}}, 0),
+    ({"zero_optimization": True}, 1),  # DeepSpeed's deprecated form
+    ({"zero_optimization": 3}, 3),  # a bare stage in place of the block
+])
+def test_zero_stage_reads_the_stage_as_deepspeed_does(config, stage):
+    assert zero_stage(config) == stage
+
+
+@pytest.mark.parametrize("stage", ["3", 4, -1, 2.5, [3]])
+def test_zero_stage_refuses_a_malformed_stage(stage):
+    with pytest.raises(ValueError, match=r"zero_optimization.stage must be 0, 1, 2 or 3, got"):
+        zero_stage({"zero_optimization": {"stage": stage}})
+
+
+def test_load_ds_config_reads_the_shipped_json_and_passes_a_dict_through(tmp_path):
+    assert zero_stage(load_ds_config(CONFIGS / "cpu_demo.json")) == 3
+    ds = {"zero_optimization": {"stage": 1}}
+    assert load_ds_config(ds) is ds
+    (tmp_path / "list.json").write_text("[1, 2]")
+    with pytest.raises(ValueError, match="must hold a JSON object"):
+        load_ds_config(tmp_path / "list.json")

@@ -12,7 +12,7 @@ import json
 import sys
 from pathlib import Path
 
-from arctic.config import SequenceParallelConfig, load_ds_config
+from arctic.config import SequenceParallelConfig, load_ds_config, zero_stage
 from arctic.plan.estimate import Estimate, plan
 from arctic.plan.models import MODELS, model_config
 from arctic.plan.search import find_max
@@ -101,12 +101,12 @@ def settings_from_args(args: argparse.Namespace) -> dict:
         if args.stack is not None:
             raise ValueError("give --stack or --ds-config, not both")
         ds = load_ds_config(args.ds_config)
-        zero = ds.get("zero_optimization", {}).get("stage", 0)
-        if zero not in (0, 3):
-            raise ValueError(f"--ds-config has ZeRO stage {zero}: the planner plans full "
+        stage = zero_stage(ds)
+        if stage not in (0, 3):
+            raise ValueError(f"--ds-config has ZeRO stage {stage}: the planner plans full "
                              f"sharding (ZeRO-3 or FSDP2); use stage 3")
-        if ds.get("zero_optimization", {}).get("offload_optimizer") or \
-                ds.get("zero_optimization", {}).get("offload_param"):
+        zero = ds.get("zero_optimization")
+        if isinstance(zero, dict) and (zero.get("offload_optimizer") or zero.get("offload_param")):
             print("note: the config offloads the optimizer or parameters to the host; the "
                   "planner keeps them on the GPU (FSDP2 shards), so its device peak is an "
                   "upper bound", file=sys.stderr)
