@@ -1,9 +1,9 @@
 """The training step the planner traces, and the named stacks it plans.
 
-One definition of the step serves three callers: the planner traces it under
-FakeTensorMode, ``benchmarks/scale_gpu.py`` runs it on a real GPU to check the planner, and
-``examples/train_fsdp.py`` is the same recipe at small scale. Keeping it here, apart from the
-tracing, means what is planned is what trains.
+One definition of the step serves two callers: the planner traces it under FakeTensorMode,
+and ``benchmarks/scale_gpu.py`` runs it on a real GPU to check the planner. It is
+``examples/train_fsdp.py``'s recipe at scale; kept apart from the tracing, what is planned is
+what trains.
 """
 
 from __future__ import annotations
