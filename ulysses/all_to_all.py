@@ -44,6 +44,16 @@ class _Plan:
     recv_numels: tuple[int, ...]
 
 
+def check_comm_dtype(comm_dtype) -> torch.dtype | None:
+    """Validate the dtype sequence-parallel exchanges carry (``comm_dtype`` of the attention
+    functions): None (the tensors' own) or a floating torch dtype; ``ValueError`` otherwise."""
+    if comm_dtype is not None and not (isinstance(comm_dtype, torch.dtype) and
+                                       comm_dtype.is_floating_point):
+        raise ValueError(f"comm_dtype must be None or a floating torch dtype (torch.float32, "
+                         f"torch.bfloat16, torch.float16), got {comm_dtype!r}")
+    return comm_dtype
+
+
 def _even(n: int, world: int, what: str) -> tuple[int, ...]:
     if n % world != 0:
         raise ValueError(f"{what} ({n}) must be divisible by the group size ({world}), "
@@ -154,7 +164,8 @@ class PendingExchange:
 
 def exchange_blocks_async(send_blocks: Sequence[Tensor], recv_shapes: Sequence[Sequence[int]],
                           group: dist.ProcessGroup | None, *,
-                          pool: BufferPool | None = None) -> PendingExchange:
+                          pool: BufferPool | None = None,
+                          dtype: torch.dtype | None = None) -> PendingExchange:
     """Send ``send_blocks[r]`` to rank r and receive a ``recv_shapes[r]`` block from rank r.
 
     The lower-level form of :func:`all_to_all_async`, for callers that pick each rank's block
@@ -162,7 +173,8 @@ def exchange_blocks_async(send_blocks: Sequence[Tensor], recv_shapes: Sequence[S
     views and may be empty. Received blocks come back as contiguous views of one flat buffer,
     in rank order. This rank's own block never enters the send buffer: it is copied straight
     into its place in the receive buffer. Both buffers come from ``pool`` when given.
-    No autograd.
+    ``dtype``: the dtype that travels (blocks are cast into the send buffer, and the received
+    blocks are in it); default the blocks' own. No autograd.
     """
     first = send_blocks[0]
     world = len(send_blocks)
@@ -174,8 +186,9 @@ def exchange_blocks_async(send_blocks: Sequence[Tensor], recv_shapes: Sequence[S
     uniform = len({b.numel() for b in send_blocks} | set(recv_numels)) == 1
     skip = me if uniform else -1
     send_numels = [0 if r == skip else b.numel() for r, b in enumerate(send_blocks)]
-    acquire = (lambda n: pool.acquire(n, first.dtype, first.device)) if pool is not None else (
-        lambda n: torch.empty(n, dtype=first.dtype, device=first.device))
+    dtype = first.dtype if dtype is None else dtype
+    acquire = (lambda n: pool.acquire(n, dtype, first.device)) if pool is not None else (
+        lambda n: torch.empty(n, dtype=dtype, device=first.device))
     send, recv = acquire(sum(send_numels)), acquire(sum(recv_numels))
     offset = 0
     for r, (block, numel) in enumerate(zip(send_blocks, send_numels)):

@@ -15,7 +15,7 @@ import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from ulysses.all_to_all import all_to_all
+from ulysses.all_to_all import all_to_all, check_comm_dtype
 from ulysses.band import check_window
 from ulysses.buffer_pool import BufferPool
 from ulysses.head_chunking import (DEFAULT_CHUNK_BUDGET_BYTES, head_chunked_attention,
@@ -49,10 +49,11 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, causal: bool,
 
 def between_exchanges(mesh: DeviceMesh, *, batch: int, local_len: int, causal: bool,
                       scale: float, backend: str, unpadded_len: int | None, zigzag: bool,
-                      segments, window: int | None = None):
+                      segments, window: int | None = None,
+                      comm_dtype: torch.dtype | None = None):
     """The attention that runs between the two all-to-alls, on ``[B, S, h, D]`` tensors:
     within documents (``segments``), the ring (R > 1), or the local kernel; each with a
-    causal sliding ``window`` when one is given.
+    causal sliding ``window`` when one is given. ``comm_dtype``: what a ring's hops carry.
 
     Raises ``NotImplementedError`` for segments with a ring and ``ValueError`` for bad
     segments or a bad window, all before any collective.
@@ -62,7 +63,7 @@ def between_exchanges(mesh: DeviceMesh, *, batch: int, local_len: int, causal: b
     kv_len = unpadded_len if unpadded_len is not None and not causal else None
     if segments is None:
         return inner_attention(mesh, causal=causal, scale=scale, backend=backend, kv_len=kv_len,
-                               zigzag=zigzag, window=window)
+                               zigzag=zigzag, window=window, comm_dtype=comm_dtype)
     if axis_size(mesh, "ring") > 1:
         raise NotImplementedError("packed documents (segments) with ring_degree > 1: the ring "
                                   "kernels cannot mask across documents; use ring_degree=1")
@@ -80,7 +81,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
                       chunk_budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES,
                       chunk_overlap: bool = True, zigzag: bool = True,
                       segments=None, window: int | None = None,
-                      sinks: Tensor | None = None) -> Tensor:
+                      sinks: Tensor | None = None,
+                      comm_dtype: torch.dtype | None = None) -> Tensor:
     """Sequence-parallel attention over the mesh's ``"ulysses"`` and ``"ring"`` axes.
 
     Args:
@@ -115,6 +117,12 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
             head chunking, rings (blocks outside the window are skipped) and segments.
         sinks: ``[H]`` attention-sink logits (GPT-OSS's ``s_aux``), one per query head: each
             joins its head's softmax with a zero value (:mod:`ulysses.sinks`); differentiable.
+        comm_dtype: the dtype every exchange carries, forward and backward (DeepSpeed's
+            ``seq_parallel_communication_data_type``): tensors are cast to it before an
+            all-to-all or ring hop and back after. Sums that the exchanges make (the
+            gradients of replicated kv heads, dk/dv over head chunks and ring hops) are taken
+            in the wider of it and the inputs' dtype, so float32 for bf16 inputs rounds them
+            once. None: the inputs' dtype (no casts).
 
     Returns:
         ``out_BsHD``, sharded like ``q``.
@@ -124,12 +132,14 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     """
     layout, backend = _validate(q, k, v, mesh, causal, backend, unpadded_len, zigzag)
     check_sinks(sinks, q.shape[2], q.device)
+    check_comm_dtype(comm_dtype)
     group = axis_group(mesh, "ulysses")
     rank = axis_rank(mesh, "ulysses")
     scale = default_scale(q.shape[-1], softmax_scale)
     attn = between_exchanges(mesh, batch=q.shape[0], local_len=q.shape[1], causal=causal,
                              scale=scale, backend=backend, unpadded_len=unpadded_len,
-                             zigzag=zigzag, segments=segments, window=window)
+                             zigzag=zigzag, segments=segments, window=window,
+                             comm_dtype=comm_dtype)
     if sinks is not None:  # [H] -> [h]: this rank's query heads (autograd scatters the grad)
         first = sum(layout.q_sizes[:rank])
         sinks = sinks[first:first + layout.q_sizes[rank]]
@@ -138,19 +148,28 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
             layout.q_sizes), q.shape[3], q.dtype, chunk_budget_bytes)
         return head_chunked_attention(q, k, v, group=group, rank=rank, layout=layout,
                                       head_chunk_size=c, attn=attn, pool=buffer_pool,
-                                      overlap=chunk_overlap, sinks=sinks)
+                                      overlap=chunk_overlap, sinks=sinks,
+                                      comm_dtype=comm_dtype)
     if len(layout.q_sizes) == 1:  # U = 1: nothing to exchange (pure ring, or one rank)
         out, _ = attention_with_lse(q, k, v, attn, sinks)
         return out
+    # Casts to the comm dtype and back are no-ops without one; autograd casts the gradients
+    # the same way, so the backward's exchanges (and the replicas' sum) run in it too.
+    dtype, comm = q.dtype, q.dtype if comm_dtype is None else comm_dtype
     if layout.replicated:
-        # [B, s, K, D] -> [B, s, sum(kv_sizes), D]: each rank's kv range in send order.
+        # [B, s, K, D] -> [B, s, sum(kv_sizes), D]: each rank's kv range in send order. The
+        # backward sums the replicas' gradients, in the wider dtype.
+        acc = torch.promote_types(dtype, comm)
         index = torch.tensor(layout.kv_index(), device=k.device)
-        k, v = k.index_select(2, index), v.index_select(2, index)
+        k, v = k.to(acc).index_select(2, index), v.to(acc).index_select(2, index)
+    q, k, v = q.to(comm), k.to(comm), v.to(comm)
     # [B, s, H, D] -> [B, S, h, D]
     q_BShD = all_to_all(q, group, scatter_dim=2, gather_dim=1, scatter_sizes=layout.q_sizes)
     # [B, s, K', D] -> [B, S, k, D]
     k_BSkD = all_to_all(k, group, scatter_dim=2, gather_dim=1, scatter_sizes=layout.kv_sizes)
     v_BSkD = all_to_all(v, group, scatter_dim=2, gather_dim=1, scatter_sizes=layout.kv_sizes)
+    q_BShD, k_BSkD, v_BSkD = q_BShD.to(dtype), k_BSkD.to(dtype), v_BSkD.to(dtype)
     out_BShD, _ = attention_with_lse(q_BShD, k_BSkD, v_BSkD, attn, sinks)
     # [B, S, h, D] -> [B, s, H, D]
-    return all_to_all(out_BShD, group, scatter_dim=1, gather_dim=2, gather_sizes=layout.q_sizes)
+    return all_to_all(out_BShD.to(comm), group, scatter_dim=1, gather_dim=2,
+                      gather_sizes=layout.q_sizes).to(dtype)

@@ -66,11 +66,15 @@ class ChunkConfig:
     attn: object
     """The inner attention of one chunk: ``LocalAttention`` or ``RingAttention`` (hybrid)."""
     overlap: bool
+    comm_dtype: torch.dtype | None = None
+    """The dtype every exchange carries (cast in, and back after receiving); None: the
+    tensors' own. dk/dv sums over q chunks are kept in the wider of it and the input dtype."""
 
 
 # --- exchanges ------------------------------------------------------------------------------
 
-def to_heads(x_BsXD: Tensor, ranges: Ranges, mine: int, group, pool) -> PendingExchange:
+def to_heads(x_BsXD: Tensor, ranges: Ranges, mine: int, group, pool,
+             dtype: torch.dtype | None = None) -> PendingExchange:
     """seq -> head for one chunk: rank r gets heads ``ranges[r]`` of every rank's piece.
 
     Blocks travel seq-first ([s, B, n, D]), so the received flat buffer is already
@@ -78,7 +82,8 @@ def to_heads(x_BsXD: Tensor, ranges: Ranges, mine: int, group, pool) -> PendingE
     """
     B, s, _, D = x_BsXD.shape
     send = [x_BsXD[:, :, start:start + n].permute(1, 0, 2, 3) for start, n in ranges]
-    return exchange_blocks_async(send, [(s, B, mine, D)] * len(ranges), group, pool=pool)
+    return exchange_blocks_async(send, [(s, B, mine, D)] * len(ranges), group, pool=pool,
+                                 dtype=dtype)
 
 
 def as_BSnD(pending: PendingExchange, block_shape, num_ranks: int) -> Tensor:
@@ -87,14 +92,16 @@ def as_BSnD(pending: PendingExchange, block_shape, num_ranks: int) -> Tensor:
     return pending.wait_flat().view(num_ranks * s, B, n, D).transpose(0, 1)
 
 
-def to_seq(y_BSnD: Tensor, ranges: Ranges, group, pool) -> PendingExchange:
+def to_seq(y_BSnD: Tensor, ranges: Ranges, group, pool,
+           dtype: torch.dtype | None = None) -> PendingExchange:
     """head -> seq for one chunk: send each rank its piece of ``y``; receive every rank's
     heads ``ranges[r]`` of this rank's piece."""
     B, S, _, D = y_BSnD.shape
     U = len(ranges)
     s = S // U
     send = [y_BSnD[:, r * s:(r + 1) * s] for r in range(U)]
-    return exchange_blocks_async(send, [(B, s, n, D) for _, n in ranges], group, pool=pool)
+    return exchange_blocks_async(send, [(B, s, n, D) for _, n in ranges], group, pool=pool,
+                                 dtype=dtype)
 
 
 def place_blocks(dest_BsXD: Tensor, ranges: Ranges, blocks: list[Tensor], add: bool) -> None:
@@ -110,14 +117,14 @@ def _send(src: ChunkSource, kind: str, j: int, step: Step, mine: int, cfg: Chunk
     """Start the seq -> head exchange of ``kind`` at step j; ``mine``: heads this rank gets.
     The source's tensor is dropped as soon as it is packed into the send buffer."""
     x_BsXD, ranges = src.send(kind, j, step)
-    return to_heads(x_BsXD, ranges, mine, cfg.group, pool)
+    return to_heads(x_BsXD, ranges, mine, cfg.group, pool, cfg.comm_dtype)
 
 
-def _exchange_kv(src: ChunkSource, j: int, st: Step, cfg: ChunkConfig, pool, shape):
+def _exchange_kv(src: ChunkSource, j: int, st: Step, cfg: ChunkConfig, pool, shape, dtype):
     """Step ``st``'s kv exchange (synchronous), if any rank needs a new kv chunk.
 
     Returns ``(pending, (k_BSkD, v_BSkD))`` for this rank's new chunk, or None if it keeps its
-    current one (or there was no exchange)."""
+    current one (or there was no exchange). The chunk comes in ``dtype``, the kernel's."""
     if st.kv_sent() is None:
         return None
     me, U, (s, B, D) = cfg.rank, len(cfg.layout.q_sizes), shape
@@ -127,7 +134,7 @@ def _exchange_kv(src: ChunkSource, j: int, st: Step, cfg: ChunkConfig, pool, sha
         for p in pend:
             p.wait(), p.release()
         return None
-    return pend, tuple(as_BSnD(p, (s, B, mine, D), U) for p in pend)
+    return pend, tuple(as_BSnD(p, (s, B, mine, D), U).to(dtype) for p in pend)
 
 
 def _release(kv) -> None:
@@ -168,9 +175,9 @@ def run_forward(src: ChunkSource, out: Tensor, cfg: ChunkConfig, pool: BufferPoo
     for j, st in enumerate(steps):
         if pend_out is not None:
             _finish_out(pend_out, out)
-        kv = _exchange_kv(src, j, st, cfg, pool, (s, B, D)) or kv
+        kv = _exchange_kv(src, j, st, cfg, pool, (s, B, D), out.dtype) or kv
         pq, n = nxt, st.q[me][1]
-        q_j = as_BSnD(pq, (s, B, n, D), U)  # waits before the next launch
+        q_j = as_BSnD(pq, (s, B, n, D), U).to(out.dtype)  # waits before the next launch
         nxt = launch(j + 1) if cfg.overlap and j + 1 < len(steps) else None
         o_j = out.new_empty(B, s * U, 0, D)
         if n:
@@ -187,7 +194,7 @@ def run_forward(src: ChunkSource, out: Tensor, cfg: ChunkConfig, pool: BufferPoo
             kv = None
         if nxt is not None:
             nxt.wait()  # ran during the kernel; frees its send buffer
-        pend_out = (to_seq(o_j, st.q, cfg.group, pool), st.q)
+        pend_out = (to_seq(o_j, st.q, cfg.group, pool, cfg.comm_dtype), st.q)
         del o_j
         if not cfg.overlap:
             _finish_out(pend_out, out)
@@ -214,6 +221,7 @@ def run_backward(src: ChunkSource, out: Tensor, lse: Tensor, cfg: ChunkConfig,
     B, s, _, D = out.shape
     dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float32,
                                                     device=sinks.device)
+    acc = out.dtype if cfg.comm_dtype is None else torch.promote_types(out.dtype, cfg.comm_dtype)
 
     def launch(j):
         st = steps[j]
@@ -222,12 +230,13 @@ def run_backward(src: ChunkSource, out: Tensor, lse: Tensor, cfg: ChunkConfig,
     kv, dkv_sum, sent, nxt = None, None, [], launch(0)
     for j, st in enumerate(steps):
         _finish(src, sent)
-        kv = _exchange_kv(src, j, st, cfg, pool, (s, B, D)) or kv
+        kv = _exchange_kv(src, j, st, cfg, pool, (s, B, D), out.dtype) or kv
         n = st.q[me][1]
-        p_out = to_heads(out, st.q, n, cfg.group, pool)
-        out_j = as_BSnD(p_out, (s, B, n, D), U)  # waits: frees its send buffer
+        p_out = to_heads(out, st.q, n, cfg.group, pool, cfg.comm_dtype)
+        out_j = as_BSnD(p_out, (s, B, n, D), U).to(out.dtype)  # waits: frees its send buffer
         pqs = nxt + [p_out]
-        q_j, dout_j = (as_BSnD(p, (s, B, n, D), U) for p in pqs[:2])  # waits before next
+        # waits before the next launch
+        q_j, dout_j = (as_BSnD(p, (s, B, n, D), U).to(out.dtype) for p in pqs[:2])
         nxt = launch(j + 1) if cfg.overlap and j + 1 < len(steps) else None
         dq_j = out.new_empty(B, s * U, 0, D)
         if n:
@@ -240,7 +249,7 @@ def run_backward(src: ChunkSource, out: Tensor, lse: Tensor, cfg: ChunkConfig,
             del lse_j
             # Sum dk/dv over the q chunks sharing this kv chunk (in place); send once, when done.
             if st.kv_new[me]:
-                dkv_sum = (dk_j, dv_j)
+                dkv_sum = (dk_j.to(acc), dv_j.to(acc))
             else:
                 dkv_sum[0].add_(dk_j), dkv_sum[1].add_(dv_j)
             del dk_j, dv_j
@@ -252,13 +261,13 @@ def run_backward(src: ChunkSource, out: Tensor, lse: Tensor, cfg: ChunkConfig,
             kv = None
         for p in nxt or ():
             p.wait()
-        sent = [(to_seq(dq_j, st.q, cfg.group, pool), "q", j, st)]
+        sent = [(to_seq(dq_j, st.q, cfg.group, pool, cfg.comm_dtype), "q", j, st)]
         del dq_j
         ranges = st.kv_returned()
         if ranges is not None:
             empty = out.new_empty(B, s * U, 0, D)
             sends = dkv_sum if st.kv_done[me] else (empty, empty)
-            sent += [(to_seq(d, ranges, cfg.group, pool), kind, j, st)
+            sent += [(to_seq(d, ranges, cfg.group, pool, cfg.comm_dtype), kind, j, st)
                      for d, kind in zip(sends, ("k", "v"))]
             if st.kv_done[me]:
                 dkv_sum = None

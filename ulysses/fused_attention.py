@@ -56,6 +56,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from ulysses.all_to_all import check_comm_dtype
 from ulysses.attention import between_exchanges
 from ulysses.buffer_pool import BufferPool
 from ulysses.chunk_loop import ChunkConfig, run_backward, run_forward
@@ -122,6 +123,7 @@ class _ProjectedChunks:
         heads = self._heads(kind, j, sending=False)
         blocks = [b for b, (_, n) in zip(blocks, heads.ranges) if n]
         g = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)  # [B, s, n, D]
+        g = g.to(self.x_NE.dtype)  # arrived in the exchange's dtype
         project_backward(self.x_NE, self.proj[kind], heads, self.shape, self.rotary,
                          self.cfg.norm_eps, g, self.grads[kind], self.dx_NE)
 
@@ -249,7 +251,8 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
                     buffer_pool: BufferPool | None = None,
                     chunk_budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES,
                     chunk_overlap: bool = True, zigzag: bool = True, segments=None,
-                    window: int | None = None) -> Tensor:
+                    window: int | None = None,
+                    comm_dtype: torch.dtype | None = None) -> Tensor:
     """A Llama-style attention block, ``o_proj(attn(rope(q_proj(x)), rope(k_proj(x)),
     v_proj(x)))``, sequence-parallel and head-chunked, with no all-heads q/k/v.
 
@@ -268,7 +271,8 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
             attends by ring attention (hybrid).
         head_chunk_size: an int from :func:`ulysses.chunk_schedule.valid_chunk_sizes`, or
             ``"auto"`` (within ``chunk_budget_bytes``).
-        causal, softmax_scale, backend, buffer_pool, chunk_overlap, zigzag, segments, window:
+        causal, softmax_scale, backend, buffer_pool, chunk_overlap, zigzag, segments, window,
+        comm_dtype:
             as for :func:`ulysses.ulysses_attention`.
 
     Returns:
@@ -279,6 +283,7 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
     weights = dict(wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo,
                    q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight)
     D = _validate(x, cos, sin, weights, num_heads, num_kv_heads)
+    check_comm_dtype(comm_dtype)
     check_mesh(mesh)
     B, s, _ = x.shape
     U = axis_size(mesh, "ulysses")
@@ -292,10 +297,11 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
     attn = between_exchanges(mesh, batch=B, local_len=s, causal=causal,
                              scale=default_scale(D, softmax_scale), backend=backend,
                              unpadded_len=None, zigzag=zigzag, segments=segments,
-                             window=window)
+                             window=window, comm_dtype=comm_dtype)
     schedule = tuple(build_schedule(layout, c))
     chunks = ChunkConfig(group=axis_group(mesh, "ulysses"), rank=axis_rank(mesh, "ulysses"),
-                         layout=layout, schedule=schedule, attn=attn, overlap=chunk_overlap)
+                         layout=layout, schedule=schedule, attn=attn, overlap=chunk_overlap,
+                         comm_dtype=comm_dtype)
 
     def plan(ranges):
         return None if ranges is None else head_set(ranges, D, x.device)

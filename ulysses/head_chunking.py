@@ -69,10 +69,14 @@ class _HeadChunkedFn(torch.autograd.Function):
     @staticmethod
     def backward(ctx, dout):
         q, k, v, out, lse, sinks = ctx.saved_tensors
-        src = _SlicedChunks(q, k, v, dout.contiguous(), torch.empty_like(q), torch.zeros_like(k),
-                            torch.zeros_like(v))
+        # dk/dv sum the blocks of every rank that got a kv head (replicated kv): in the wider
+        # of the exchange's dtype and k's, rounded once at the end.
+        comm = ctx.cfg.comm_dtype
+        acc = k.dtype if comm is None else torch.promote_types(k.dtype, comm)
+        src = _SlicedChunks(q, k, v, dout.contiguous(), torch.empty_like(q),
+                            torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc))
         dsinks = run_backward(src, out, lse, ctx.cfg, ctx.pool, sinks)
-        dq, dk, dv = src.dq, src.dk, src.dv
+        dq, dk, dv = src.dq, src.dk.to(k.dtype), src.dv.to(v.dtype)
         ctx.pool.end_call()
         if dsinks is not None:
             dsinks = dsinks.to(sinks.dtype)
@@ -82,7 +86,8 @@ class _HeadChunkedFn(torch.autograd.Function):
 def head_chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, group, rank: int,
                            layout: HeadLayout, head_chunk_size: int, attn,
                            pool: BufferPool | None = None, overlap: bool = True,
-                           sinks: Tensor | None = None) -> Tensor:
+                           sinks: Tensor | None = None,
+                           comm_dtype: torch.dtype | None = None) -> Tensor:
     """Head-chunked Ulysses on already-validated inputs; see ``ulysses_attention``.
 
     Args:
@@ -97,13 +102,14 @@ def head_chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, group, rank: int,
             end of the forward and of the backward (nothing held in between).
         overlap: exchange step j+1 while step j computes.
         sinks: ``[h]`` attention-sink logits of this rank's query heads (:mod:`ulysses.sinks`).
+        comm_dtype: the dtype the exchanges carry (None: the inputs').
 
     Returns:
         ``out_BsHD``.
     """
     cfg = ChunkConfig(group=group, rank=rank, layout=layout,
                       schedule=tuple(build_schedule(layout, head_chunk_size)), attn=attn,
-                      overlap=overlap)
+                      overlap=overlap, comm_dtype=comm_dtype)
     if pool is None:
         pool = BufferPool(keep_between_calls=False)
     return _HeadChunkedFn.apply(q, k, v, cfg, pool, sinks)

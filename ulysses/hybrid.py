@@ -14,6 +14,7 @@ head chunking the same happens one chunk of heads at a time.
 
 from __future__ import annotations
 
+import torch
 from torch.distributed.device_mesh import DeviceMesh
 
 from ulysses.band import WindowAttention
@@ -29,13 +30,15 @@ def check_hybrid(local_rows: int, mesh: DeviceMesh, zigzag: bool) -> None:
 
 
 def inner_attention(mesh: DeviceMesh, *, causal: bool, scale: float, backend: str,
-                    kv_len: int | None, zigzag: bool, window: int | None = None
+                    kv_len: int | None, zigzag: bool, window: int | None = None,
+                    comm_dtype: torch.dtype | None = None
                     ) -> LocalAttention | WindowAttention | RingAttention:
     """The attention to run on full-ring-rank, local-head tensors.
 
     ``kv_len`` (non-causal padding) counts keys of the whole sequence; the ring trims each
     block to its real keys, the local kernel trims its one block. ``window``: a causal
     sliding window (:mod:`ulysses.band`), over the whole sequence on a ring too.
+    ``comm_dtype``: what the ring's hops carry (:class:`RingAttention`).
     """
     R = axis_size(mesh, "ring")
     if R == 1:
@@ -44,4 +47,4 @@ def inner_attention(mesh: DeviceMesh, *, causal: bool, scale: float, backend: st
         return LocalAttention(causal=causal, scale=scale, backend=backend, kv_len=kv_len)
     return RingAttention(group=axis_group(mesh, "ring"), rank=axis_rank(mesh, "ring"), size=R,
                          causal=causal, scale=scale, backend=backend, zigzag=zigzag,
-                         kv_len=kv_len, window=window)
+                         kv_len=kv_len, window=window, comm_dtype=comm_dtype)

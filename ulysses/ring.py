@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ulysses.all_to_all import check_comm_dtype
 from ulysses.band import (Piece, acc_dtype, band_pieces, check_window, merge_into,
                           piece_backward, piece_forward)
 from ulysses.kernels import attention_with_lse, check_qkv, default_scale, select_backend
@@ -56,6 +57,9 @@ class RingAttention:
     window: int | None = None
     """Causal only: a sliding window over ring-global positions (:mod:`ulysses.band`); blocks
     wholly outside it are skipped."""
+    comm_dtype: torch.dtype | None = None
+    """The dtype the hops carry (kv blocks, and the dk/dv accumulators in backward); None: the
+    blocks' own (the accumulators travel in float32 for half inputs)."""
 
     def forward(self, q_BLhD: Tensor, k_BLkD: Tensor, v_BLkD: Tensor) -> tuple[Tensor, Tensor]:
         """Returns ``(out_BLhD, lse_BhL)`` over the whole ring-global sequence."""
@@ -123,10 +127,11 @@ class _Hop:
     """One ring hop in flight: tensors sent to the next rank, buffers filled by the previous."""
 
     def __init__(self, tensors: tuple[Tensor, ...], recv: tuple[Tensor, ...] | None,
-                 cfg: RingAttention) -> None:
+                 cfg: RingAttention, dtype: torch.dtype) -> None:
         # gloo and NCCL need contiguous buffers; the send copies stay referenced until wait().
-        self._sent = tuple(t.contiguous() for t in tensors)
-        self.recv = recv or tuple(torch.empty(t.shape, dtype=t.dtype, device=t.device)
+        # ``dtype`` travels: the sent tensors are cast to it, received ones arrive in it.
+        self._sent = tuple(t.to(dtype).contiguous() for t in tensors)
+        self.recv = recv or tuple(torch.empty(t.shape, dtype=dtype, device=t.device)
                                   for t in tensors)
         nxt = dist.get_global_rank(cfg.group, (cfg.rank + 1) % cfg.size)
         prv = dist.get_global_rank(cfg.group, (cfg.rank - 1) % cfg.size)
@@ -146,33 +151,37 @@ def _forward(q, k, v, cfg: RingAttention) -> tuple[Tensor, Tensor]:
     # The running result: float32 for half inputs; lse -inf until a row has seen a key.
     out = torch.zeros(q.shape, dtype=acc_dtype(q.dtype), device=q.device)
     lse = torch.full((B, h, L), float("-inf"), dtype=torch.float32, device=q.device)
+    comm = k.dtype if cfg.comm_dtype is None else cfg.comm_dtype
     cur, spare = (k, v), None
     for t in range(cfg.size):
-        hop = _Hop(cur, spare, cfg) if t + 1 < cfg.size else None
+        hop = _Hop(cur, spare, cfg, comm) if t + 1 < cfg.size else None
         for p in _pieces(cfg, t, L):
             out_b, lse_b = piece_forward(q, *cur, p, scale=cfg.scale, backend=cfg.backend)
             merge_into(out[:, p.q0:p.q1], lse[:, :, p.q0:p.q1], out_b, lse_b)
             del out_b, lse_b
         if hop is not None:
-            # The block just used becomes the next receive buffer (never the caller's k, v).
-            spare = cur if t > 0 else None
-            cur = hop.wait()
+            # The block just used becomes the next receive buffer (never the caller's k, v);
+            # with a comm dtype other than k's, blocks in hand are cast copies instead.
+            spare = cur if t > 0 and comm == k.dtype else None
+            cur = tuple(b.to(k.dtype) for b in hop.wait())
     return out.to(q.dtype), lse
 
 
 def _backward(dout, q, k, v, out, lse, cfg: RingAttention) -> tuple[Tensor, Tensor, Tensor]:
     L = q.shape[1]
     acc = acc_dtype(q.dtype)
+    comm, comm_acc = ((k.dtype, acc) if cfg.comm_dtype is None else
+                      (cfg.comm_dtype, cfg.comm_dtype))
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     cur, spare, dkv_hop = (k, v), None, None
     for t in range(cfg.size):
-        hop = _Hop(cur, spare, cfg) if t + 1 < cfg.size else None
+        hop = _Hop(cur, spare, cfg, comm) if t + 1 < cfg.size else None
         # The partial dk/dv of the block in hand: fresh at step 0, else what the previous
         # holder passed on (it travelled one hop behind the block itself).
         if dkv_hop is None:
             dkv = tuple(torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))
         else:
-            dkv = dkv_hop.wait()
+            dkv = tuple(d.to(acc) for d in dkv_hop.wait())
         for p in _pieces(cfg, t, L):
             dq_b, dk_b, dv_b = piece_backward(dout, q, *cur, out, lse, p, scale=cfg.scale,
                                               backend=cfg.backend)
@@ -180,11 +189,11 @@ def _backward(dout, q, k, v, out, lse, cfg: RingAttention) -> tuple[Tensor, Tens
             dkv[0][:, p.k0:p.k1] += dk_b
             dkv[1][:, p.k0:p.k1] += dv_b
             del dq_b, dk_b, dv_b
-        dkv_hop = _Hop(dkv, None, cfg)  # after the last step this lands at the block's owner
+        dkv_hop = _Hop(dkv, None, cfg, comm_acc)  # after the last step: at the block's owner
         del dkv
         if hop is not None:
-            spare = cur if t > 0 else None
-            cur = hop.wait()
+            spare = cur if t > 0 and comm == k.dtype else None
+            cur = tuple(b.to(k.dtype) for b in hop.wait())
     dk, dv = dkv_hop.wait()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 
@@ -199,7 +208,8 @@ def check_ring_rows(rows: int, size: int, zigzag: bool) -> None:
 
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, causal: bool,
                    softmax_scale: float | None = None, zigzag: bool = True,
-                   backend: str | None = None, window: int | None = None) -> Tensor:
+                   backend: str | None = None, window: int | None = None,
+                   comm_dtype: torch.dtype | None = None) -> Tensor:
     """Ring attention over ``group``, shaped like ``flash_attn_func``.
 
     Args:
@@ -214,17 +224,21 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup,
         backend: attention kernel name (see :mod:`ulysses.kernels`), or ``None``.
         window: a causal sliding window over the ring-global sequence (keys a query sees,
             itself included); blocks wholly outside it are skipped.
+        comm_dtype: the dtype the hops carry: kv blocks, and the dk/dv partial sums (summed in
+            float32 for half inputs, rounded to it for each hop); None: the inputs' dtype for
+            kv, float32 partial sums for half inputs.
 
     Returns:
         ``out_BLHD``, sharded like ``q``.
     """
     check_qkv(q, k, v, causal=causal)
     window = check_window(window, causal)
+    check_comm_dtype(comm_dtype)
     size = dist.get_world_size(group)
     check_ring_rows(q.shape[1], size, zigzag)
     attn = RingAttention(group=group, rank=dist.get_rank(group), size=size, causal=causal,
                          scale=default_scale(q.shape[-1], softmax_scale),
                          backend=select_backend(q.device, q.dtype, q.shape[-1], backend),
-                         zigzag=zigzag, window=window)
+                         zigzag=zigzag, window=window, comm_dtype=comm_dtype)
     out, _ = attention_with_lse(q, k, v, attn)
     return out
