@@ -26,10 +26,13 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, Literal
 
+import torch
+
 from ulysses import SequenceParallelDims
 
 BLOCK = "ulysses"
 COMM_DTYPES = ("fp32", "bf16", "fp16")
+_TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ATTN_IMPLEMENTATIONS = ("ulysses_sdpa", "ulysses_flash_attention_2")
 
 
@@ -68,7 +71,12 @@ class SequenceParallelConfig:
     """Move checkpointed layer inputs to host memory (needs activation_checkpointing)."""
     communication_dtype: Literal["fp32", "bf16", "fp16"] | None = None
     """dtype of the sequence-parallel exchanges (DeepSpeed's
-    ``seq_parallel_communication_data_type``); None = the activations' dtype."""
+    ``seq_parallel_communication_data_type``): every all-to-all and ring hop, forward and
+    backward, is cast to it and back, and the sums the exchanges make (gradients of
+    replicated kv heads, dk/dv over head chunks and ring hops) are taken in the wider of it
+    and the activations' dtype (``ulysses_attention(comm_dtype=...)``). None = the
+    activations' dtype. Under :func:`arctic.initialize` DeepSpeed reads the same key for its
+    gradient all-reduce dtype when sequence parallelism is on."""
 
     def __post_init__(self) -> None:
         for name in ("sequence_parallel_size", "ring_degree"):
@@ -100,6 +108,11 @@ class SequenceParallelConfig:
         if self.communication_dtype not in (None, *COMM_DTYPES):
             raise ValueError(f"seq_parallel_communication_data_type must be one of {COMM_DTYPES}, "
                              f"got {self.communication_dtype!r}")
+
+    @property
+    def comm_dtype(self) -> torch.dtype | None:
+        """:attr:`communication_dtype` as a torch dtype (None stays None)."""
+        return None if self.communication_dtype is None else _TORCH_DTYPES[self.communication_dtype]
 
     @property
     def ulysses_degree(self) -> int:

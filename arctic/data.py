@@ -39,14 +39,15 @@ def _pad_right(x: Tensor, length: int, value) -> Tensor:
     return torch.nn.functional.pad(x, (0, length - x.shape[1]), value=value)
 
 
-def prepare_sp_batch(batch: dict[str, Any], mesh: DeviceMesh, *, pad_token_id: int = 0,
-                     zigzag: bool = True) -> dict[str, Tensor]:
+def prepare_sp_batch(batch: dict[str, Any], mesh: DeviceMesh, *,
+                     pad_token_id: int = 0) -> dict[str, Tensor]:
     """This rank's shard of a causal-LM batch; see the module doc for the steps.
 
     Args:
         batch: ``input_ids [B, S]`` (required), optional ``labels [B, S]`` (default: the
             input ids), ``attention_mask [B, S]`` (right padding only) and ``position_ids``.
-        mesh: the SP mesh.
+        mesh: the SP mesh; batches are cut in its sequence layout (zigzag over a ring, or
+            not), the one the attention reads from it too.
 
     Returns:
         ``input_ids``, ``position_ids`` and ``shift_labels``, each ``[B, S_pad / sp]``.
@@ -81,12 +82,12 @@ def prepare_sp_batch(batch: dict[str, Any], mesh: DeviceMesh, *, pad_token_id: i
     # The last token of a document has no next token of its own.
     shift[:, :-1][position_ids[:, 1:] != position_ids[:, :-1] + 1] = IGNORE_INDEX
 
-    n = padded_len(S, mesh, zigzag=zigzag)
+    n = padded_len(S, mesh)
     tail = position_ids[:, -1:] + torch.arange(1, n - S + 1)
     full = {"input_ids": _pad_right(input_ids, n, pad_token_id),
             "position_ids": torch.cat([position_ids, tail], dim=1),
             "shift_labels": _pad_right(shift, n, IGNORE_INDEX)}
-    return {k: shard_sequence(v, mesh, dim=1, zigzag=zigzag).contiguous() for k, v in full.items()}
+    return {k: shard_sequence(v, mesh, dim=1).contiguous() for k, v in full.items()}
 
 
 class SequenceParallelDataLoader:
@@ -107,10 +108,10 @@ class SequenceParallelDataLoader:
 
     def __init__(self, dataset: Dataset, mesh: DeviceMesh, *, batch_size: int = 1,
                  collate_fn: Callable | None = None, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, pad_token_id: int = 0, zigzag: bool = True,
+                 drop_last: bool = False, pad_token_id: int = 0,
                  num_workers: int = 0) -> None:
         check_mesh(mesh)
-        self.mesh, self.pad_token_id, self.zigzag = mesh, pad_token_id, zigzag
+        self.mesh, self.pad_token_id = mesh, pad_token_id
         self.sampler = DistributedSampler(dataset, num_replicas=axis_size(mesh, "dp"),
                                           rank=axis_rank(mesh, "dp"), shuffle=shuffle,
                                           seed=seed, drop_last=drop_last)
@@ -126,5 +127,4 @@ class SequenceParallelDataLoader:
 
     def __iter__(self):
         for batch in self.loader:
-            yield prepare_sp_batch(batch, self.mesh, pad_token_id=self.pad_token_id,
-                                   zigzag=self.zigzag)
+            yield prepare_sp_batch(batch, self.mesh, pad_token_id=self.pad_token_id)

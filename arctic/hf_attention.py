@@ -31,6 +31,7 @@ from arctic.hf_features import check_model_features, read_attention_kwargs
 from arctic.hf_fused import check_fusable, fuse, unfuse
 from arctic.order import record_apply
 from ulysses import BufferPool, ulysses_attention
+from ulysses.all_to_all import check_comm_dtype
 from ulysses.head_chunking import resolve_chunk_size
 from ulysses.kernels import check_supported
 from ulysses.mesh import axis_size, check_mesh
@@ -55,11 +56,12 @@ class SPAttentionSettings:
     head_chunk_size: int | str | None
     backend: str | None
     pool: BufferPool | None
-    zigzag: bool
     batch: BatchState
     """The model's current batch: where its documents come from."""
     fuse_projections: bool = False
     """The module's forward is the fused one (:mod:`arctic.hf_fused`)."""
+    communication_dtype: torch.dtype | None = None
+    """What the exchanges carry; None: the activations' dtype."""
     ran: bool = False
     """Set by each call of the SP attention, checked after the module's forward."""
 
@@ -91,8 +93,9 @@ def _sp_attention(module: nn.Module, query, key, value, attention_mask, **kwargs
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     out = ulysses_attention(q, k, v, mesh=sp.mesh, causal=True, softmax_scale=call.scaling,
                             head_chunk_size=sp.head_chunk_size, backend=sp.backend,
-                            buffer_pool=sp.pool, zigzag=sp.zigzag, segments=sp.batch.segments(),
-                            window=call.window, sinks=call.sinks)
+                            buffer_pool=sp.pool, segments=sp.batch.segments(),
+                            window=call.window, sinks=call.sinks,
+                            comm_dtype=sp.communication_dtype)
     return out, None
 
 
@@ -117,25 +120,28 @@ def _after_attention(module, args, output):
 def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
                             head_chunk_size: int | str | None = None,
                             attn_implementation: str = "ulysses_sdpa",
-                            zigzag: bool = True, fuse_projections: bool = False) -> nn.Module:
+                            fuse_projections: bool = False,
+                            communication_dtype: torch.dtype | None = None) -> nn.Module:
     """Switch a HF causal LM to sequence-parallel attention over ``mesh``; returns ``model``.
 
     Args:
         model: a transformers model whose attention goes through ``AttentionInterface``
             (Llama, Mistral, Qwen2, ... built from config or pretrained).
         mesh: from :meth:`ulysses.SequenceParallelDims.build_mesh`; Ulysses over its
-            ``"ulysses"`` axis, ring attention over ``"ring"`` when that is > 1.
+            ``"ulysses"`` axis, ring attention over ``"ring"`` when that is > 1, in the
+            mesh's sequence layout (the one ``arctic.data`` shards batches in).
         head_chunk_size: ``None``, an int or ``"auto"``; see ``ulysses_attention``. One
             :class:`ulysses.BufferPool` is shared by all layers when chunking, emptied after
             each attention forward and backward (nothing is held between layers).
         attn_implementation: a name from :data:`IMPLEMENTATIONS` (the kernel).
-        zigzag: the ring layout; must match how batches are sharded (``arctic.data``).
         fuse_projections: compute q/k/v (with RoPE) per head chunk from the hidden states and
             apply o_proj to the chunks' output (:mod:`arctic.hf_fused`), so that no all-heads
             q/k/v exists; needs ``head_chunk_size`` and a Llama-family attention module
             (:data:`arctic.hf_fused.FUSABLE`). Replaces each attention module's forward (the
             instance's; class, parameters and state_dict keys unchanged) and marks it a
             ZeRO-3 leaf. Calls must pass ``use_cache=False``. False restores the stock forward.
+        communication_dtype: the dtype the sequence-parallel exchanges carry (the
+            ``comm_dtype`` of :func:`ulysses.ulysses_attention`); None: the activations'.
 
     Raises ``ValueError`` (before any communication) when the head counts do not fit the
     mesh, the chunk size is invalid, the config asks for an attention feature the SP attention
@@ -163,6 +169,7 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
         check_supported(backend, param.device, param.dtype, head_dim)
     if head_chunk_size is not None and head_chunk_size != "auto":
         resolve_chunk_size(head_chunk_size, layout, 1, 1, 1, torch.float32)
+    check_comm_dtype(communication_dtype)
     if not isinstance(fuse_projections, bool):
         raise ValueError(f"fuse_projections must be True or False, got {fuse_projections!r}")
     if fuse_projections:
@@ -176,12 +183,12 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
     # to their peak (benchmarks/memory.py measured +6.5% on the full stack).
     pool = BufferPool(keep_between_calls=False) if head_chunk_size is not None else None
     record_apply(model, "sp_attention")  # after the checks: a refused call changes nothing
-    batch = BatchState(model, mesh, zigzag)
+    batch = BatchState(model, mesh)
     for m in modules:
         m.sp_attention = SPAttentionSettings(
             mesh=mesh, num_heads=H, num_kv_heads=K, head_chunk_size=head_chunk_size,
-            backend=backend, pool=pool, zigzag=zigzag, batch=batch,
-            fuse_projections=fuse_projections)
+            backend=backend, pool=pool, batch=batch, fuse_projections=fuse_projections,
+            communication_dtype=communication_dtype)
         if fuse_projections:
             fuse(m)
         else:

@@ -61,8 +61,8 @@ class _Batch:
 class BatchState:
     """The batch of the model's latest forward, shared by its SP attention modules."""
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh, zigzag: bool) -> None:
-        self.model, self.mesh, self.zigzag = model, mesh, zigzag
+    def __init__(self, model: nn.Module, mesh: DeviceMesh) -> None:
+        self.model, self.mesh = model, mesh
         self.current: _Batch | None = None
 
     def segments(self):
@@ -80,7 +80,7 @@ class BatchState:
         return batch.starts
 
     def _find(self, position_ids: Tensor):
-        full = gather_sequence(position_ids, self.mesh, dim=1, zigzag=self.zigzag)
+        full = gather_sequence(position_ids, self.mesh, dim=1)
         # torch's fake process group (the planner, benchmarks/scale_gpu.py) moves no data:
         # what came back is not the positions, so plan one document.
         if dist.get_backend(self.mesh.get_group(0)) == "fake":

@@ -126,7 +126,8 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
         norm_eps=1e-6 if q_norm is None else q_norm.variance_epsilon,
         num_heads=sp.num_heads, num_kv_heads=sp.num_kv_heads, mesh=sp.mesh,
         head_chunk_size=sp.head_chunk_size, softmax_scale=call.scaling, backend=sp.backend,
-        buffer_pool=sp.pool, zigzag=sp.zigzag, segments=sp.batch.segments(), window=call.window)
+        buffer_pool=sp.pool, segments=sp.batch.segments(), window=call.window,
+        comm_dtype=sp.communication_dtype)
     return y, None
 
 

@@ -69,19 +69,18 @@ def parse_args() -> argparse.Namespace:
 
 class Ours:
     def __init__(self, world: int, ulysses: int, ring: int, zigzag: bool, device) -> None:
-        self.mesh = SequenceParallelDims(world, ulysses, ring).build_mesh(device.type)
-        self.zigzag = zigzag
+        self.mesh = SequenceParallelDims(world, ulysses, ring, zigzag).build_mesh(device.type)
 
     @contextmanager
     def ready(self, full):
-        yield {n: shard_sequence(full[n], self.mesh, zigzag=self.zigzag).contiguous()
+        yield {n: shard_sequence(full[n], self.mesh).contiguous()
                for n in NAMES}
 
     def attend(self, q, k, v):
-        return ulysses_attention(q, k, v, mesh=self.mesh, causal=True, zigzag=self.zigzag)
+        return ulysses_attention(q, k, v, mesh=self.mesh, causal=True)
 
     def unshard(self, x):
-        return gather_sequence(x, self.mesh, zigzag=self.zigzag)
+        return gather_sequence(x, self.mesh)
 
 
 class DeepSpeedUlysses(Ours):

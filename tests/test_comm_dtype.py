@@ -145,3 +145,40 @@ def test_bad_comm_dtype_is_refused_before_any_collective(bad):
     for message, counts in dist_pool.run(_rank_bad, bad, world_size=2):
         assert message is not None and "comm_dtype" in message, message
         assert counts == {}, counts
+
+
+def _rank_config_key(comm):
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from arctic.config import SequenceParallelConfig
+    from arctic.data import prepare_sp_batch
+    from arctic.engine import apply_sp_recipe
+
+    ds = {"sequence_parallel_size": 4, "ulysses": {"head_chunk_size": None}}
+    if comm is not None:
+        ds["seq_parallel_communication_data_type"] = comm
+    config = SequenceParallelConfig.from_ds_config(ds, world_size=4)
+    mesh = get_mesh(4, 4)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=1, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").bfloat16()
+    apply_sp_recipe(model, config=config, mesh=mesh, averaged_over_sp=True)
+    tokens = torch.randint(0, 64, (1, 32), generator=torch.Generator().manual_seed(1))
+    batch = prepare_sp_batch({"input_ids": tokens}, mesh)
+    with _Traffic() as traffic:
+        model(**batch, use_cache=False).backward()  # apply_sp_loss: the forward returns the loss
+    grad = model.model.layers[0].self_attn.k_proj.weight.grad.double()
+    return traffic.dtypes, grad
+
+
+def test_config_key_sets_what_the_model_exchanges():
+    """``seq_parallel_communication_data_type`` reaches the attention of a bf16 model: its
+    all-to-alls carry that dtype, and the gradient sum of the kv head replicated to 4 ranks
+    is rounded once instead of three times."""
+    runs = {c: dist_pool.run(_rank_config_key, c, world_size=4)[0] for c in (None, "fp32", "bf16")}
+    assert runs[None][0] == {torch.bfloat16}
+    assert runs["bf16"][0] == {torch.bfloat16}
+    assert torch.float32 in runs["fp32"][0] and torch.bfloat16 not in runs["fp32"][0]
+    assert torch.equal(runs[None][1], runs["bf16"][1])
+    assert not torch.equal(runs["fp32"][1], runs["bf16"][1])

@@ -97,3 +97,50 @@ def _rank_world_mismatch():
 def test_build_mesh_world_mismatch_raises_on_every_rank():
     for msg in dist_pool.run(_rank_world_mismatch, world_size=2):
         assert msg is not None and "world_size (8)" in msg and "(2)" in msg
+
+
+@pytest.mark.parametrize("u,r,zigzag,divisor", [(4, 1, True, 4), (2, 2, True, 8),
+                                                (2, 2, False, 4), (1, 4, True, 8)])
+def test_seq_len_divisor_is_the_layouts_padding_rule(u, r, zigzag, divisor):
+    dims = SequenceParallelDims(world_size=8, ulysses_degree=u, ring_degree=r, zigzag=zigzag)
+    assert dims.seq_len_divisor == divisor
+    assert dims.zigzag_ring == (zigzag and r > 1)
+
+
+def test_zigzag_must_be_a_bool():
+    with pytest.raises(ValueError, match="zigzag must be True or False"):
+        SequenceParallelDims(world_size=4, ulysses_degree=2, ring_degree=2, zigzag="no")
+
+
+def _rank_layout_travels_with_the_mesh():
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from ulysses import mesh_dims, padded_len, shard_sequence, ulysses_attention
+
+    zig = SequenceParallelDims(4, 2, 2).build_mesh("cpu")
+    flat = SequenceParallelDims(4, 2, 2, zigzag=False).build_mesh("cpu")
+    x = torch.arange(16.0)[None]
+    got = {"zig": shard_sequence(x, zig)[0].tolist(), "flat": shard_sequence(x, flat)[0].tolist(),
+           "padded": (padded_len(9, zig), padded_len(9, flat)),
+           "dims": (mesh_dims(zig).zigzag, mesh_dims(flat).zigzag)}
+    # A mesh with the right axis names but no description is refused, before any collective.
+    bare = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("dp", "ring", "ulysses"))
+    q = torch.zeros(1, 4, 4, 8)
+    try:
+        ulysses_attention(q, q, q, mesh=bare, causal=True)
+    except ValueError as e:
+        got["bare"] = str(e)
+    return got
+
+
+def test_the_sequence_layout_travels_with_the_mesh():
+    results = dist_pool.run(_rank_layout_travels_with_the_mesh, world_size=4)
+    # Zigzag: ring rank 0 holds chunks 0 and 3 of 4 (split over its two Ulysses ranks), ring
+    # rank 1 chunks 1 and 2. Contiguous: sp rank i holds block i.
+    zig = [list(range(0, 4)), list(range(12, 16)), list(range(4, 8)), list(range(8, 12))]
+    for i, r in enumerate(results):
+        assert r["zig"] == [float(p) for p in zig[i]]
+        assert r["flat"] == [float(p) for p in range(4 * i, 4 * i + 4)]
+        assert r["padded"] == (16, 12)
+        assert r["dims"] == (True, False)
+        assert "SequenceParallelDims" in r["bare"]

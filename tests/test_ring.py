@@ -21,17 +21,16 @@ D = 16
 def _rank_hybrid(ulysses, ring, H, K, B, S, causal, dtype_name, seed, chunk=None, zigzag=True,
                  pad=False):
     """On each rank: shard, run ulysses_attention fwd+bwd on a (dp=1, R, U) mesh."""
-    mesh = get_mesh(ulysses * ring, ulysses, ring)
-    shard = lambda t, value=0: shard_sequence(t, mesh, pad=pad, pad_value=value,  # noqa: E731
-                                              zigzag=zigzag)
+    mesh = get_mesh(ulysses * ring, ulysses, ring, zigzag)
+    shard = lambda t, value=0: shard_sequence(t, mesh, pad=pad, pad_value=value)  # noqa: E731
     q, k, v, dout = make_qkv(seed, B, S, H, K, D, DTYPES[dtype_name])
     q, k, v = (shard(t).clone().requires_grad_() for t in (q, k, v))
     out = ulysses_attention(q, k, v, mesh=mesh, causal=causal, head_chunk_size=chunk,
-                            zigzag=zigzag, unpadded_len=S if pad else None)
+                            unpadded_len=S if pad else None)
     out.backward(shard(dout))
     positions = shard(torch.arange(S)[None], value=S)[0]  # padded rows: position S (dropped)
     return dict(positions=positions, out=out.detach(), dq=q.grad, dk=k.grad, dv=v.grad,
-                gathered=gather_sequence(out.detach(), mesh, unpadded_len=S, zigzag=zigzag))
+                gathered=gather_sequence(out.detach(), mesh, unpadded_len=S))
 
 
 def _errors(results, H, K, B, S, causal, dtype_name, seed) -> dict[str, float]:
@@ -120,15 +119,15 @@ def test_error_does_not_grow_with_ring_size():
 
 
 def _rank_shard_roundtrip(ulysses, ring, S, zigzag):
-    mesh = get_mesh(ulysses * ring, ulysses, ring)
+    mesh = get_mesh(ulysses * ring, ulysses, ring, zigzag)
     position_ids = torch.arange(S).expand(2, S)              # [B, S]
     x = torch.randn(2, S, 3, generator=torch.Generator().manual_seed(0), requires_grad=True)
-    pos_local = shard_sequence(position_ids, mesh, zigzag=zigzag)
-    x_local = shard_sequence(x, mesh, zigzag=zigzag)
-    full = gather_sequence(x_local, mesh, zigzag=zigzag)
+    pos_local = shard_sequence(position_ids, mesh)
+    x_local = shard_sequence(x, mesh)
+    full = gather_sequence(x_local, mesh)
     (full * torch.arange(S).view(1, S, 1)).sum().backward()  # d/dx = position, everywhere
     return dict(pos=pos_local, x_local=x_local.detach(), x=x.detach(), full=full.detach(),
-                grad=x.grad, pos_full=gather_sequence(pos_local, mesh, zigzag=zigzag))
+                grad=x.grad, pos_full=gather_sequence(pos_local, mesh))
 
 
 @pytest.mark.parametrize("ulysses,ring,zigzag", [(2, 2, True), (1, 4, True), (4, 1, True),

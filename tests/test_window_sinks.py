@@ -140,14 +140,14 @@ S = 128
 
 def _rank_case(name):
     world, U, R, zigzag, H, K, chunk, window, with_sinks, starts = CASES[name]
-    mesh = get_mesh(world, U, R)
+    mesh = get_mesh(world, U, R, zigzag)
     q, k, v, dout = make_qkv(1, 2, S, H, K, 8, torch.float32)
     sinks = _sinks(H).requires_grad_() if with_sinks else None
-    local = [shard_sequence(t, mesh, dim=1, zigzag=zigzag).requires_grad_() for t in (q, k, v)]
+    local = [shard_sequence(t, mesh, dim=1).requires_grad_() for t in (q, k, v)]
     out = ulysses_attention(*local, mesh=mesh, causal=True, head_chunk_size=chunk,
-                            zigzag=zigzag, window=window, sinks=sinks, segments=starts)
-    out.backward(shard_sequence(dout, mesh, dim=1, zigzag=zigzag))
-    full = [gather_sequence(t, mesh, dim=1, zigzag=zigzag)
+                            window=window, sinks=sinks, segments=starts)
+    out.backward(shard_sequence(dout, mesh, dim=1))
+    full = [gather_sequence(t, mesh, dim=1)
             for t in (out.detach(), *(x.grad for x in local))]
     return full, None if sinks is None else sinks.grad
 

@@ -29,8 +29,7 @@ from ulysses.sinks import check_sinks
 
 
 def _validate(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, causal: bool,
-              backend: str | None, unpadded_len: int | None,
-              zigzag: bool) -> tuple[HeadLayout, str]:
+              backend: str | None, unpadded_len: int | None) -> tuple[HeadLayout, str]:
     """Every check ``ulysses_attention`` makes, before any collective runs."""
     check_mesh(mesh)
     check_qkv(q, k, v, causal=causal)
@@ -42,14 +41,13 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, causal: bool,
     if unpadded_len is not None and not 0 < unpadded_len <= full:
         raise ValueError(f"unpadded_len ({unpadded_len}) must be in [1, {full}] "
                          f"(the padded full sequence length)")
-    check_hybrid(q.shape[1], mesh, zigzag)
+    check_hybrid(q.shape[1], mesh)
     layout = head_layout(q.shape[2], k.shape[2], degree)
     return layout, select_backend(q.device, q.dtype, q.shape[-1], backend)
 
 
 def between_exchanges(mesh: DeviceMesh, *, batch: int, local_len: int, causal: bool,
-                      scale: float, backend: str, unpadded_len: int | None, zigzag: bool,
-                      segments, window: int | None = None,
+                      scale: float, backend: str, unpadded_len: int | None, segments, window: int | None = None,
                       comm_dtype: torch.dtype | None = None):
     """The attention that runs between the two all-to-alls, on ``[B, S, h, D]`` tensors:
     within documents (``segments``), the ring (R > 1), or the local kernel; each with a
@@ -63,7 +61,7 @@ def between_exchanges(mesh: DeviceMesh, *, batch: int, local_len: int, causal: b
     kv_len = unpadded_len if unpadded_len is not None and not causal else None
     if segments is None:
         return inner_attention(mesh, causal=causal, scale=scale, backend=backend, kv_len=kv_len,
-                               zigzag=zigzag, window=window, comm_dtype=comm_dtype)
+                               window=window, comm_dtype=comm_dtype)
     if axis_size(mesh, "ring") > 1:
         raise NotImplementedError("packed documents (segments) with ring_degree > 1: the ring "
                                   "kernels cannot mask across documents; use ring_degree=1")
@@ -79,8 +77,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
                       backend: str | None = None, unpadded_len: int | None = None,
                       buffer_pool: BufferPool | None = None,
                       chunk_budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES,
-                      chunk_overlap: bool = True, zigzag: bool = True,
-                      segments=None, window: int | None = None,
+                      chunk_overlap: bool = True, segments=None, window: int | None = None,
                       sinks: Tensor | None = None,
                       comm_dtype: torch.dtype | None = None) -> Tensor:
     """Sequence-parallel attention over the mesh's ``"ulysses"`` and ``"ring"`` axes.
@@ -90,7 +87,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
         k, v: ``k_BsKD``, ``v_BsKD``; GQA/MQA when ``K < H``. kv heads travel unrepeated;
             when ``K < U`` each kv head is replicated to the ranks that need it and the
             replicas' gradients are summed.
-        mesh: from :meth:`SequenceParallelDims.build_mesh`.
+        mesh: from :meth:`SequenceParallelDims.build_mesh`; it carries the sequence layout
+            (zigzag or contiguous over the ring) that ``shard_sequence`` cut the inputs in.
         causal: causal mask over the full sequence.
             With R > 1 the attention between the all-to-alls is ring attention over the
             ``"ring"`` axis (hybrid Ulysses x Ring); R = 1 is plain Ulysses and U = 1 pure
@@ -107,8 +105,6 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
         buffer_pool: chunk buffers to reuse across calls (layers); chunking only.
         chunk_budget_bytes: the byte budget of ``head_chunk_size="auto"``.
         chunk_overlap: exchange chunk i+1 while chunk i computes (chunking only).
-        zigzag: the sequence layout when R > 1; must match ``shard_sequence(zigzag=...)``.
-            The zigzag default balances causal work across ring ranks.
         segments: packed documents: per batch row, the start offsets (in the full sequence,
             beginning with 0) of its documents; no token attends across a boundary. Needs
             R = 1 (``NotImplementedError`` otherwise) and no ``unpadded_len``.
@@ -130,7 +126,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     Heads are split as in :func:`ulysses.sharding.head_layout`; head counts that do not
     divide ``U`` give uneven splits. Every ``ValueError`` is raised before any collective.
     """
-    layout, backend = _validate(q, k, v, mesh, causal, backend, unpadded_len, zigzag)
+    layout, backend = _validate(q, k, v, mesh, causal, backend, unpadded_len)
     check_sinks(sinks, q.shape[2], q.device)
     check_comm_dtype(comm_dtype)
     group = axis_group(mesh, "ulysses")
@@ -138,7 +134,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     scale = default_scale(q.shape[-1], softmax_scale)
     attn = between_exchanges(mesh, batch=q.shape[0], local_len=q.shape[1], causal=causal,
                              scale=scale, backend=backend, unpadded_len=unpadded_len,
-                             zigzag=zigzag, segments=segments, window=window,
+                             segments=segments, window=window,
                              comm_dtype=comm_dtype)
     if sinks is not None:  # [H] -> [h]: this rank's query heads (autograd scatters the grad)
         first = sum(layout.q_sizes[:rank])

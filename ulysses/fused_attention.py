@@ -250,7 +250,7 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
                     softmax_scale: float | None = None, backend: str | None = None,
                     buffer_pool: BufferPool | None = None,
                     chunk_budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES,
-                    chunk_overlap: bool = True, zigzag: bool = True, segments=None,
+                    chunk_overlap: bool = True, segments=None,
                     window: int | None = None,
                     comm_dtype: torch.dtype | None = None) -> Tensor:
     """A Llama-style attention block, ``o_proj(attn(rope(q_proj(x)), rope(k_proj(x)),
@@ -271,7 +271,7 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
             attends by ring attention (hybrid).
         head_chunk_size: an int from :func:`ulysses.chunk_schedule.valid_chunk_sizes`, or
             ``"auto"`` (within ``chunk_budget_bytes``).
-        causal, softmax_scale, backend, buffer_pool, chunk_overlap, zigzag, segments, window,
+        causal, softmax_scale, backend, buffer_pool, chunk_overlap, segments, window,
         comm_dtype:
             as for :func:`ulysses.ulysses_attention`.
 
@@ -288,7 +288,7 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
     B, s, _ = x.shape
     U = axis_size(mesh, "ulysses")
     layout = head_layout(num_heads, num_kv_heads, U)
-    check_hybrid(s, mesh, zigzag)
+    check_hybrid(s, mesh)
     if head_chunk_size is None:
         raise ValueError("fused_attention needs head_chunk_size (an int or 'auto'): the "
                          "projections are fused into the head-chunk loop")
@@ -296,7 +296,7 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
     backend = select_backend(x.device, x.dtype, D, backend)
     attn = between_exchanges(mesh, batch=B, local_len=s, causal=causal,
                              scale=default_scale(D, softmax_scale), backend=backend,
-                             unpadded_len=None, zigzag=zigzag, segments=segments,
+                             unpadded_len=None, segments=segments,
                              window=window, comm_dtype=comm_dtype)
     schedule = tuple(build_schedule(layout, c))
     chunks = ChunkConfig(group=axis_group(mesh, "ulysses"), rank=axis_rank(mesh, "ulysses"),

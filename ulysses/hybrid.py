@@ -19,24 +19,26 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ulysses.band import WindowAttention
 from ulysses.kernels import LocalAttention
-from ulysses.mesh import axis_group, axis_rank, axis_size
+from ulysses.mesh import axis_group, axis_rank, axis_size, mesh_dims
 from ulysses.ring import RingAttention, check_ring_rows
 
 
-def check_hybrid(local_rows: int, mesh: DeviceMesh, zigzag: bool) -> None:
+def check_hybrid(local_rows: int, mesh: DeviceMesh) -> None:
     """Raise ``ValueError`` if ``local_rows`` (the sequence piece ``s``) does not fit the
-    ring layout: zigzag needs the ring rank's ``U s`` rows to form two equal chunks."""
-    check_ring_rows(local_rows * axis_size(mesh, "ulysses"), axis_size(mesh, "ring"), zigzag)
+    mesh's ring layout: zigzag needs the ring rank's ``U s`` rows to form two equal chunks."""
+    check_ring_rows(local_rows * axis_size(mesh, "ulysses"), axis_size(mesh, "ring"),
+                    mesh_dims(mesh).zigzag)
 
 
 def inner_attention(mesh: DeviceMesh, *, causal: bool, scale: float, backend: str,
-                    kv_len: int | None, zigzag: bool, window: int | None = None,
+                    kv_len: int | None, window: int | None = None,
                     comm_dtype: torch.dtype | None = None
                     ) -> LocalAttention | WindowAttention | RingAttention:
     """The attention to run on full-ring-rank, local-head tensors.
 
     ``kv_len`` (non-causal padding) counts keys of the whole sequence; the ring trims each
-    block to its real keys, the local kernel trims its one block. ``window``: a causal
+    block to its real keys, the local kernel trims its one block. The ring's row layout is
+    the mesh's (:func:`ulysses.mesh.mesh_dims`). ``window``: a causal
     sliding window (:mod:`ulysses.band`), over the whole sequence on a ring too.
     ``comm_dtype``: what the ring's hops carry (:class:`RingAttention`).
     """
@@ -46,5 +48,6 @@ def inner_attention(mesh: DeviceMesh, *, causal: bool, scale: float, backend: st
             return WindowAttention(window=window, scale=scale, backend=backend)
         return LocalAttention(causal=causal, scale=scale, backend=backend, kv_len=kv_len)
     return RingAttention(group=axis_group(mesh, "ring"), rank=axis_rank(mesh, "ring"), size=R,
-                         causal=causal, scale=scale, backend=backend, zigzag=zigzag,
+                         causal=causal, scale=scale, backend=backend,
+                         zigzag=mesh_dims(mesh).zigzag,
                          kv_len=kv_len, window=window, comm_dtype=comm_dtype)

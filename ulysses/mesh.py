@@ -37,11 +37,19 @@ class SequenceParallelDims:
     """Ranks in one Ulysses (all-to-all) group."""
     ring_degree: int = 1
     """Ranks in one ring (KV-passing) group; 1 means pure Ulysses."""
+    zigzag: bool = True
+    """The sequence layout over the ring (ring_degree > 1): True cuts the sequence into 2R
+    chunks and gives ring rank r chunks r and 2R-1-r, which balances causal work; False gives
+    it block r. The mesh carries it (:func:`mesh_dims`), so the data side
+    (``shard_sequence``) and the attention side read the same value. No effect without a
+    ring."""
 
     def __post_init__(self) -> None:
         _check_degree("world_size", self.world_size)
         _check_degree("ulysses_degree", self.ulysses_degree)
         _check_degree("ring_degree", self.ring_degree)
+        if not isinstance(self.zigzag, bool):
+            raise ValueError(f"zigzag must be True or False, got {self.zigzag!r}")
         sp = self.ulysses_degree * self.ring_degree
         if self.world_size % sp != 0:
             raise ValueError(
@@ -57,6 +65,17 @@ class SequenceParallelDims:
     def sp(self) -> int:
         """Sequence-parallel degree: ranks that share one sequence."""
         return self.ulysses_degree * self.ring_degree
+
+    @property
+    def zigzag_ring(self) -> bool:
+        """Whether sequences are laid out in zigzag order (a zigzag layout with a ring)."""
+        return self.zigzag and self.ring_degree > 1
+
+    @property
+    def seq_len_divisor(self) -> int:
+        """Full sequence lengths that split evenly over the sp ranks are the multiples of this:
+        ``ring * ulysses``, twice that for the zigzag layout (two chunks per ring rank)."""
+        return 2 * self.sp if self.zigzag_ring else self.sp
 
     def build_mesh(self, device_type: str) -> DeviceMesh:
         """Build the ``("dp", "ring", "ulysses")`` DeviceMesh; every rank must call it.
@@ -76,6 +95,10 @@ class SequenceParallelDims:
         # "dp_sp" (every axis) is what ZeRO/FSDP shard over.
         mesh["ring", "ulysses"]._flatten("sp")
         mesh["dp", "ring", "ulysses"]._flatten("dp_sp")
+        # The description travels with the mesh: everything that cuts or attends a sequence
+        # reads the layout from here, so the two sides cannot be given different ones.
+        mesh._sp_dims = SequenceParallelDims(self.world_size, self.ulysses_degree,
+                                             self.ring_degree, self.zigzag)
         return mesh
 
 
@@ -87,6 +110,16 @@ def check_mesh(mesh: DeviceMesh) -> None:
     if mesh.mesh_dim_names != MESH_AXES:
         raise ValueError(f"mesh axes must be {MESH_AXES}, got {mesh.mesh_dim_names}; build it with "
                          f"SequenceParallelDims.build_mesh()")
+    if not isinstance(getattr(mesh, "_sp_dims", None), SequenceParallelDims):
+        raise ValueError("mesh carries no SequenceParallelDims (its sequence layout); build it "
+                         "with SequenceParallelDims.build_mesh()")
+
+
+def mesh_dims(mesh: DeviceMesh) -> SequenceParallelDims:
+    """The :class:`SequenceParallelDims` ``mesh`` was built from: its degrees and its sequence
+    layout (``zigzag``, ``seq_len_divisor``). ``ValueError`` for any other mesh."""
+    check_mesh(mesh)
+    return mesh._sp_dims
 
 
 def axis_size(mesh: DeviceMesh, axis: str) -> int:

@@ -10,8 +10,9 @@ rank that holds the kv head it reads, and each rank's local heads form a standar
 
 Sequence (:func:`shard_sequence` / :func:`gather_sequence`): the sequence dim is cut into
 ``sp = ring x ulysses`` pieces in sp-rank order (``ring_rank * ulysses + ulysses_rank``).
-Without a ring they are contiguous. With ring R > 1 the default is zigzag: 2R chunks, ring
-rank r owning chunks r and 2R-1-r, so that causal attention costs every ring rank the same.
+Without a ring they are contiguous. With ring R > 1 the mesh's layout
+(:attr:`SequenceParallelDims.zigzag`, default on) is zigzag: 2R chunks, ring rank r owning
+chunks r and 2R-1-r, so that causal attention costs every ring rank the same.
 A Ulysses group's all-to-all then reassembles exactly its ring rank's chunk pair.
 """
 
@@ -24,7 +25,7 @@ import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from ulysses.mesh import axis_group, axis_rank, axis_size, check_mesh
+from ulysses.mesh import axis_group, axis_rank, axis_size, mesh_dims
 
 
 def _split_evenly(n: int, parts: int) -> list[int]:
@@ -104,11 +105,6 @@ class _SeqSplit:
     def sp(self) -> int:
         return self.ring * self.ulysses
 
-    @property
-    def multiple(self) -> int:
-        """Lengths that split evenly are the multiples of this."""
-        return 2 * self.sp if self.zigzag else self.sp
-
     def runs(self, seq_len: int, sp_rank: int) -> list[tuple[int, int]]:
         """The ``(start, length)`` runs of global positions that sp rank ``sp_rank`` holds,
         in order. Zigzag: ring rank r owns chunks r and 2R-1-r of 2R (concatenated), and its
@@ -133,58 +129,57 @@ class _SeqSplit:
                 for m in range(2 * R)]
 
 
-def _seq_split(mesh: DeviceMesh, zigzag: bool) -> _SeqSplit:
-    check_mesh(mesh)
-    ring = axis_size(mesh, "ring")
-    return _SeqSplit(ring=ring, ulysses=axis_size(mesh, "ulysses"), zigzag=zigzag and ring > 1)
+def _seq_split(mesh: DeviceMesh) -> _SeqSplit:
+    dims = mesh_dims(mesh)
+    return _SeqSplit(ring=dims.ring_degree, ulysses=dims.ulysses_degree, zigzag=dims.zigzag_ring)
 
 
 def _sp_rank(mesh: DeviceMesh) -> int:
     return axis_rank(mesh, "ring") * axis_size(mesh, "ulysses") + axis_rank(mesh, "ulysses")
 
 
-def padded_len(seq_len: int, mesh: DeviceMesh, *, zigzag: bool = True) -> int:
+def padded_len(seq_len: int, mesh: DeviceMesh) -> int:
     """The smallest length >= ``seq_len`` that the mesh's sp ranks split evenly: a multiple of
-    ``ring * ulysses``, or of ``2 * ring * ulysses`` for the zigzag layout (ring > 1)."""
-    m = _seq_split(mesh, zigzag).multiple
+    its :attr:`SequenceParallelDims.seq_len_divisor`."""
+    m = mesh_dims(mesh).seq_len_divisor
     return -(-seq_len // m) * m
 
 
 def shard_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1, *, pad: bool = False,
-                   pad_value: float = 0, zigzag: bool = True) -> Tensor:
+                   pad_value: float = 0) -> Tensor:
     """This rank's piece of ``x`` along ``dim``; no communication.
 
     Args:
         x: the full tensor, identical on every rank of the sp group: ``[B, S, ...]`` inputs,
             labels and ``position_ids`` alike (they must be sharded the same way).
         mesh: from :meth:`SequenceParallelDims.build_mesh`; pieces follow the sp index
-            ``ring_rank * ulysses + ulysses_rank``.
+            ``ring_rank * ulysses + ulysses_rank``, in the mesh's sequence layout (with a
+            ring, zigzag unless built with ``zigzag=False``: ring rank r gets chunks r and
+            2R-1-r of 2R, split among its Ulysses ranks).
         dim: the sequence dim.
         pad: if the length does not split evenly, pad the end with ``pad_value`` up to
             :func:`padded_len` instead of raising. Causal attention never lets a real token see
             the padded tail; for non-causal attention pass ``unpadded_len`` to
             ``ulysses_attention``. Give labels a pad value your loss ignores (e.g. -100).
-        zigzag: with ring > 1, cut the sequence into 2R chunks and give ring rank r chunks r
-            and 2R-1-r (split among its Ulysses ranks), which balances causal attention; it
-            must match ``ulysses_attention(zigzag=...)``. Without a ring it changes nothing.
 
     Returns:
         ``[..., S / sp, ...]``: a view when the piece is one run of positions (always without
         zigzag), else the concatenation of its two runs.
     """
-    split = _seq_split(mesh, zigzag)
+    split = _seq_split(mesh)
+    multiple = mesh_dims(mesh).seq_len_divisor
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim {dim} is out of range for a {x.dim()}-D tensor of shape "
                          f"{tuple(x.shape)}")
     seq_len = x.shape[dim]
-    if seq_len % split.multiple != 0:
+    if seq_len % multiple != 0:
         if not pad:
             layout = "2 * ring * ulysses" if split.zigzag else "ring * ulysses"
             raise ValueError(f"sequence length {seq_len} (dim {dim}) is not divisible by "
-                             f"{layout} = {split.multiple}; pad it to "
-                             f"{padded_len(seq_len, mesh, zigzag=zigzag)} or pass pad=True")
+                             f"{layout} = {multiple}; pad it to "
+                             f"{padded_len(seq_len, mesh)} or pass pad=True")
         widths = [0, 0] * (x.dim() - dim % x.dim() - 1)
-        widths += [0, padded_len(seq_len, mesh, zigzag=zigzag) - seq_len]
+        widths += [0, padded_len(seq_len, mesh) - seq_len]
         x = torch.nn.functional.pad(x, widths, value=pad_value)
     pieces = [x.narrow(dim, start, n) for start, n in split.runs(x.shape[dim], _sp_rank(mesh))]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
@@ -206,7 +201,7 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def gather_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1, *,
-                    unpadded_len: int | None = None, zigzag: bool = True) -> Tensor:
+                    unpadded_len: int | None = None) -> Tensor:
     """Inverse of :func:`shard_sequence`: all-gather the pieces over the sp group and undo the
     zigzag order.
 
@@ -214,19 +209,19 @@ def gather_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1, *,
         x: this rank's piece; every rank's must have the same shape.
         unpadded_len: trim the result to this length (the original length before
             ``shard_sequence(..., pad=True)``).
-        zigzag: as given to :func:`shard_sequence`.
 
     Returns:
         The full tensor, in natural order, on every rank. Autograd treats it as replicated:
         the backward hands each rank the gradient of its own piece.
     """
-    split = _seq_split(mesh, zigzag)
+    split = _seq_split(mesh)
+    multiple = mesh_dims(mesh).seq_len_divisor
     total = x.shape[dim] * split.sp
     if unpadded_len is not None and unpadded_len > total:
         raise ValueError(f"unpadded_len ({unpadded_len}) exceeds the gathered length ({total})")
-    if split.zigzag and total % split.multiple != 0:
+    if split.zigzag and total % multiple != 0:
         raise ValueError(f"piece length {x.shape[dim]} cannot come from a zigzag shard_sequence "
-                         f"(the gathered length {total} must divide by {split.multiple})")
+                         f"(the gathered length {total} must divide by {multiple})")
     full = x
     if split.sp > 1:
         full = _GatherSequence.apply(x, axis_group(mesh, "sp"), dim, _sp_rank(mesh))

@@ -105,8 +105,8 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
     """
     world = gpus * nodes
     sp = stack_config(stack, world=world)
-    if seq_len % (world * 2) != 0:  # zigzag: 2 x sp chunks of equal length
-        seq_len += world * 2 - seq_len % (world * 2)
+    divisor = sp.dims(world).seq_len_divisor  # the mesh's padding rule (layout, degrees)
+    seq_len = -(-seq_len // divisor) * divisor
     config = model_config(model, layers=layers, max_positions=seq_len)
     host_limit = int(0.8 * host_memory) // gpus
     name = stack if isinstance(stack, str) else "custom"
