@@ -12,7 +12,7 @@ A model asks in two places:
   the call. Each known argument is implemented exactly or refused; an argument this module
   does not know is refused too, since nobody can tell whether it changes the result.
 
-What is honoured (``tests/test_hf_families.py`` compares each with the unmodified model on
+What is honoured (``tests/test_arctic_hf_families.py`` compares each with the unmodified model on
 one process): ``scaling``; ``sliding_window`` (per layer, as the model passes it; causal
 windows of :mod:`ulysses.band`, with head chunking, fused projections, packed documents and
 rings); ``s_aux`` attention sinks (GPT-OSS; :mod:`ulysses.sinks`). What is refused: attention

@@ -176,7 +176,7 @@ def apply_tiled_mlp(model: nn.Module, *, tiles: int | str = "auto",
     before its backward, where the tiles run and are recomputed; ZeRO's gradient hooks are
     told that only the last tile completes a gradient (``ds_grad_is_ready``). Gradients equal
     single-device ones under ZeRO 0-3 (``tests/test_arctic_engine.py``) and FSDP2
-    (``tests/test_fsdp.py``). Apply after :func:`arctic.apply_sequence_parallel` and before
+    (``tests/test_arctic_fsdp.py``). Apply after :func:`arctic.apply_sequence_parallel` and before
     activation checkpointing. Returns ``model``; ``ValueError`` if it has no decoder layer
     with an ``mlp``.
     """

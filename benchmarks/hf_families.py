@@ -1,6 +1,6 @@
 """Report: HF model families under sequence parallelism, against the unmodified model.
 
-For each family of ``tests/test_hf_families.py`` (the same tiny configs, features on: a
+For each family of ``tests/test_arctic_hf_families.py`` (the same tiny configs, features on: a
 window of 16 at S = 128, sinks, logit transforms, packed documents) and SP = 2 and 4, one
 training step on gloo ranks is compared with the unmodified model on one process:
 

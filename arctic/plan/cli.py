@@ -84,7 +84,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="override the decoder layer count (quick checks)")
     p.add_argument("--full-trace", action="store_true",
                    help="trace every layer instead of 3 and 4 layers extended to the real "
-                        "depth (slower; the two agree, see tests/test_plan.py)")
+                        "depth (slower; the two agree, see tests/test_arctic_plan.py)")
     p.add_argument("--find-max", action="store_true",
                    help="bisect for the longest sequence that fits")
     p.add_argument("--plot", type=Path, default=None,

@@ -101,7 +101,7 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
     optimizer shards and its offloaded (or kept) input, while the activation peak is one
     layer's. So unless ``full_trace``, a model deeper than 4 layers is traced at 3 and 4
     layers and each phase's figures are extended along that line to the real depth; the
-    step's peak is the largest phase. ``tests/test_plan.py`` checks this against full traces.
+    step's peak is the largest phase. ``tests/test_arctic_plan.py`` checks this against full traces.
     """
     world = gpus * nodes
     sp = stack_config(stack, world=world)
