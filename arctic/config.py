@@ -150,6 +150,7 @@ class SequenceParallelConfig:
             values["communication_dtype"] = str(comm).lower()
         ac = ds.get("activation_checkpointing")
         if isinstance(ac, dict):  # DeepSpeed's block: present means on
+            _check_ds_checkpointing(ac)
             values["activation_checkpointing"] = True
             values["offload_activations"] = bool(ac.get("cpu_checkpointing", False))
         values.update(block)
@@ -157,6 +158,30 @@ class SequenceParallelConfig:
         if world_size is not None:
             config.dims(world_size)
         return config
+
+
+# DeepSpeed's activation_checkpointing keys that act only through deepspeed.checkpointing
+# (Megatron-style models that call it). arctic checkpoints HF decoder layers with
+# torch.utils.checkpoint (offload.checkpoint), where they would silently do nothing.
+_DS_CHECKPOINTING_UNSUPPORTED = ("partition_activations", "contiguous_memory_optimization",
+                                 "number_checkpoints", "synchronize_checkpoint_boundary",
+                                 "profile")
+
+
+def _check_ds_checkpointing(block: dict[str, Any]) -> None:
+    """Refuse the keys of DeepSpeed's ``activation_checkpointing`` block that we do not honour:
+    only ``cpu_checkpointing`` (-> offload_activations) has an effect here."""
+    unknown = sorted(set(block) - {"cpu_checkpointing", *_DS_CHECKPOINTING_UNSUPPORTED})
+    if unknown:
+        raise ValueError(f"unknown key(s) {unknown} in the \"activation_checkpointing\" block; "
+                         f"only cpu_checkpointing is read")
+    used = [k for k in _DS_CHECKPOINTING_UNSUPPORTED if block.get(k) not in (None, False)]
+    if used:
+        raise ValueError(f"activation_checkpointing.{used[0]}={block[used[0]]!r} is not "
+                         f"supported: it acts through deepspeed.checkpointing, which HF models do "
+                         f"not call, and arctic checkpoints each decoder layer with "
+                         f"torch.utils.checkpoint instead. Remove it (or set it to false/null); "
+                         f"cpu_checkpointing is honoured (offloads the layer inputs)")
 
 
 def zero_stage(ds_config: dict[str, Any]) -> int:

@@ -50,6 +50,10 @@ def test_deepspeed_keys_are_read():
     ({"ulysses": {"attn_implementation": "sdpa"}}, ["ulysses_sdpa"]),
     ({"seq_parallel_communication_data_type": "int8"}, ["int8"]),
     ({"ulysses": []}, ["must be an object"]),
+    ({"activation_checkpointing": {"partition_activations": True}},
+     ["partition_activations=True", "not supported", "cpu_checkpointing"]),
+    ({"activation_checkpointing": {"number_checkpoints": 4}}, ["number_checkpoints=4"]),
+    ({"activation_checkpointing": {"cpu_checkpoint": True}}, ["cpu_checkpoint'", "only"]),
 ])
 def test_bad_configs_raise_value_error(config, needles):
     with pytest.raises(ValueError) as err:
@@ -119,3 +123,76 @@ def test_load_ds_config_reads_the_shipped_json_and_passes_a_dict_through(tmp_pat
     (tmp_path / "list.json").write_text("[1, 2]")
     with pytest.raises(ValueError, match="must hold a JSON object"):
         load_ds_config(tmp_path / "list.json")
+
+
+def _rank_fingerprint(ds):
+    """What apply_sp_recipe made of ``ds``: one entry per config key."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from arctic.engine import apply_sp_recipe
+    from arctic.tiling import _TiledForward
+    from offload.checkpoint import _CheckpointedForward
+
+    config = SequenceParallelConfig.from_ds_config(ds, world_size=2)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    mesh = config.dims(2).build_mesh("cpu")
+    apply_sp_recipe(model, config=config, mesh=mesh, averaged_over_sp=True,
+                    host_memory_limit=1 << 28)
+    layer = model.model.layers[0]
+    sp = layer.self_attn.sp_attention
+    mlp, norm, ckpt = layer.mlp.forward, layer.input_layernorm.forward, layer.forward
+    return {
+        "sequence_parallel_size": mesh.size(), "ring_degree": mesh["ring"].size(),
+        "head_chunk_size": sp.head_chunk_size, "fuse_projections": sp.fuse_projections,
+        "attn_implementation": sp.backend, "communication_dtype": sp.communication_dtype,
+        "tiled_mlp": mlp.args[0] if isinstance(mlp, _TiledForward) else None,
+        "tiled_norms": isinstance(norm, _TiledForward),
+        "loss_tiles": model.lm_head.forward.tiles,
+        "activation_checkpointing": isinstance(ckpt, _CheckpointedForward),
+        "offload_activations": isinstance(ckpt, _CheckpointedForward) and ckpt.session is not None,
+    }
+
+
+# Each accepted key, a value other than its default, and what it must change (beyond itself).
+KEY_EFFECTS = {
+    "ring_degree": ({"ulysses": {"ring_degree": 2}}, {"ring_degree": 2}),
+    "head_chunk_size": ({"ulysses": {"head_chunk_size": 1}}, {"head_chunk_size": 1}),
+    "fuse_projections": ({"ulysses": {"head_chunk_size": 1, "fuse_projections": True}},
+                         {"head_chunk_size": 1, "fuse_projections": True}),
+    "tiled_mlp": ({"ulysses": {"tiled_mlp": 4}}, {"tiled_mlp": 4, "tiled_norms": True}),
+    "tiled_norms": ({"ulysses": {"tiled_mlp": 4, "tiled_norms": False}}, {"tiled_mlp": 4}),
+    "loss_tiles": ({"ulysses": {"loss_tiles": 3}}, {"loss_tiles": 3}),
+    "activation_checkpointing": ({"ulysses": {"activation_checkpointing": True}},
+                                 {"activation_checkpointing": True}),
+    "offload_activations": ({"ulysses": {"activation_checkpointing": True,
+                                         "offload_activations": True}},
+                            {"activation_checkpointing": True, "offload_activations": True}),
+    "cpu_checkpointing (DeepSpeed block)": ({"activation_checkpointing": {"cpu_checkpointing":
+                                                                         True}},
+                                            {"activation_checkpointing": True,
+                                             "offload_activations": True}),
+    "seq_parallel_communication_data_type": ({"seq_parallel_communication_data_type": "fp32"},
+                                             {"communication_dtype": torch.float32}),
+}
+
+
+def test_every_config_key_has_its_effect():
+    """Honour or refuse: each key of the ``ulysses`` block (and each DeepSpeed key we read)
+    changes exactly what it names in the model apply_sp_recipe builds. attn_implementation's
+    other choice (flash_attn) cannot run on CPU: test_arctic_models checks it is refused there
+    and the CUDA test picks its kernel."""
+    accepted = {f.name for f in __import__("dataclasses").fields(SequenceParallelConfig)}
+    covered = {k for k in KEY_EFFECTS if k in accepted} | {"sequence_parallel_size",
+                                                             "attn_implementation",
+                                                             "communication_dtype"}
+    assert accepted <= covered, accepted - covered
+    base_ds = {"sequence_parallel_size": 2}
+    base = dist_pool.run(_rank_fingerprint, base_ds, world_size=2)[0]
+    for key, (extra, changes) in KEY_EFFECTS.items():
+        ds = {**base_ds, **extra}
+        got = dist_pool.run(_rank_fingerprint, ds, world_size=2)[0]
+        want = {**base, **changes}
+        assert got == want, (key, {k: (base[k], got[k]) for k in got if got[k] != want[k]})

@@ -238,7 +238,7 @@ def test_probe_skips_hooks_and_keeps_the_rng():
 
 @pytest.mark.parametrize("where", ["meta", "fake"])
 def test_probe_on_meta_and_fake_weights(where):
-    """ZeRO-3, meta-device and FakeTensorMode (the planner, arctic/plan.py) models hold no
+    """ZeRO-3, meta-device and FakeTensorMode (the planner, arctic/plan) models hold no
     weight values; the probe runs on real CPU tensors and still finds the softcap."""
     from transformers import AutoModelForCausalLM
 
