@@ -62,6 +62,15 @@ _COLLECTIVES = ("all_gather", "all_gather_into_tensor", "all_reduce", "all_to_al
                 "reduce_scatter_tensor", "isend", "irecv", "send", "recv")
 
 
+def value_error_of(fn) -> str:
+    """The message of the ValueError ``fn()`` raises, or "no error"."""
+    try:
+        fn()
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
 @contextlib.contextmanager
 def count_collectives():
     """Count calls of torch.distributed's collectives (rank side) while the block runs: a

@@ -24,6 +24,7 @@ import pytest
 import torch
 
 import dist_pool
+from helpers import value_error_of as _error
 
 pytest.importorskip("transformers", reason="the FSDP2 job trains a HF model ([hf])")
 
@@ -182,14 +183,6 @@ def test_check_no_zero_accepts_stage_0_and_no_block():
     for stage in (1, 2, 3):
         with pytest.raises(ValueError, match=f"FSDP2 and ZeRO cannot be mixed.*stage={stage}"):
             check_no_zero({"zero_optimization": {"stage": stage}})
-
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return "no error"
 
 
 def _rank_apply_order():

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 
 import dist_pool
 from helpers import TOL, get_mesh
+from helpers import value_error_of as _error
 from ulysses import gather_sequence, shard_sequence, ulysses_attention
 from ulysses.fused_attention import fused_attention
 from ulysses.kernels import local_attention
@@ -390,14 +391,6 @@ def test_fsdp2_fused_matches_single_device():
 
 
 # --- refused combinations ---------------------------------------------------------------------
-
-def _error(fn) -> str:
-    try:
-        fn()
-    except ValueError as e:
-        return str(e)
-    return "no error"
-
 
 def _rank_errors():
     from arctic.hf_attention import apply_sequence_parallel
