@@ -11,10 +11,11 @@ from __future__ import annotations
 
 from torch import nn
 
-from arctic.anatomy import CACHE_KWARGS, decoder_layers, hf_checkpointing
+from arctic.anatomy import CACHE_KWARGS, attention_modules, decoder_layers, hf_checkpointing
 from arctic.order import record_apply
 from offload import DEFAULT_MIN_OFFLOAD_BYTES, HostBufferPool, check_activation_checkpointing
 from offload import apply_activation_checkpointing as _checkpoint_layers
+from ulysses.keep import KeptAttention
 
 
 def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = False,
@@ -22,6 +23,7 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
                                    pool: HostBufferPool | None = None,
                                    host_memory_limit: int | None = None,
                                    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
+                                   recompute_attention: bool = True,
                                    group=None) -> nn.Module:
     """Checkpoint every decoder layer (non-reentrant); optionally keep their inputs on the host.
 
@@ -37,6 +39,12 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
             ``host_memory_limit`` (default 80% of available host memory per local rank,
             agreed over ``group``).
         min_offload_bytes: smaller saved tensors stay on the device.
+        recompute_attention: False keeps each layer's attention results (``out``, one
+            hidden-sized tensor, and the fp32 lse of this rank's heads) from the forward, on
+            the host with the layer input when offloading, and the recompute in backward skips
+            the attention kernels and exchanges (:mod:`ulysses.keep`): norms, projections,
+            RoPE and MLP are recomputed, attention is not. Gradients are bit-identical. It
+            needs the model's attention to be ours (:func:`arctic.apply_sequence_parallel`).
 
     Returns ``model``; ``model.activation_offload`` is the :class:`offload.OffloadSession` (or
     ``None``) whose ``pool.stats`` report bytes offloaded and peak host bytes. Raises
@@ -54,11 +62,21 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
                          "model.gradient_checkpointing_disable() first (checkpointing twice "
                          "recomputes every layer twice)")
     check_activation_checkpointing(layers, offload_to_cpu=offload_to_cpu, pool=pool)
+    if not isinstance(recompute_attention, bool):
+        raise ValueError(f"recompute_attention must be True or False, got "
+                         f"{recompute_attention!r}")
+    if not recompute_attention:
+        missing = [type(m).__name__ for layer in layers for m in attention_modules(layer)
+                   if getattr(m, "sp_attention", None) is None]
+        if missing or not any(attention_modules(layer) for layer in layers):
+            raise ValueError("recompute_attention=False keeps the results of ulysses' attention "
+                             "only; call arctic.apply_sequence_parallel(model, mesh=...) first "
+                             f"(attention modules without it: {sorted(set(missing)) or 'none found'})")
     record_apply(model, "checkpointing")  # after the checks: a refused call changes nothing
     return _checkpoint_layers(model, layers=layers, offload_to_cpu=offload_to_cpu, pool=pool,
                               host_memory_limit=host_memory_limit,
                               min_offload_bytes=min_offload_bytes, drop_kwargs=CACHE_KWARGS,
-                              group=group)
+                              group=group, keep=None if recompute_attention else KeptAttention)
 
 
 __all__ = ["apply_activation_checkpointing"]

@@ -69,6 +69,11 @@ class SequenceParallelConfig:
     """Checkpoint each decoder layer."""
     offload_activations: bool = False
     """Move checkpointed layer inputs to host memory (needs activation_checkpointing)."""
+    recompute_attention: bool = True
+    """False: keep each layer's attention output and lse from the forward (on the host with
+    the layer input when offloading) and recompute only norms, projections, RoPE and MLP in
+    backward (needs activation_checkpointing; :mod:`ulysses.keep`). Costs about
+    ``2 * S_local * hidden`` bytes per layer (bf16) more."""
     communication_dtype: Literal["fp32", "bf16", "fp16"] | None = None
     """dtype of the sequence-parallel exchanges (DeepSpeed's
     ``seq_parallel_communication_data_type``): every all-to-all and ring hop, forward and
@@ -95,7 +100,7 @@ class SequenceParallelConfig:
             raise ValueError(f"ulysses.attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, "
                              f"got {self.attn_implementation!r}")
         for name in ("fuse_projections", "tiled_norms", "activation_checkpointing",
-                     "offload_activations"):
+                     "offload_activations", "recompute_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ulysses.{name} must be true or false, got "
                                  f"{getattr(self, name)!r}")
@@ -105,6 +110,9 @@ class SequenceParallelConfig:
         if self.offload_activations and not self.activation_checkpointing:
             raise ValueError("offload_activations needs activation_checkpointing: only "
                              "checkpointed layer inputs are offloaded")
+        if not self.recompute_attention and not self.activation_checkpointing:
+            raise ValueError("ulysses.recompute_attention=false needs activation_checkpointing: "
+                             "without checkpointing nothing is recomputed")
         if self.communication_dtype not in (None, *COMM_DTYPES):
             raise ValueError(f"seq_parallel_communication_data_type must be one of {COMM_DTYPES}, "
                              f"got {self.communication_dtype!r}")

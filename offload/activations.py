@@ -321,12 +321,15 @@ class OffloadSession:
 
     @contextlib.contextmanager
     def group(self):
+        """Open a group; autograd's saves inside go to the host. Yields the group's hooks:
+        their ``pack``/``unpack`` take what the group's code keeps outside autograd (the
+        attention results of a checkpointed layer, :mod:`offload.checkpoint`) the same way."""
         prev = self._last() if self._last is not None else None
         g = _Group(prev)
         self._last = weakref.ref(g)
         hooks = _Hooks(self.pool, g, self.min_bytes, self._seen)
         with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
-            yield g
+            yield hooks
 
 
 @contextlib.contextmanager

@@ -18,8 +18,10 @@ enforces the order of the recipe's stages).
 
 from __future__ import annotations
 
-from torch import Tensor, nn
+import contextlib
+
 import torch
+from torch import Tensor, nn
 from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
@@ -30,10 +32,24 @@ class _CheckpointedForward:
     """A layer instance's forward, replaced by the original under non-reentrant checkpoint."""
 
     def __init__(self, forward, session: OffloadSession | None, num_layers: int,
-                 context_fn, drop_kwargs: tuple[str, ...]) -> None:
+                 context_fn, drop_kwargs: tuple[str, ...], keep, name: str) -> None:
         self.forward, self.session, self.num_layers = forward, session, num_layers
-        self.kwargs = {} if context_fn is None else {"context_fn": context_fn}
-        self.drop_kwargs = drop_kwargs
+        self.context_fn, self.drop_kwargs, self.keep, self.name = context_fn, drop_kwargs, keep, name
+
+    def _checkpoint(self, run, tensors, store):
+        """``checkpoint(run, *tensors)`` with the model's context and ``store``'s scopes."""
+        fns = [f for f in (self.context_fn, None if store is None else store.contexts) if f]
+        kwargs = {}
+        if fns:
+            kwargs["context_fn"] = fns[0] if len(fns) == 1 else _both(*fns)
+        return checkpoint(run, *tensors, use_reentrant=False, **kwargs)
+
+    def _check_kept(self, store) -> None:
+        if not len(store):
+            raise ValueError(f"{self.name} ran no attention that can keep its results "
+                             f"(recompute_attention=False): only ulysses' attention (local, "
+                             f"Ulysses, head-chunked, fused, ring) records them; switch the "
+                             f"model's attention to it or recompute attention")
 
     def __call__(self, *args, **kwargs):
         if not torch.is_grad_enabled():  # eval / no_grad: nothing is saved, nothing to redo
@@ -57,18 +73,47 @@ class _CheckpointedForward:
             a, kw = tree_unflatten(filled, spec)
             return forward(*a, **kw)
 
+        store = None if self.keep is None else self.keep()
         if self.session is None:
-            return checkpoint(run, *tensors, use_reentrant=False, **self.kwargs)
-        if self.session.starts_new_pass():
+            output = self._checkpoint(run, tensors, store)
+            if store is not None:
+                self._check_kept(store)  # the store holds the results until the recompute
+            return output
+        first = self.session.starts_new_pass()
+        per_layer = sum(t.numel() * t.element_size() for t in tensors
+                        if t.numel() * t.element_size() >= self.session.min_bytes)
+        if first:
             # The first layer of a forward: every layer will save about as much, so refuse
             # now if all of them cannot fit, before any layer has run.
-            per_layer = sum(t.numel() * t.element_size() for t in tensors
-                            if t.numel() * t.element_size() >= self.session.min_bytes)
             self.session.pool.plan(per_layer * self.num_layers,
                                    what=f"offloading the inputs of {self.num_layers} "
                                         f"checkpointed layers")
-        with self.session.group():
-            return checkpoint(run, *tensors, use_reentrant=False, **self.kwargs)
+        with self.session.group() as hooks:
+            output = self._checkpoint(run, tensors, store)
+            if store is not None:
+                self._check_kept(store)
+                if first:  # the kept results too, known now that one layer has run
+                    self.session.pool.plan(
+                        (per_layer + store.nbytes()) * self.num_layers,
+                        what=f"offloading the inputs and attention results of "
+                             f"{self.num_layers} checkpointed layers")
+                packed = [hooks.pack(t) for t in store.take()]
+                store.reload_with(lambda: [hooks.unpack(p) for p in packed])
+            return output
+
+
+def _both(first, second):
+    """One ``context_fn`` entering ``first``'s contexts, then ``second``'s."""
+    def context_fn():
+        (f1, r1), (f2, r2) = first(), second()
+        return _stacked(f1, f2), _stacked(r1, r2)
+    return context_fn
+
+
+@contextlib.contextmanager
+def _stacked(a, b):
+    with a, b:
+        yield
 
 
 def check_activation_checkpointing(layers, *, offload_to_cpu: bool = False,
@@ -95,7 +140,7 @@ def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: 
                                    host_memory_limit: int | None = None,
                                    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
                                    drop_kwargs: tuple[str, ...] = (),
-                                   group=None) -> nn.Module:
+                                   group=None, keep=None) -> nn.Module:
     """Checkpoint each of ``layers`` (non-reentrant); optionally keep their inputs on the host.
 
     Args:
@@ -114,6 +159,14 @@ def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: 
         drop_kwargs: keyword arguments passed to a layer as ``None`` while checkpointing
             (state the layer would otherwise update twice, in forward and in the recompute,
             such as a KV cache).
+        keep: results a layer's forward computes that its recompute reuses instead of
+            recomputing: a class (or factory) making one store per layer call, such as
+            :class:`ulysses.keep.KeptAttention` (no attention recompute). A store gives
+            ``contexts()`` (the checkpoint's ``context_fn`` pair), its record count
+            (``len``), ``nbytes()``, ``take()`` and ``reload_with(load)``. With offload, what
+            it keeps goes to the host with the layer's inputs (and is prefetched with them).
+            A layer whose forward records nothing is a ``ValueError``: the store would have
+            no effect.
 
     A model may carry ``model.checkpoint_context_fn``, ``torch.utils.checkpoint``'s
     ``context_fn``: every checkpoint call passes it on, so state the model keeps outside the
@@ -135,7 +188,7 @@ def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: 
     context_fn = getattr(model, "checkpoint_context_fn", None)
     for layer in layers:
         layer.forward = _CheckpointedForward(layer.forward, session, len(layers), context_fn,
-                                             tuple(drop_kwargs))
+                                             tuple(drop_kwargs), keep, type(layer).__name__)
     model.activation_offload = session
     return model
 

@@ -65,6 +65,7 @@ from ulysses.chunk_schedule import (DEFAULT_CHUNK_BUDGET_BYTES, Step, build_sche
 from ulysses.head_projection import (HeadSet, Projection, ProjectionGrads, head_set, project,
                                      project_backward)
 from ulysses.hybrid import check_hybrid
+from ulysses.keep import kept_or_computed
 from ulysses.kernels import default_scale, select_backend
 from ulysses.mesh import axis_group, axis_rank, axis_size, check_mesh
 from ulysses.sharding import head_layout
@@ -145,10 +146,17 @@ class _FusedFn(torch.autograd.Function):
         src = _ProjectedChunks(x.reshape(B * s, E), rotary,
                                _projections(wq, bq, wk, bk, wv, bv, q_norm, k_norm), cfg,
                                (B, s, cfg.head_dim))
-        out = x.new_empty(B, s, sum(cfg.chunks.layout.q_sizes), cfg.head_dim)
-        lse = run_forward(src, out, cfg.chunks, pool)
+
+        def compute():
+            out = x.new_empty(B, s, sum(cfg.chunks.layout.q_sizes), cfg.head_dim)
+            lse = run_forward(src, out, cfg.chunks, pool)
+            pool.end_call()
+            return out, lse
+
+        # In a checkpointed layer's recompute with kept attention: the forward's result (no
+        # projection, exchange or kernel runs).
+        out, lse = kept_or_computed(("fused", tuple(x.shape), tuple(wq.shape), x.dtype), compute)
         del src
-        pool.end_call()
         # Kept for backward: x, cos/sin, the weights, out (the one all-heads seq-local tensor;
         # see the module docstring) and the fp32 lse.
         ctx.save_for_backward(x, cos, sin, wq, bq, wk, bk, wv, bv, wo, q_norm, k_norm, out, lse)

@@ -21,6 +21,7 @@ from ulysses.buffer_pool import BufferPool
 from ulysses.chunk_loop import ChunkConfig, place_blocks, run_backward, run_forward
 from ulysses.chunk_schedule import (DEFAULT_CHUNK_BUDGET_BYTES, Step, build_schedule,
                                     chunk_buffer_bytes, resolve_chunk_size, valid_chunk_sizes)
+from ulysses.keep import kept_or_computed
 from ulysses.sharding import HeadLayout
 
 __all__ = ["DEFAULT_CHUNK_BUDGET_BYTES", "build_schedule", "chunk_buffer_bytes",
@@ -58,9 +59,15 @@ class _SlicedChunks:
 class _HeadChunkedFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, q, k, v, cfg, pool, sinks):
-        out = torch.empty_like(q)
-        lse = run_forward(_SlicedChunks(q, k, v), out, cfg, pool, sinks)
-        pool.end_call()
+        def compute():
+            out = torch.empty_like(q)
+            lse = run_forward(_SlicedChunks(q, k, v), out, cfg, pool, sinks)
+            pool.end_call()
+            return out, lse
+
+        # In a checkpointed layer's recompute with kept attention: the forward's result.
+        out, lse = kept_or_computed(("head_chunked", tuple(q.shape), tuple(k.shape), q.dtype),
+                                    compute)
         # Only seq-local tensors and the small fp32 lse are kept for backward.
         ctx.save_for_backward(q, k, v, out, lse, sinks)
         ctx.cfg, ctx.pool = cfg, pool
