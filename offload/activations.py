@@ -276,7 +276,9 @@ class _Hooks:
                  seen: WeakIdKeyDictionary) -> None:
         self.pool, self.group, self.min_bytes, self.seen = pool, group, min_bytes, seen
 
-    def pack(self, t: Tensor):
+    def pack(self, t: Tensor, *, with_group: bool = True):
+        """``with_group=False``: not prefetched with the group (when the group before it is
+        unpacked); the caller prefetches it (:meth:`prefetch`) when it knows better."""
         if _stays(t, self.min_bytes):
             return t
         hit = self.seen.get(t)
@@ -285,8 +287,15 @@ class _Hooks:
         else:
             handle = self.pool._offload(t)
             self.seen[t] = (t._version, weakref.ref(handle))
-        self.group.saved.append(weakref.ref(handle))
+        if with_group:
+            self.group.saved.append(weakref.ref(handle))
         return (self.group, handle)
+
+    @staticmethod
+    def prefetch(packed) -> None:
+        """Start copying a packed tensor back (on the side stream on CUDA)."""
+        if not isinstance(packed, Tensor):
+            packed[1].prefetch()
 
     def unpack(self, packed):
         if isinstance(packed, Tensor):

@@ -97,8 +97,12 @@ class _CheckpointedForward:
                         (per_layer + store.nbytes()) * self.num_layers,
                         what=f"offloading the inputs and attention results of "
                              f"{self.num_layers} checkpointed layers")
-                packed = [hooks.pack(t) for t in store.take()]
-                store.reload_with(lambda: [hooks.unpack(p) for p in packed])
+                # Not prefetched with the layer's inputs (one layer ahead, where they would
+                # add a hidden-sized tensor to the backward's peak) but when this layer's
+                # recompute starts: attention comes after its norm and projections.
+                packed = [hooks.pack(t, with_group=False) for t in store.take()]
+                store.reload_with(lambda: [hooks.unpack(p) for p in packed],
+                                  prefetch=lambda: [hooks.prefetch(p) for p in packed])
             return output
 
 
@@ -163,8 +167,9 @@ def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: 
             recomputing: a class (or factory) making one store per layer call, such as
             :class:`ulysses.keep.KeptAttention` (no attention recompute). A store gives
             ``contexts()`` (the checkpoint's ``context_fn`` pair), its record count
-            (``len``), ``nbytes()``, ``take()`` and ``reload_with(load)``. With offload, what
-            it keeps goes to the host with the layer's inputs (and is prefetched with them).
+            (``len``), ``nbytes()``, ``take()`` and ``reload_with(load, prefetch=)``. With offload, what
+            it keeps goes to the host with the layer's inputs, and is copied back when the
+            layer's recompute starts.
             A layer whose forward records nothing is a ``ValueError``: the store would have
             no effect.
 

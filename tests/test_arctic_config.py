@@ -153,6 +153,8 @@ def _rank_fingerprint(ds):
         "loss_tiles": model.lm_head.forward.tiles,
         "activation_checkpointing": isinstance(ckpt, _CheckpointedForward),
         "offload_activations": isinstance(ckpt, _CheckpointedForward) and ckpt.session is not None,
+        "recompute_attention": not (isinstance(ckpt, _CheckpointedForward) and
+                                    ckpt.keep is not None),
     }
 
 
@@ -170,6 +172,9 @@ KEY_EFFECTS = {
     "offload_activations": ({"ulysses": {"activation_checkpointing": True,
                                          "offload_activations": True}},
                             {"activation_checkpointing": True, "offload_activations": True}),
+    "recompute_attention": ({"ulysses": {"activation_checkpointing": True,
+                                         "recompute_attention": False}},
+                            {"activation_checkpointing": True, "recompute_attention": False}),
     "cpu_checkpointing (DeepSpeed block)": ({"activation_checkpointing": {"cpu_checkpointing":
                                                                          True}},
                                             {"activation_checkpointing": True,

@@ -103,6 +103,20 @@ def test_verdict_names_the_limit(tmp_path):
     assert ours["host_peak_bytes"] > 0 and plain["host_peak_bytes"] == 0
 
 
+def test_kept_attention_costs_host_bytes_not_device_bytes(tmp_path):
+    """--no-recompute-attention (issue 17): each layer keeps its attention out (bf16, s x E)
+    and lse (fp32, h x S) on the host with its input; the device peak does not grow (the kept
+    results come back as each layer's recompute starts, not a layer ahead)."""
+    args = ["--model", "llama3-8b", "--layers", "2", "--seq-len", "512K", "--gpus", "8"]
+    full = _plan(tmp_path, *args, name="full.json")["estimate"]
+    kept = _plan(tmp_path, *args, "--no-recompute-attention", name="kept.json")["estimate"]
+    assert kept["sp"]["recompute_attention"] is False and full["sp"]["recompute_attention"]
+    s, S, E, h = 65536, 524288, 4096, 32 // 8
+    per_layer = 2 * s * E + 4 * h * S
+    assert kept["host_peak_bytes"] - full["host_peak_bytes"] == 2 * per_layer
+    assert kept["device_peak_bytes"] <= full["device_peak_bytes"]
+
+
 @pytest.mark.parametrize("args,needle", [
     (["--seq-len", "1M", "--ulysses", "3"], "must divide the world size"),
     (["--seq-len", "1M", "--model", "gpt-17"], "--model must be one of"),

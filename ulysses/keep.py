@@ -38,13 +38,14 @@ class KeptAttention:
 
     The checkpoint wrapper drives it: :meth:`contexts` for ``context_fn``; after the forward,
     :meth:`take` (the tensors, which the store then no longer holds) and :meth:`reload_with`
-    when it moved them somewhere (host memory), so the recompute gets them back first.
+    when it moved them somewhere (host memory), so the recompute gets them back.
     """
 
     def __init__(self) -> None:
         self._entries: list[tuple[tuple, tuple[Tensor, ...]]] = []
         self._next = 0
         self._load: Callable[[], list[Tensor]] | None = None
+        self._prefetch: Callable[[], object] | None = None
 
     def contexts(self):
         """``(forward context, recompute context)``, as ``torch.utils.checkpoint``'s
@@ -53,6 +54,9 @@ class KeptAttention:
 
     @contextlib.contextmanager
     def _scope(self, *, recording: bool):
+        if not recording and self._prefetch is not None:
+            self._prefetch()  # the recompute starts: bring the results back meanwhile
+            self._prefetch = None
         token = _ACTIVE.set((self, recording))
         try:
             yield
@@ -73,10 +77,12 @@ class KeptAttention:
         self._entries = [(sig, (None,) * len(ts)) for sig, ts in self._entries]
         return tensors
 
-    def reload_with(self, load: Callable[[], list[Tensor]]) -> None:
+    def reload_with(self, load: Callable[[], list[Tensor]],
+                    prefetch: Callable[[], object] | None = None) -> None:
         """``load()`` returns what :meth:`take` returned; called once, when the recompute
-        asks for its first result."""
-        self._load = load
+        asks for its first result. ``prefetch()``, if given, is called as the recompute
+        starts (to start the copies back early)."""
+        self._load, self._prefetch = load, prefetch
 
     def _record(self, signature: tuple, result: tuple[Tensor, ...]) -> None:
         self._entries.append((signature, tuple(t.detach() for t in result)))

@@ -16,7 +16,7 @@ from arctic.config import SequenceParallelConfig, load_ds_config, zero_stage
 from arctic.plan.estimate import Estimate, plan
 from arctic.plan.models import MODELS, model_config
 from arctic.plan.search import find_max
-from arctic.plan.step import STACKS
+from arctic.plan.step import PLANNED_FIELDS, STACKS
 from arctic.plan.units import GiB, format_gib, parse_bytes, parse_tokens
 
 
@@ -80,6 +80,10 @@ def parse_args(argv=None) -> argparse.Namespace:
     stack.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                        help="checkpoint layers and offload their inputs to the host")
     stack.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=None)
+    stack.add_argument("--recompute-attention", action=argparse.BooleanOptionalAction,
+                       default=None, help="--no-recompute-attention keeps each layer's attention "
+                       "output and lse (on the host with --offload) instead of recomputing "
+                       "attention in backward")
     p.add_argument("--layers", type=int, default=None,
                    help="override the decoder layer count (quick checks)")
     p.add_argument("--full-trace", action="store_true",
@@ -111,10 +115,7 @@ def settings_from_args(args: argparse.Namespace) -> dict:
                   "planner keeps them on the GPU (FSDP2 shards), so its device peak is an "
                   "upper bound", file=sys.stderr)
         fields = SequenceParallelConfig.from_ds_config(ds, world_size=world)
-        fields = {k: getattr(fields, k) for k in (
-            "sequence_parallel_size", "ring_degree", "head_chunk_size", "fuse_projections",
-            "tiled_mlp", "tiled_norms",
-            "loss_tiles", "activation_checkpointing", "offload_activations")}
+        fields = {k: getattr(fields, k) for k in PLANNED_FIELDS}
     else:
         fields = dict(STACKS[args.stack or "ours"])
     ring = args.ring if args.ring is not None else fields.get("ring_degree", 1)
@@ -132,6 +133,11 @@ def settings_from_args(args: argparse.Namespace) -> dict:
         fields["activation_checkpointing"] = args.checkpointing
         if not args.checkpointing:
             fields["offload_activations"] = False
+            fields["recompute_attention"] = True
+    if args.recompute_attention is not None:
+        fields["recompute_attention"] = args.recompute_attention
+        if not args.recompute_attention:
+            fields["activation_checkpointing"] = True
     if args.offload is not None:
         fields["offload_activations"] = args.offload
         if args.offload:

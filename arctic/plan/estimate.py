@@ -8,7 +8,8 @@ import time
 from dataclasses import dataclass, field, replace
 
 from arctic.plan.models import model_config
-from arctic.plan.step import build, init_optimizer_state, make_batch, stack_config, train_step
+from arctic.plan.step import (PLANNED_FIELDS, build, init_optimizer_state, make_batch,
+                              stack_config, train_step)
 from arctic.plan.tracing import KINDS, Peak, buffer_pools, fake_world, track_peak
 from arctic.plan.units import GiB
 
@@ -136,11 +137,7 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
     phase = max(peaks, key=lambda k: peaks[k].total)
     peak = replace(peaks[phase], host=host)
     return Estimate(model=model, stack=name, seq_len=seq_len, world=world, gpus_per_node=gpus,
-                    sp={k: getattr(sp, k) for k in ("sequence_parallel_size", "ring_degree",
-                                                    "head_chunk_size", "fuse_projections",
-                                                    "tiled_mlp", "tiled_norms", "loss_tiles",
-                                                    "activation_checkpointing",
-                                                    "offload_activations")},
+                    sp={k: getattr(sp, k) for k in PLANNED_FIELDS},
                     peak=peak, device_budget=int(gpu_memory * (1 - reserve)),
                     host_budget=host_limit, refused=refused, peak_phase=phase,
                     phases={k: v.total for k, v in peaks.items()},

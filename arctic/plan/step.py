@@ -72,6 +72,12 @@ def train_step(model: nn.Module, optimizer, batch: dict, *, on_phase=None) -> to
     return loss.detach()
 
 
+PLANNED_FIELDS = ("sequence_parallel_size", "ring_degree", "head_chunk_size", "fuse_projections",
+                  "tiled_mlp", "tiled_norms", "loss_tiles", "activation_checkpointing",
+                  "offload_activations", "recompute_attention")
+"""The :class:`SequenceParallelConfig` fields that change what the planner traces (the rest,
+the attention kernel and the exchanges' dtype, do not change memory)."""
+
 STACKS: dict[str, dict] = {
     # name -> SequenceParallelConfig fields (sequence_parallel_size comes from the world)
     "ulysses": dict(loss_tiles=1),
@@ -83,6 +89,9 @@ STACKS: dict[str, dict] = {
                          activation_checkpointing=True, offload_activations=True),
     "ours-no-offload": dict(head_chunk_size=1, tiled_mlp="auto", loss_tiles="auto",
                             activation_checkpointing=True),
+    "ours-keep-attention": dict(head_chunk_size=1, fuse_projections=True, tiled_mlp="auto",
+                                loss_tiles="auto", activation_checkpointing=True,
+                                offload_activations=True, recompute_attention=False),
     "hybrid": dict(ring_degree=2, head_chunk_size=1, fuse_projections=True, tiled_mlp="auto",
                    loss_tiles="auto", activation_checkpointing=True, offload_activations=True),
 }
@@ -90,7 +99,8 @@ STACKS: dict[str, dict] = {
 ``alst``: DeepSpeed ALST's recipe (Ulysses without head chunking, tiled MLP and loss,
 checkpointing with the layer inputs offloaded), built from our code. ``ours``: the same with
 head chunking (one head per chunk) and the q/k/v/o projections fused into the chunk loop;
-``ours-unfused`` without that fusion. ``hybrid``: ``ours`` over ring 2 x Ulysses W/2. Ours
+``ours-unfused`` without that fusion; ``ours-keep-attention`` keeps each layer's attention
+output and lse on the host instead of recomputing attention in backward. ``hybrid``: ``ours`` over ring 2 x Ulysses W/2. Ours
 also tile the RMSNorms (:func:`arctic.tiling.apply_tiled_norms`); ALST does not."""
 
 
