@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import torch
 
-from ulysses import SequenceParallelDims
+from ulysses import BACKENDS, SequenceParallelDims
 
 BLOCK = "ulysses"
 COMM_DTYPES = ("fp32", "bf16", "fp16")
@@ -58,6 +58,10 @@ class SequenceParallelConfig:
     :mod:`arctic.hf_fused`); needs head_chunk_size."""
     attn_implementation: Literal["ulysses_sdpa", "ulysses_flash_attention_2"] = "ulysses_sdpa"
     """The HF attention name to switch models to."""
+    attention_backend: str | None = None
+    """The attention kernel by name (:data:`ulysses.BACKENDS`: ``"sdpa_cudnn"``, ``"fa3"``,
+    ``"fa4"``, ``"flash_attn"``, ``"sdpa_flash"``, ...); None: the fastest for the device,
+    dtype and head dim (:func:`ulysses.select_backend`)."""
     tiled_mlp: int | Literal["auto"] | None = None
     """MLP sequence tiles; None = no tiling."""
     tiled_norms: bool = True
@@ -99,6 +103,9 @@ class SequenceParallelConfig:
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(f"ulysses.attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, "
                              f"got {self.attn_implementation!r}")
+        if self.attention_backend is not None and self.attention_backend not in BACKENDS:
+            raise ValueError(f"ulysses.attention_backend must be null or one of {BACKENDS}, got "
+                             f"{self.attention_backend!r}")
         for name in ("fuse_projections", "tiled_norms", "activation_checkpointing",
                      "offload_activations", "recompute_attention"):
             if not isinstance(getattr(self, name), bool):

@@ -80,7 +80,8 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
     apply_sequence_parallel(model, mesh=mesh, head_chunk_size=config.head_chunk_size,
                             attn_implementation=config.attn_implementation,
                             fuse_projections=config.fuse_projections,
-                            communication_dtype=config.comm_dtype)
+                            communication_dtype=config.comm_dtype,
+                            attention_backend=config.attention_backend)
     if config.tiled_mlp is not None:
         apply_tiled_mlp(model, tiles=config.tiled_mlp)
         if config.tiled_norms:

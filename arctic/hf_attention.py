@@ -121,7 +121,8 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
                             head_chunk_size: int | str | None = None,
                             attn_implementation: str = "ulysses_sdpa",
                             fuse_projections: bool = False,
-                            communication_dtype: torch.dtype | None = None) -> nn.Module:
+                            communication_dtype: torch.dtype | None = None,
+                            attention_backend: str | None = None) -> nn.Module:
     """Switch a HF causal LM to sequence-parallel attention over ``mesh``; returns ``model``.
 
     Args:
@@ -142,6 +143,12 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
             ZeRO-3 leaf. Calls must pass ``use_cache=False``. False restores the stock forward.
         communication_dtype: the dtype the sequence-parallel exchanges carry (the
             ``comm_dtype`` of :func:`ulysses.ulysses_attention`); None: the activations'.
+        attention_backend: the kernel by name (:data:`ulysses.BACKENDS`, e.g.
+            ``"sdpa_cudnn"`` or ``"fa3"``); None: the one ``attn_implementation`` names, or
+            the fastest for the device, dtype and head dim (:func:`ulysses.select_backend`).
+            Checked here for the device and head dim (and the dtype: the parameters', or
+            bf16 for fp32 parameters, which mixed precision computes in); each call checks
+            the dtype it gets before any collective.
 
     Raises ``ValueError`` (before any communication) when the head counts do not fit the
     mesh, the chunk size is invalid, the config asks for an attention feature the SP attention
@@ -163,10 +170,17 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
     K = getattr(config, "num_key_value_heads", None) or H
     layout = head_layout(H, K, axis_size(mesh, "ulysses"))  # ValueError names valid degrees
     backend = IMPLEMENTATIONS[attn_implementation]
+    if attention_backend is not None:
+        if backend is not None and attention_backend != backend:
+            raise ValueError(f"attn_implementation={attn_implementation!r} runs the {backend!r} "
+                             f"kernel, but attention_backend={attention_backend!r}; give one")
+        backend = attention_backend
     if backend is not None:
         param = next(model.parameters())
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // H
-        check_supported(backend, param.device, param.dtype, head_dim)
+        fp32_cuda = param.device.type == "cuda" and param.dtype == torch.float32
+        dtype = torch.bfloat16 if fp32_cuda else param.dtype
+        check_supported(backend, param.device, dtype, head_dim)
     if head_chunk_size is not None and head_chunk_size != "auto":
         resolve_chunk_size(head_chunk_size, layout, 1, 1, 1, torch.float32)
     check_comm_dtype(communication_dtype)

@@ -11,6 +11,7 @@ import torch
 import dist_pool
 from arctic.config import SequenceParallelConfig, load_ds_config, zero_stage
 from helpers import get_mesh
+from helpers import value_error_of as _value_error
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 WORLD = {"cpu_demo.json": 2, "cpu_trainer.json": 2, "llama3_8b_5m_8xh100.json": 8,
@@ -175,6 +176,8 @@ KEY_EFFECTS = {
     "recompute_attention": ({"ulysses": {"activation_checkpointing": True,
                                          "recompute_attention": False}},
                             {"activation_checkpointing": True, "recompute_attention": False}),
+    "attention_backend": ({"ulysses": {"attention_backend": "math"}},
+                          {"attn_implementation": "math"}),
     "cpu_checkpointing (DeepSpeed block)": ({"activation_checkpointing": {"cpu_checkpointing":
                                                                          True}},
                                             {"activation_checkpointing": True,
@@ -201,3 +204,30 @@ def test_every_config_key_has_its_effect():
         got = dist_pool.run(_rank_fingerprint, ds, world_size=2)[0]
         want = {**base, **changes}
         assert got == want, (key, {k: (base[k], got[k]) for k in got if got[k] != want[k]})
+
+
+def _rank_backend_refusals():
+    from arctic import apply_sequence_parallel
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2)
+    mesh = get_mesh(2, 2)
+    errors = {}
+    for name, kwargs in {
+        "conflict": dict(attn_implementation="ulysses_flash_attention_2",
+                         attention_backend="math"),
+        "wrong device": dict(attention_backend="sdpa_flash"),
+    }.items():
+        model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+        errors[name] = _value_error(lambda: apply_sequence_parallel(model, mesh=mesh, **kwargs))
+    return errors
+
+
+def test_attention_backend_is_checked_when_applied():
+    errors = dist_pool.run(_rank_backend_refusals, world_size=2)[0]
+    assert "runs the 'flash_attn' kernel, but attention_backend='math'" in errors["conflict"]
+    assert "'sdpa_flash' needs a CUDA tensor" in errors["wrong device"], errors
+    err = _value_error(lambda: SequenceParallelConfig.from_ds_config(
+        {"ulysses": {"attention_backend": "fast"}}))
+    assert "ulysses.attention_backend must be null or one of" in err, err
