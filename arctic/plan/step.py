@@ -15,11 +15,12 @@ from arctic.config import SequenceParallelConfig
 
 
 def build(config, sp: SequenceParallelConfig, mesh, *, device, shard: bool = True,
-          host_memory_limit: int | None = None):
+          host_memory_limit: int | None = None, compute_dtype: torch.dtype = torch.bfloat16):
     """The training setup of ``examples/train_fsdp.py`` at scale: the model from ``config``
-    (fp32 parameters), :func:`arctic.engine.apply_sp_recipe`, FSDP2 over every rank with bf16
-    compute and fp32 gradient reduction, AdamW. ``shard=False`` keeps the parameters whole,
-    in bf16 (single-device references). Returns ``(model, optimizer)``."""
+    (fp32 parameters), :func:`arctic.engine.apply_sp_recipe`, FSDP2 over every rank with
+    ``compute_dtype`` (bf16) compute and fp32 gradient reduction, AdamW. ``shard=False``
+    keeps the parameters whole, in ``compute_dtype`` (single-device references). Returns
+    ``(model, optimizer)``."""
     from transformers import AutoModelForCausalLM
 
     from arctic.engine import apply_sp_recipe
@@ -34,9 +35,9 @@ def build(config, sp: SequenceParallelConfig, mesh, *, device, shard: bool = Tru
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
         apply_fsdp(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(
-            param_dtype=torch.bfloat16, reduce_dtype=torch.float32))
+            param_dtype=compute_dtype, reduce_dtype=torch.float32))
     else:
-        model.to(torch.bfloat16)
+        model.to(compute_dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     return model, optimizer
 
