@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from helpers import TOL, value_error_of
-from ulysses import kernels
+from ulysses import cuda_kernels, kernels
 from ulysses.kernels import attention_backward, attention_forward, local_attention, select_backend
 
 
@@ -235,7 +235,7 @@ FA4 = {"2026": SimpleNamespace(_flash_attn_fwd=_fa4_fwd, _flash_attn_bwd=_fa4_bw
 @pytest.mark.parametrize("backend,module,version", [
     ("fa3", "_fa3", "2025"), ("fa3", "_fa3", "2026"), ("fa4", "_fa4", "2026")])
 def test_fa3_fa4_wrappers_pass_what_each_release_takes(monkeypatch, backend, module, version):
-    monkeypatch.setattr(kernels, module, (FA3 if backend == "fa3" else FA4)[version])
+    monkeypatch.setattr(cuda_kernels, module, (FA3 if backend == "fa3" else FA4)[version])
     q, k, v, dout = _qkv(2, 24, 4, 2, 16, torch.float32, seed=3)
     q, k, v, dout = (t[:, 4:] for t in (q, k, v, dout))   # strided, as ring pieces are
     out, lse = attention_forward(q, k, v, causal=True, softmax_scale=0.3, backend=backend)
@@ -255,12 +255,12 @@ def gpu(monkeypatch):
     """``gpu(cap, cudnn, installed)`` pretends this process sees a CUDA device of compute
     capability ``cap``, runtime cuDNN ``cudnn`` and the packages in ``installed``."""
     def pretend(cap, cudnn=91501, installed=()):
-        monkeypatch.setattr(kernels, "_capability", lambda device: cap)
-        monkeypatch.setattr(kernels, "_cudnn_version", lambda: cudnn)
-        monkeypatch.setattr(kernels, "_fa",
+        monkeypatch.setattr(cuda_kernels, "_capability", lambda device: cap)
+        monkeypatch.setattr(cuda_kernels, "_cudnn_version", lambda: cudnn)
+        monkeypatch.setattr(cuda_kernels, "_fa",
                             SimpleNamespace() if "flash_attn" in installed else None)
-        monkeypatch.setattr(kernels, "_fa3", FA3["2026"] if "fa3" in installed else None)
-        monkeypatch.setattr(kernels, "_fa4", FA4["2026"] if "fa4" in installed else None)
+        monkeypatch.setattr(cuda_kernels, "_fa3", FA3["2026"] if "fa3" in installed else None)
+        monkeypatch.setattr(cuda_kernels, "_fa4", FA4["2026"] if "fa4" in installed else None)
     return pretend
 
 
@@ -342,7 +342,7 @@ def test_explicit_cuda_backends_pass_their_check(gpu):
                         "later)")])
 def test_old_fa3_fa4_interfaces_are_refused(gpu, monkeypatch, module, version, reason):
     gpu((9, 0), 91501, ALL)
-    monkeypatch.setattr(kernels, module, (FA3 if module == "_fa3" else FA4)[version])
+    monkeypatch.setattr(cuda_kernels, module, (FA3 if module == "_fa3" else FA4)[version])
     backend = module[1:]
     assert value_error_of(lambda: select_backend(CUDA, BF16, 64, backend)) == \
         f"attention backend {backend!r} {reason}"
@@ -354,11 +354,11 @@ def test_capability_is_looked_up_once_per_device(monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "get_device_capability",
                         lambda device: calls.append(device) or (8, 0))
-    kernels._capability.cache_clear()
+    cuda_kernels._capability.cache_clear()
     try:
         for _ in range(3):
             select_backend(torch.device("cuda", 0), BF16, 64)
             select_backend(torch.device("cuda", 1), BF16, 64)
     finally:
-        kernels._capability.cache_clear()
+        cuda_kernels._capability.cache_clear()
     assert calls == [torch.device("cuda", 0), torch.device("cuda", 1)]

@@ -141,13 +141,13 @@ def _zeros_if(needed: bool, t: Tensor | None, dtype=None) -> Tensor | None:
 class _FusedFn(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, cos, sin, wq, bq, wk, bk, wv, bv, wo, bo, q_norm, k_norm, cfg, pool):
-        rotary = (cos.unsqueeze(2), sin.unsqueeze(2))  # [B|1, s, D] -> [B|1, s, 1, D]
         B, s, E = x.shape
-        src = _ProjectedChunks(x.reshape(B * s, E), rotary,
-                               _projections(wq, bq, wk, bk, wv, bv, q_norm, k_norm), cfg,
-                               (B, s, cfg.head_dim))
 
         def compute():
+            rotary = (cos.unsqueeze(2), sin.unsqueeze(2))  # [B|1, s, D] -> [B|1, s, 1, D]
+            src = _ProjectedChunks(x.reshape(B * s, E), rotary,
+                                   _projections(wq, bq, wk, bk, wv, bv, q_norm, k_norm), cfg,
+                                   (B, s, cfg.head_dim))
             out = x.new_empty(B, s, sum(cfg.chunks.layout.q_sizes), cfg.head_dim)
             lse = run_forward(src, out, cfg.chunks, pool)
             pool.end_call()
@@ -156,7 +156,6 @@ class _FusedFn(torch.autograd.Function):
         # In a checkpointed layer's recompute with kept attention: the forward's result (no
         # projection, exchange or kernel runs).
         out, lse = kept_or_computed(("fused", tuple(x.shape), tuple(wq.shape), x.dtype), compute)
-        del src
         # Kept for backward: x, cos/sin, the weights, out (the one all-heads seq-local tensor;
         # see the module docstring) and the fp32 lse.
         ctx.save_for_backward(x, cos, sin, wq, bq, wk, bk, wv, bv, wo, q_norm, k_norm, out, lse)

@@ -1,0 +1,304 @@
+"""The CUDA attention backends behind :mod:`ulysses.kernels`' ``(out, lse)`` interface, and
+what each needs of the device.
+
+- ``sdpa_flash`` / ``sdpa_efficient``: CUDA SDPA's flash (FlashAttention-2) and
+  memory-efficient kernels;
+- ``sdpa_cudnn``: ``aten._scaled_dot_product_cudnn_attention`` and its backward (cuDNN >= 9,
+  sm80-sm121, head_dim a multiple of 8 up to 128). It takes H != K as it is (the cuDNN graph
+  reads K from k's shape), so GQA costs nothing extra;
+- ``flash_attn``: the ``flash_attn`` package (FlashAttention-2), when it is importable;
+- ``fa3``: FlashAttention-3 (``flash_attn_interface``, the ``hopper/`` build), sm90;
+- ``fa4``: FlashAttention-4 (``flash_attn.cute``, PyPI ``flash-attn-4``), sm90-sm120.
+
+The flash kernels and cuDNN take GQA natively; ``sdpa_efficient`` repeats the kv heads of the
+chunk it is given, H / K times its k and v (:mod:`ulysses.gqa`).
+
+``torch.nn.attention.activate_flash_attention_impl("FA3")`` (or ``"FA4"``) is another way to
+reach the same kernels: it re-registers aten's flash-attention ops process-wide, so
+``sdpa_flash`` then runs FA3/FA4 (and raises where they do not apply). ``fa3``/``fa4`` here
+choose per call and change nothing global.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+
+import torch
+
+from ulysses.gqa import expand_kv, reduce_kv
+
+_aten = torch.ops.aten
+
+try:  # pragma: no cover - not installed on CPU CI
+    from flash_attn import flash_attn_interface as _fa
+except ImportError:  # pragma: no cover
+    _fa = None
+try:  # pragma: no cover - FlashAttention-3, built from flash-attention's hopper/ directory
+    import flash_attn_interface as _fa3
+except ImportError:  # pragma: no cover
+    _fa3 = None
+try:  # pragma: no cover - FlashAttention-4, PyPI flash-attn-4
+    from flash_attn.cute import interface as _fa4
+except ImportError:  # pragma: no cover
+    _fa4 = None
+
+
+def flash_attn_available() -> bool:
+    return _fa is not None
+
+
+
+# --- what runs where -------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _capability(device: torch.device) -> tuple[int, int]:
+    """``(major, minor)`` of a CUDA device, looked up once per device; ``(0, 0)`` when this
+    torch has no CUDA (no CUDA kernel runs then, whatever is selected)."""
+    if not torch.cuda.is_available():
+        return (0, 0)
+    return torch.cuda.get_device_capability(device)
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_version() -> int:
+    """The runtime cuDNN version as torch reports it (9.15.1 -> 91501); 0 without cuDNN."""
+    return torch.backends.cudnn.version() or 0
+
+
+def _head_dim_problem(head_dim: int, limit: int, also: int | None = None) -> str | None:
+    if head_dim % 8 == 0 and (head_dim <= limit or head_dim == also):
+        return None
+    extra = "" if also is None else f" (or {also})"
+    return f"needs head_dim a multiple of 8 and <= {limit}{extra}, got {head_dim}"
+
+
+def _cuda_problem(backend: str, cap: tuple[int, int], head_dim: int) -> str | None:
+    """Why a CUDA fp16/bf16 ``backend`` cannot run on a device of compute capability ``cap``."""
+    arch = f"{cap[0]}.{cap[1]}"
+    if backend in ("sdpa_flash", "flash_attn"):
+        return None if head_dim <= 256 else f"needs head_dim <= 256, got {head_dim}"
+    if backend == "sdpa_cudnn":
+        # torch's own gates (sdp_utils.cpp can_use_cudnn_attention, check_cudnn_tensor_shapes);
+        # head_dim 256 needs cuDNN > 9.22 and a cudnn-frontend build that Python cannot see.
+        if _cudnn_version() < 90000:
+            return f"needs cuDNN >= 9.0, this torch reports {_cudnn_version() or 'none'}"
+        if not (8, 0) <= cap <= (12, 1):
+            return f"needs compute capability 8.0 to 12.1, got {arch}"
+        return _head_dim_problem(head_dim, 128)
+    if backend == "fa3":
+        if "k_new" not in _params(_fa3._flash_attn_forward):
+            return "needs a FlashAttention-3 build from 2025 or later (this is the 2024 beta)"
+        if cap[0] != 9:
+            return f"needs a Hopper GPU (compute capability 9.x), got {arch}"
+        return _head_dim_problem(head_dim, 256)
+    # fa4: its backward runs on 9.x-12.x (interface.py _flash_attn_bwd), and its head dims
+    # depend on the architecture (_validate_head_dims; sm12x is not validated there: 128 kept).
+    if "return_lse" not in _params(_fa4._flash_attn_fwd):
+        return "needs a flash-attn-4 whose forward can return lse (August 2025 or later)"
+    if not 9 <= cap[0] <= 12:
+        return f"needs compute capability 9.x to 12.x, got {arch}"
+    if cap[0] == 9:
+        return _head_dim_problem(head_dim, 256)
+    return _head_dim_problem(head_dim, 128, also=256 if cap[0] in (10, 11) else None)
+
+
+
+def problem(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
+    """Why the CUDA ``backend`` cannot run on this device, dtype and head dim; None if it can."""
+    missing = {"flash_attn": _fa, "fa3": _fa3, "fa4": _fa4}
+    if backend in missing and missing[backend] is None:
+        return {"flash_attn": "flash_attn is not installed",
+                "fa3": "flash_attn_interface (FlashAttention-3) is not installed",
+                "fa4": "flash_attn.cute (FlashAttention-4, flash-attn-4) is not installed",
+                }[backend]
+    if device.type != "cuda":
+        return f"needs a CUDA tensor, got {device.type}"
+    if backend == "sdpa_efficient":
+        return None
+    if dtype not in (torch.float16, torch.bfloat16):
+        return f"needs fp16/bf16, got {dtype}"
+    return _cuda_problem(backend, _capability(device), head_dim)
+
+
+def order(device: torch.device) -> tuple[str, ...]:
+    """CUDA fp16/bf16 backends for this device, fastest first.
+
+    H100, causal bf16 forward + backward: SDPA's flash kernel (FlashAttention-2) runs at about
+    320 TFLOP/s, cuDNN at about 540, FA3 at 560-600 (published); FA4 is FA3's successor for
+    Blackwell (sm100). cuDNN comes in only where torch itself prefers it
+    (sdp_utils.cpp check_prefer_cudnn_attention: sm90, sm100, sm103 with cuDNN > 9.15.0);
+    older cuDNN read out of bounds for sequence lengths not divisible by 128
+    (pytorch/pytorch#169849).
+    """
+    cap = _capability(device)
+    cudnn = ("sdpa_cudnn",) if cap in ((9, 0), (10, 0), (10, 3)) and _cudnn_version() > 91500 \
+        else ()
+    first = ("fa4",) if cap[0] >= 10 else ("fa3",) if cap[0] == 9 else ()
+    return first + cudnn + ("flash_attn", "sdpa_flash")
+
+
+# --- CUDA SDPA ------------------------------------------------------------------------------
+
+def _sdpa_flash_forward(q, k, v, causal, scale):
+    # aten's flash kernel (FlashAttention-2) takes H != K directly.
+    out, lse, *_ = _aten._scaled_dot_product_flash_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), 0.0, causal, False, scale=scale)
+    return out.transpose(1, 2), lse
+
+
+def _sdpa_flash_backward(dout, q, k, v, out, lse, causal, scale):
+    Sq, Sk = q.shape[1], k.shape[1]
+    # Dense (not varlen) inputs: no cumulative lengths. They must be undefined (None), as the
+    # forward returns them: a defined empty tensor selects the varlen kernel, which reads a
+    # batch of numel - 1 = -1 ("batch size must be positive", seen on an H100).
+    # No dropout, so the RNG state is never read.
+    rng = torch.empty(2, dtype=torch.int64, device=q.device)
+    dq, dk, dv = _aten._scaled_dot_product_flash_attention_backward(
+        dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        out.transpose(1, 2), lse, None, None, Sq, Sk, 0.0, causal, rng, rng, scale=scale)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+def _sdpa_efficient_forward(q, k, v, causal, scale):
+    k, v = expand_kv(k, q.shape[2]), expand_kv(v, q.shape[2])
+    out, lse, _, _ = _aten._scaled_dot_product_efficient_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, causal,
+        scale=scale)
+    # Some versions pad lse's last dim to a multiple of 32; callers get exactly [B, H, S].
+    return out.transpose(1, 2), lse[..., :q.shape[1]].contiguous()
+
+
+def _sdpa_efficient_backward(dout, q, k, v, out, lse, causal, scale):
+    num_kv = k.shape[2]
+    k, v = expand_kv(k, q.shape[2]), expand_kv(v, q.shape[2])
+    seed = torch.empty((), dtype=torch.int64, device=q.device)
+    dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
+        dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
+        out.transpose(1, 2), lse.contiguous(), seed, seed, 0.0, [True, True, True, False], causal,
+        scale=scale)
+    dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+    return dq, reduce_kv(dk, num_kv), reduce_kv(dv, num_kv)
+
+
+def _sdpa_cudnn_forward(q, k, v, causal, scale):
+    if k.shape[1] == 1:
+        # cuDNN rejects a single key (sdp_utils.cpp check_cudnn_tensor_shapes); FA2 has the
+        # same (out, lse), and the backward below routes this case the same way.
+        return _sdpa_flash_forward(q, k, v, causal, scale)
+    # [B, S, H|K, D] -> [B, H|K, S, D] views: the cuDNN graph takes any strides, and K from k.
+    out_BHSD, lse_BHS1, *_ = _aten._scaled_dot_product_cudnn_attention(
+        q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, causal, False,
+        scale=scale)
+    # out is allocated in q's memory order (MHA.cpp alloc_with_matching_layout), so the
+    # transpose back is BSHD-contiguous. lse: [B, H, S, 1] -> [B, H, S].
+    B, H, S, _ = out_BHSD.shape
+    return out_BHSD.transpose(1, 2), lse_BHS1.reshape(B, H, S)
+
+
+def _sdpa_cudnn_backward(dout, q, k, v, out, lse, causal, scale):
+    Sq, Sk = q.shape[1], k.shape[1]
+    if Sk == 1:
+        return _sdpa_flash_backward(dout, q, k, v, out, lse, causal, scale)
+    # cuDNN caches the backward graph by q/k/v shapes and strides only (MHA.cpp
+    # MHACacheKeyWrapper), and before 9.5.1 wants dout strided like out: both contiguous, so
+    # their strides follow from the shapes. Undefined (None) cum_seq_* select the dense path
+    # (attention_backward.cu _cudnn_attention_backward). No dropout, so the seed and offset are
+    # never read, but must be defined tensors (on sm100 they are cast to int64 regardless).
+    out, dout = out.contiguous(), dout.contiguous()
+    seed = torch.empty((), dtype=torch.int64, device=q.device)
+    dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
+        dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
+        out.transpose(1, 2), lse.contiguous().unsqueeze(-1), seed, seed, None, None, None,
+        Sq, Sk, 0.0, causal, scale=scale)
+    return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
+
+
+# --- flash_attn -----------------------------------------------------------------------------
+
+@functools.lru_cache(maxsize=None)
+def _params(fn) -> frozenset[str]:
+    """Parameter names of a flash-attn internal. FA3 wraps its own in torch.library.custom_op
+    (late 2025 on), whose call signature is (*args, **kwargs); the function is ``_init_fn``."""
+    return frozenset(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
+
+
+def _fa_call(fn, **kwargs):
+    """Call a flash-attn internal whose signature differs across releases: keywords it does
+    not take are dropped, and where it takes ``window_size`` (FA2 <= 2.6, FA3 before late 2025)
+    the left and right sizes are passed as that tuple."""
+    params = _params(fn)
+    if "window_size" in params and "window_size_left" in kwargs:
+        kwargs["window_size"] = (kwargs.pop("window_size_left"), kwargs.pop("window_size_right"))
+    return fn(**{k: v for k, v in kwargs.items() if k in params})
+
+
+def _flash_attn_forward(q, k, v, causal, scale):  # pragma: no cover - needs CUDA + flash_attn
+    res = _fa_call(_fa._flash_attn_forward, q=q.contiguous(), k=k.contiguous(),
+                   v=v.contiguous(), dropout_p=0.0, softmax_scale=scale, causal=causal,
+                   window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                   return_softmax=False)
+    # >= 2.7 returns (out, lse, S_dmask, rng_state); <= 2.6 returns (out, q, k, v, out_padded,
+    # lse, S_dmask, rng_state).
+    out, lse = (res[0], res[1]) if len(res) == 4 else (res[0], res[5])
+    return out, lse
+
+
+def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):  # pragma: no cover
+    dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
+    _fa_call(_fa._flash_attn_backward, dout=dout.contiguous(), q=q.contiguous(),
+             k=k.contiguous(), v=v.contiguous(), out=out.contiguous(), softmax_lse=lse,
+             dq=dq, dk=dk, dv=dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
+             window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+             deterministic=False, rng_state=None)
+    return dq, dk, dv
+
+
+# --- FlashAttention-3 and -4 ------------------------------------------------------------------
+
+def _fa3_forward(q, k, v, causal, scale):  # pragma: no cover - needs sm90 + FA3
+    # hopper/flash_attn_interface.py _flash_attn_forward: releases before late 2025 take every
+    # argument positionally with no default, and the newest names the output ``out_``.
+    none = dict.fromkeys(("k_new", "v_new", "qv", "out", "out_", "cu_seqlens_q", "cu_seqlens_k",
+                          "cu_seqlens_k_new", "seqused_q", "seqused_k", "max_seqlen_q",
+                          "max_seqlen_k", "page_table", "kv_batch_idx", "leftpad_k", "rotary_cos",
+                          "rotary_sin", "seqlens_rotary", "q_descale", "k_descale", "v_descale"))
+    res = _fa_call(_fa3._flash_attn_forward, q=q, k=k, v=v, **none, softmax_scale=scale,
+                   causal=causal, window_size_left=-1, window_size_right=-1)
+    return res[0], res[1]  # (out, softmax_lse [B, H, S] fp32, *accumulators)
+
+
+def _fa3_backward(dout, q, k, v, out, lse, causal, scale):  # pragma: no cover
+    dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
+    none = dict.fromkeys(("cu_seqlens_q", "cu_seqlens_k", "sequed_q", "sequed_k", "max_seqlen_q",
+                          "max_seqlen_k"))
+    # ``causal`` became ``is_causal`` in late 2025; dq, dk, dv are written in place.
+    _fa_call(_fa3._flash_attn_backward, dout=dout, q=q, k=k, v=v, out=out,
+             softmax_lse=lse.contiguous(), **none, dq=dq, dk=dk, dv=dv, softmax_scale=scale,
+             causal=causal, is_causal=causal, window_size_left=-1, window_size_right=-1,
+             softcap=0.0, deterministic=False, sm_margin=0)
+    return dq, dk, dv
+
+
+def _fa4_forward(q, k, v, causal, scale):  # pragma: no cover - needs sm90+ + flash-attn-4
+    # flash_attn/cute/interface.py _flash_attn_fwd: lse only when asked for (or grad is on);
+    # returns (out, lse), or (out, lse, p, row_max) in 2026 releases. Contiguous inputs keep
+    # the JIT-compiled kernels' cache keys few.
+    res = _fa_call(_fa4._flash_attn_fwd, q=q.contiguous(), k=k.contiguous(), v=v.contiguous(),
+                   softmax_scale=scale, causal=causal, return_lse=True)
+    return res[0], res[1]
+
+
+def _fa4_backward(dout, q, k, v, out, lse, causal, scale):  # pragma: no cover
+    res = _fa_call(_fa4._flash_attn_bwd, q=q.contiguous(), k=k.contiguous(), v=v.contiguous(),
+                   out=out.contiguous(), dout=dout.contiguous(), lse=lse.contiguous(),
+                   softmax_scale=scale, causal=causal)
+    return res[0], res[1], res[2]  # (dq, dk, dv[, dsink])
+
+
+FORWARD = {"sdpa_flash": _sdpa_flash_forward, "sdpa_efficient": _sdpa_efficient_forward,
+           "sdpa_cudnn": _sdpa_cudnn_forward, "flash_attn": _flash_attn_forward,
+           "fa3": _fa3_forward, "fa4": _fa4_forward}
+BACKWARD = {"sdpa_flash": _sdpa_flash_backward, "sdpa_efficient": _sdpa_efficient_backward,
+            "sdpa_cudnn": _sdpa_cudnn_backward, "flash_attn": _flash_attn_backward,
+            "fa3": _fa3_backward, "fa4": _fa4_backward}
