@@ -31,7 +31,15 @@ full sequence for this rank's heads, FLOPs counted as 3.5 forwards) and prints i
     torchrun --nproc_per_node 2 benchmarks/step_gpu.py --model tiny-llama --layers 2 \\
         --tokens-per-rank 8K --stack ours --stack ours-keep-attention --iters 5
 
-Writes ``results/step_<device>_w<W>_l<layers>.json`` (``--out`` to choose).
+``--flops-only`` times nothing: it traces each stack on fake tensors (any machine, seconds) and
+counts the executed FLOPs, attention kernels and the rest, with the step time and MFU they
+imply at given kernel speeds (``--attention-tflops``, ``--matmul-tflops``).
+
+    python benchmarks/step_gpu.py --flops-only --model llama3-8b --layers 2 --world 8 \
+        --tokens-per-rank 64K 128K --stack alst --stack ours --stack ours-keep-attention
+
+Writes ``results/step_<device>_w<W>_l<layers>.json`` (``step_flops_...`` for
+``--flops-only``; ``--out`` to choose).
 """
 
 from __future__ import annotations
@@ -209,6 +217,61 @@ def _resolved_backend(run: _Run, device) -> str:
     return kernels.select_backend(device, run.dtype, head_dim)
 
 
+# --- FLOPs alone, on fake tensors ------------------------------------------------------------
+
+def flops_only(args, stacks, backends, dtype) -> dict:
+    """Each stack's executed FLOPs (attention kernels, everything else), traced on fake
+    tensors (any machine, no time): what recompute costs at the real shapes. With the kernel speeds
+    (``--attention-tflops``, ``--matmul-tflops``) also the step time and MFU they imply."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from arctic.plan.tracing import fake_world
+
+    fake_world(args.world)
+    rows = []
+    for tokens_text in args.tokens_per_rank:
+        tokens = parse_tokens(tokens_text)
+        for stack in stacks:
+            from dataclasses import replace
+
+            sp = replace(stack_config(stack, world=args.world),
+                         attention_backend=_backend_name(backends[0]))
+            seq = tokens * sp.sequence_parallel_size
+            config = model_config(args.model, layers=args.layers, max_positions=seq)
+            mesh = sp.dims(args.world).build_mesh("cpu")
+            with FakeTensorMode(allow_non_fake_inputs=True):
+                model, optimizer = build(config, sp, mesh, device="cpu", compute_dtype=dtype,
+                                         host_memory_limit=1 << 50)
+                init_optimizer_state(model, optimizer)
+                batch = make_batch(seq, config.vocab_size, mesh, "cpu")
+                with count_executed_flops() as counted:
+                    train_step(model, optimizer, batch)
+            model_f = model_flops(config, tokens, seq, sp.sequence_parallel_size)
+            attention_s = counted["attention"] / (args.attention_tflops * 1e12)
+            other_s = counted["other"] / (args.matmul_tflops * 1e12)
+            peak = args.peak_tflops or H100_BF16_TFLOPS
+            rows.append({"stack": stack, "tokens_per_rank": tokens, "seq_len": seq,
+                         "model_flops": model_f, "executed_flops": counted["total"],
+                         "attention_flops": counted["attention"],
+                         "other_flops": counted["other"],
+                         "implied_step_s": attention_s + other_s,
+                         "implied_mfu": model_f / (attention_s + other_s) / (peak * 1e12)})
+            del model, optimizer, batch
+            gc.collect()
+    print(f"{args.model} x {args.layers} layers, {args.world} ranks: executed TFLOP per step "
+          f"(rank 0), and the step implied by attention at {args.attention_tflops:g} and "
+          f"everything else at {args.matmul_tflops:g} TFLOP/s")
+    print(f"{'stack':<22}{'tokens':>8}{'attention':>11}{'other':>9}{'executed':>10}"
+          f"{'model':>8}{'step s':>8}{'MFU':>7}")
+    for r in rows:
+        print(f"{r['stack']:<22}{r['tokens_per_rank']:>8}{r['attention_flops'] / 1e12:11.1f}"
+              f"{r['other_flops'] / 1e12:9.1f}{r['executed_flops'] / 1e12:10.1f}"
+              f"{r['model_flops'] / 1e12:8.1f}{r['implied_step_s']:8.2f}"
+              f"{100 * r['implied_mfu']:6.1f}%")
+    return {"flops_only": rows, "attention_tflops": args.attention_tflops,
+            "matmul_tflops": args.matmul_tflops}
+
+
 # --- profile ---------------------------------------------------------------------------------
 
 def profile_step(run: _Run, device, top: int) -> list[dict]:
@@ -292,11 +355,29 @@ def main() -> None:
     p.add_argument("--profile", type=int, default=0, metavar="N",
                    help="profile one more step of each run (torch.profiler) and print its "
                         "N most expensive ops by self time")
+    p.add_argument("--flops-only", action="store_true",
+                   help="no timing: trace each stack on fake tensors (this machine's CPU) and "
+                        "count its executed FLOPs (attention kernels and the rest)")
+    p.add_argument("--attention-tflops", type=float, default=540.0,
+                   help="--flops-only: the attention kernel's speed (H100: cuDNN about 540, "
+                        "SDPA flash about 320)")
+    p.add_argument("--matmul-tflops", type=float, default=700.0,
+                   help="--flops-only: the speed of everything else")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     stacks = args.stack or ["alst", "ours", "ours-keep-attention"]
     dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[args.dtype]
     backends = args.backend or ["auto"]
+    if args.flops_only:
+        record = {"model": args.model, "layers": args.layers, "world": args.world,
+                  "torch": torch.__version__,
+                  **flops_only(args, stacks, backends, dtype)}
+        out = args.out or REPO / "benchmarks" / "results" / \
+            f"step_flops_w{args.world}_l{args.layers}.json"
+        out.parent.mkdir(parents=True, exist_ok=True)
+        out.write_text(json.dumps(record, indent=2) + "\n")
+        print(f"wrote {out}")
+        return
     device, world, real = _init(args.world)
     rank0 = not real or dist.get_rank() == 0
     peak_tflops = args.peak_tflops or (H100_BF16_TFLOPS if device.type == "cuda" else None)

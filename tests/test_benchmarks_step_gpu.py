@@ -39,3 +39,19 @@ def test_step_benchmark_runs_and_counts_flops(tmp_path):
     for r in (full, kept):
         assert r["step_s"] > 0 and 0 < r["mfu"] <= r["mfu_executed"]
         assert r["kernel"] == "cpu_flash"
+
+
+def test_flops_only_traces_on_fake_tensors(tmp_path):
+    """--flops-only counts the same executed attention FLOPs without running anything."""
+    out = tmp_path / "flops.json"
+    proc = subprocess.run(
+        [sys.executable, "benchmarks/step_gpu.py", "--flops-only", "--model", "tiny-llama",
+         "--world", "2", "--tokens-per-rank", "512", "--stack", "ours",
+         "--stack", "ours-keep-attention", "--out", str(out)],
+        cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["stack"]: r for r in json.loads(out.read_text())["flops_only"]}
+    attention = 2 * 2 * 1024 * 1024 * 128 / 2
+    assert rows["ours"]["attention_flops"] == pytest.approx(attention * 4.5)
+    assert rows["ours-keep-attention"]["attention_flops"] == pytest.approx(attention * 3.5)
+    assert rows["ours-keep-attention"]["implied_mfu"] > rows["ours"]["implied_mfu"]
