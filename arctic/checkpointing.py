@@ -69,9 +69,10 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
         missing = [type(m).__name__ for layer in layers for m in attention_modules(layer)
                    if getattr(m, "sp_attention", None) is None]
         if missing or not any(attention_modules(layer) for layer in layers):
+            which = sorted(set(missing)) or "none found"
             raise ValueError("recompute_attention=False keeps the results of ulysses' attention "
                              "only; call arctic.apply_sequence_parallel(model, mesh=...) first "
-                             f"(attention modules without it: {sorted(set(missing)) or 'none found'})")
+                             f"(attention modules without it: {which})")
     record_apply(model, "checkpointing")  # after the checks: a refused call changes nothing
     return _checkpoint_layers(model, layers=layers, offload_to_cpu=offload_to_cpu, pool=pool,
                               host_memory_limit=host_memory_limit,

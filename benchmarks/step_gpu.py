@@ -12,7 +12,8 @@ compute, AdamW). Two ways to run it:
 
 Every (stack, kernel) pair is built, runs one warm step, then ``--iters`` rounds time one
 steady step of each pair in turn (alternating, so drift hits all alike); medians. Reported:
-step time, tokens/s per rank, peak memory (CUDA allocator) and two MFUs over ``--peak-tflops``
+step time, tokens/s per rank, peak memory (CUDA allocator, less what the other runs
+keep between their steps) and two MFUs over ``--peak-tflops``
 (989 bf16 dense on an H100 SXM by default on CUDA; on CPU only when given):
 
 - ``mfu``: model FLOPs, 6 * P * s + 3 * A per rank, with P the parameters (input embedding
@@ -181,16 +182,23 @@ class _Run:
         self.sp = sp
         mesh = sp.dims(world).build_mesh(device.type)
         self.seq_len = tokens * sp.sequence_parallel_size
+        cuda = device.type == "cuda"
+        before = torch.cuda.memory_allocated(device) if cuda else 0
         self.model, self.optimizer = build(config, sp, mesh, device=device,
                                            host_memory_limit=96 * GiB, compute_dtype=dtype)
         init_optimizer_state(self.model, self.optimizer)
         self.batch = make_batch(self.seq_len, config.vocab_size, mesh, device)
+        # What this run keeps between steps (parameters, AdamW state, batch): the other runs'
+        # are alive too while it steps, and are taken out of its peak.
+        self.resident = (torch.cuda.memory_allocated(device) - before) if cuda else 0
         self.times: list[float] = []
         self.peak = 0
         self.resolved = None
 
     def step(self, device, real) -> float:
+        others = 0
         if device.type == "cuda":
+            others = torch.cuda.memory_allocated(device) - self.resident
             torch.cuda.reset_peak_memory_stats(device)
         _sync(device)
         start = time.perf_counter()
@@ -198,7 +206,7 @@ class _Run:
         _sync(device)
         elapsed = _slowest(time.perf_counter() - start, real)
         if device.type == "cuda":
-            self.peak = max(self.peak, torch.cuda.max_memory_allocated(device))
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated(device) - others)
         return elapsed
 
     def close(self) -> None:

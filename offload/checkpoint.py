@@ -34,7 +34,8 @@ class _CheckpointedForward:
     def __init__(self, forward, session: OffloadSession | None, num_layers: int,
                  context_fn, drop_kwargs: tuple[str, ...], keep, name: str) -> None:
         self.forward, self.session, self.num_layers = forward, session, num_layers
-        self.context_fn, self.drop_kwargs, self.keep, self.name = context_fn, drop_kwargs, keep, name
+        self.context_fn, self.drop_kwargs = context_fn, drop_kwargs
+        self.keep, self.name = keep, name
 
     def _checkpoint(self, run, tensors, store):
         """``checkpoint(run, *tensors)`` with the model's context and ``store``'s scopes."""
@@ -167,11 +168,10 @@ def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: 
             recomputing: a class (or factory) making one store per layer call, such as
             :class:`ulysses.keep.KeptAttention` (no attention recompute). A store gives
             ``contexts()`` (the checkpoint's ``context_fn`` pair), its record count
-            (``len``), ``nbytes()``, ``take()`` and ``reload_with(load, prefetch=)``. With offload, what
-            it keeps goes to the host with the layer's inputs, and is copied back when the
-            layer's recompute starts.
-            A layer whose forward records nothing is a ``ValueError``: the store would have
-            no effect.
+            (``len``), ``nbytes()``, ``take()`` and ``reload_with(load, prefetch=)``. With
+            offload, what it keeps goes to the host with the layer's inputs and is copied
+            back when the layer's recompute starts. A layer whose forward records nothing is
+            a ``ValueError``: the store would have no effect.
 
     A model may carry ``model.checkpoint_context_fn``, ``torch.utils.checkpoint``'s
     ``context_fn``: every checkpoint call passes it on, so state the model keeps outside the

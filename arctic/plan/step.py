@@ -101,8 +101,9 @@ STACKS: dict[str, dict] = {
 checkpointing with the layer inputs offloaded), built from our code. ``ours``: the same with
 head chunking (one head per chunk) and the q/k/v/o projections fused into the chunk loop;
 ``ours-unfused`` without that fusion; ``ours-keep-attention`` keeps each layer's attention
-output and lse on the host instead of recomputing attention in backward. ``hybrid``: ``ours`` over ring 2 x Ulysses W/2. Ours
-also tile the RMSNorms (:func:`arctic.tiling.apply_tiled_norms`); ALST does not."""
+output and lse on the host instead of recomputing attention in backward. ``hybrid``:
+``ours`` over ring 2 x Ulysses W/2. Ours also tile the RMSNorms
+(:func:`arctic.tiling.apply_tiled_norms`); ALST does not."""
 
 
 def stack_config(stack: str | dict, *, world: int) -> SequenceParallelConfig:
