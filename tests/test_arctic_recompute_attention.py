@@ -29,7 +29,7 @@ def _model():
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
 
 
-def _rank_step(fields: dict, world: int):
+def _rank_step(fields: dict, world: int, documents: bool = False):
     """One forward/backward of the SP model built from ``fields``; returns the loss, the
     gradients, the attention kernel's forward calls in forward and in backward, and the
     offload pool's stats."""
@@ -44,7 +44,11 @@ def _rank_step(fields: dict, world: int):
     apply_sp_recipe(model, config=config, mesh=mesh, averaged_over_sp=True,
                     host_memory_limit=1 << 28)
     ids = torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(1))
-    batch = prepare_sp_batch({"input_ids": ids}, mesh)
+    sample = {"input_ids": ids}
+    if documents:  # two packed documents: the attention masks across their boundary
+        cut = SEQ // 3
+        sample["position_ids"] = torch.cat([torch.arange(cut), torch.arange(SEQ - cut)])[None]
+    batch = prepare_sp_batch(sample, mesh)
     calls = []
     real = kernels._FORWARD["cpu_flash"]
 
@@ -96,6 +100,23 @@ def test_kept_attention_gradients_are_bit_identical_and_skip_the_recompute(stack
             out_bytes = s * HIDDEN * 4
             assert stats_k[0] - stats_f[0] >= LAYERS * out_bytes, (stats_f, stats_k)
             assert stats_k[1] - stats_f[1] >= LAYERS * out_bytes, (stats_f, stats_k)
+
+
+@pytest.mark.parametrize("chunked", [False, True], ids=["ulysses", "chunked"])
+def test_kept_attention_with_packed_documents(chunked):
+    """Documents reach the attention through the model's checkpoint context (the batch the
+    forward saw); kept attention composes with it and stays bit-identical."""
+    fields = dict(activation_checkpointing=True, offload_activations=True,
+                  head_chunk_size=1 if chunked else None)
+    full = dist_pool.run(_rank_step, fields, 2, True, world_size=2)
+    kept = dist_pool.run(_rank_step, {**fields, "recompute_attention": False}, 2, True,
+                         world_size=2)
+    plain = dist_pool.run(_rank_step, fields, 2, False, world_size=2)
+    for f, k, p in zip(full, kept, plain):
+        assert not torch.equal(f[0], p[0])  # the documents changed the loss
+        assert torch.equal(f[0], k[0])
+        assert all(torch.equal(f[1][n], k[1][n]) for n in f[1])
+        assert k[3] == 0 < f[3]
 
 
 def _rank_refusals():
