@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from arctic import allocator
 from arctic.checkpointing import apply_activation_checkpointing
 from arctic.config import SequenceParallelConfig, load_ds_config, zero_stage
 from arctic.data import SequenceParallelDataLoader
@@ -116,10 +117,12 @@ def initialize(*, model: nn.Module, config: str | Path | dict, model_parameters=
         ``(engine, optimizer, dataloader, lr_scheduler)`` as ``deepspeed.initialize`` does.
         ``engine(**batch)`` returns the SP group's token-mean loss; ``engine.sp_mesh`` is the
         mesh. Every ``ValueError`` (bad config, heads that do not fit) is raised on every rank
-        before DeepSpeed starts.
+        before DeepSpeed starts. On CUDA it turns on the allocator's expandable segments
+        unless ``PYTORCH_CUDA_ALLOC_CONF`` is set (:mod:`arctic.allocator`).
     """
     import deepspeed
 
+    allocator.use_expandable_segments()  # before DeepSpeed allocates its buffers
     ds_config = dict(load_ds_config(config))
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")

@@ -34,6 +34,7 @@ from typing import Any
 import torch
 from transformers import Trainer
 
+from arctic import allocator
 from arctic.config import SequenceParallelConfig, load_ds_config
 from arctic.data import SequenceParallelDataLoader
 from arctic.engine import apply_sp_recipe
@@ -56,6 +57,7 @@ class SequenceParallelTrainer(Trainer):
                              "TrainingArguments(deepspeed=<config with sequence_parallel_size>)")
         ds = dict(load_ds_config(args.deepspeed))
         sp = SequenceParallelConfig.from_ds_config(ds, world_size=args.world_size)
+        allocator.use_expandable_segments()  # arctic.allocator: unless the user set it
         if getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing:
             # TrainingArguments(activation_checkpointing=True), or its older name
             # gradient_checkpointing, means ours (non-reentrant, per layer, offload as

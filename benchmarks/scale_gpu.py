@@ -14,7 +14,10 @@ memory and the kernels are real. The code is the planner's own: ``arctic.plan.bu
 For each stack and length: build, create AdamW's state, reset the peak, time one step, and
 record ``max_memory_allocated`` (and ``max_memory_reserved``), the host pool's peak, and the
 planner's prediction for the same settings when ``--plan`` is given (it traces on this
-machine's CPU under FakeTensorMode). Writes ``results/scale_<gpu>_w<W>_l<layers>.json``.
+machine's CPU under FakeTensorMode). The allocator runs with expandable segments, as arctic's
+launch paths set it (``--default-allocator`` to compare); ``--cap-gib`` caps the process's
+CUDA memory, and an OOM in the step is recorded as a result. Writes
+``results/scale_<gpu>_w<W>_l<layers>.json``.
 """
 
 from __future__ import annotations
@@ -35,6 +38,7 @@ sys.path.insert(0, str(REPO))
 
 from arctic.plan import (STACKS, build, init_optimizer_state, make_batch, model_config,  # noqa
                          parse_tokens, stack_config, train_step)
+from arctic.allocator import use_expandable_segments  # noqa: E402
 from ulysses import SequenceParallelDims  # noqa: E402
 
 GiB = 1 << 30
@@ -49,15 +53,27 @@ def main() -> None:
     p.add_argument("--stack", action="append", choices=sorted(STACKS), default=None,
                    help="repeatable; default: ours")
     p.add_argument("--plan", action="store_true", help="also trace the planner for each run")
+    p.add_argument("--cap-gib", type=float, default=None,
+                   help="cap this process's CUDA memory at this many GiB "
+                        "(torch.cuda.set_per_process_memory_fraction): the real test of the "
+                        "planner's \"fits\" (the step must complete at the planned peak plus "
+                        "its allocator headroom, and OOM well above it)")
+    p.add_argument("--default-allocator", action="store_true",
+                   help="leave PYTORCH_CUDA_ALLOC_CONF alone (default: expandable segments, as "
+                        "arctic's launch paths set it)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     stacks = args.stack or ["ours"]
     if not torch.cuda.is_available():
         raise SystemExit("scale_gpu.py needs a CUDA device")
+    alloc = "default" if args.default_allocator else use_expandable_segments()
     from torch.testing._internal.distributed.fake_pg import FakeStore
 
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
+    if args.cap_gib is not None:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total), device)
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
     mesh = SequenceParallelDims(world_size=args.world,
                                 ulysses_degree=args.world).build_mesh("cuda")
@@ -66,6 +82,8 @@ def main() -> None:
         f"scale_{name.split()[1].lower()}_w{args.world}_l{args.layers}.json"
     record = {"model": args.model, "layers": args.layers, "world": args.world, "gpu": name,
               "torch": torch.__version__, "runs": []}
+    allocator_conf = "default" if alloc == "default" else \
+        os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF")
     if out.exists():  # several calls (sizes) add to one file
         record["runs"] = json.loads(out.read_text()).get("runs", [])
     for stack in stacks:
@@ -92,6 +110,7 @@ def main() -> None:
                 oom = str(e).split(". GPU")[0]
             elapsed = time.perf_counter() - start
             run = {"stack": stack, "tokens_per_rank": s, "seq_len": seq, "oom": oom,
+                   "cap_gib": args.cap_gib, "allocator": allocator_conf,
                    "max_memory_allocated": torch.cuda.max_memory_allocated(device),
                    "max_memory_reserved": torch.cuda.max_memory_reserved(device),
                    "allocated_before_step": before, "step_s": elapsed}
@@ -108,7 +127,9 @@ def main() -> None:
             gc.collect()
             torch.cuda.empty_cache()
             record["runs"] = [r for r in record["runs"]
-                              if (r["stack"], r["tokens_per_rank"]) != (stack, s)] + [run]
+                              if (r["stack"], r["tokens_per_rank"], r.get("cap_gib"),
+                                  r.get("allocator")) != (stack, s, args.cap_gib,
+                                                          allocator_conf)] + [run]
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(record, indent=2) + "\n")
             if os.environ.get("OUT"):

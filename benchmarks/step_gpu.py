@@ -62,6 +62,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import ulysses.kernels as kernels  # noqa: E402
+from arctic.allocator import use_expandable_segments  # noqa: E402
 from arctic.plan import (STACKS, build, init_optimizer_state, make_batch, model_config,  # noqa
                          parse_tokens, stack_config, train_step)
 from ulysses import BACKENDS  # noqa: E402
@@ -386,6 +387,7 @@ def main() -> None:
         out.write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {out}")
         return
+    use_expandable_segments()  # as arctic's launch paths do (arctic.allocator)
     device, world, real = _init(args.world)
     rank0 = not real or dist.get_rank() == 0
     peak_tflops = args.peak_tflops or (H100_BF16_TFLOPS if device.type == "cuda" else None)

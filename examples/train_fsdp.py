@@ -38,6 +38,7 @@ from _common import (ByteCorpus, Progress, add_job_args, build_model, gather_pea
                      parse_job_args, resumable_batches, split_cpu_threads)
 
 from arctic import SequenceParallelConfig, SequenceParallelDataLoader, apply_fsdp  # noqa: E402
+from arctic import allocator  # noqa: E402
 from arctic.config import load_ds_config  # noqa: E402
 from arctic.engine import apply_sp_recipe  # noqa: E402
 from arctic.fsdp import check_no_zero  # noqa: E402
@@ -142,6 +143,7 @@ def main() -> None:
     args = parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
     config = sp_config(args, world)  # before any collective
+    allocator.use_expandable_segments()  # before anything is on the GPU (arctic.allocator)
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:
