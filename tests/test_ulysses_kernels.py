@@ -362,3 +362,24 @@ def test_capability_is_looked_up_once_per_device(monkeypatch):
     finally:
         cuda_kernels._capability.cache_clear()
     assert calls == [torch.device("cuda", 0), torch.device("cuda", 1)]
+
+
+def test_fa_call_refuses_to_drop_an_argument_that_matters():
+    """Release differences are bridged only where dropping changes nothing: a release that
+    renamed the scale or the causal flag is refused, not run with its defaults."""
+    def fwd(q, causal, dropout_p=0.0):
+        return q
+
+    def fwd2(q, softmax_scale, is_causal):
+        return q
+
+    call = cuda_kernels._fa_call
+    assert call(fwd, q=1, causal=True, softcap=0.0, alibi_slopes=None) == 1
+    assert value_error_of(lambda: call(fwd, q=1, causal=True, softmax_scale=0.3)).endswith(
+        "fwd does not take ['softmax_scale']: this flash-attn release is not supported; use "
+        "another attention_backend")
+    assert "does not take ['softcap']" in value_error_of(
+        lambda: call(fwd, q=1, causal=True, softcap=30.0))
+    assert call(fwd2, q=1, softmax_scale=0.3, causal=True, is_causal=True) == 1
+    assert "does not take ['causal']" in value_error_of(
+        lambda: call(lambda q, softmax_scale: q, q=1, softmax_scale=0.3, causal=True))

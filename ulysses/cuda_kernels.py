@@ -223,14 +223,33 @@ def _params(fn) -> frozenset[str]:
     return frozenset(inspect.signature(getattr(fn, "_init_fn", fn)).parameters)
 
 
-def _fa_call(fn, **kwargs):
-    """Call a flash-attn internal whose signature differs across releases: keywords it does
-    not take are dropped, and where it takes ``window_size`` (FA2 <= 2.6, FA3 before late 2025)
-    the left and right sizes are passed as that tuple."""
+# Keywords whose value is what a release without them does anyway: dropped when not taken.
+_NEUTRAL = {"dropout_p": 0.0, "window_size_left": -1, "window_size_right": -1, "softcap": 0.0,
+            "return_softmax": False, "deterministic": False, "sm_margin": 0}
+_ALIASES = (("causal", "is_causal"),)
+"""Names of one argument across releases: one of each group must be taken."""
+
+
+def _fa_call(fn, **arguments):
+    """Call a flash-attn internal whose signature differs across releases.
+
+    Where it takes ``window_size`` (FA2 <= 2.6, FA3 before late 2025) the left and right sizes
+    are passed as that tuple. A keyword it does not take is dropped only when its value
+    changes nothing (None, or a neutral value in :data:`_NEUTRAL`) or another name of it
+    (:data:`_ALIASES`) is taken; any other is a ``ValueError`` naming the release's gap, so a
+    renamed argument (the scale, say) can never be dropped silently."""
     params = _params(fn)
-    if "window_size" in params and "window_size_left" in kwargs:
-        kwargs["window_size"] = (kwargs.pop("window_size_left"), kwargs.pop("window_size_right"))
-    return fn(**{k: v for k, v in kwargs.items() if k in params})
+    if "window_size" in params and "window_size_left" in arguments:
+        arguments["window_size"] = (arguments.pop("window_size_left"),
+                                    arguments.pop("window_size_right"))
+    aliased = {name for group in _ALIASES if any(n in params for n in group) for name in group}
+    lost = sorted(k for k, v in arguments.items() if k not in params and v is not None and
+                  k not in aliased and not (k in _NEUTRAL and _NEUTRAL[k] == v))
+    if lost:
+        raise ValueError(f"{getattr(fn, '__module__', '')}.{getattr(fn, '__name__', fn)} does "
+                         f"not take {lost}: this flash-attn release is not supported; use "
+                         f"another attention_backend")
+    return fn(**{k: v for k, v in arguments.items() if k in params})
 
 
 def _flash_attn_forward(q, k, v, causal, scale):  # pragma: no cover - needs CUDA + flash_attn
