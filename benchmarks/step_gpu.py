@@ -48,6 +48,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import gc
+from dataclasses import replace
 import json
 import os
 import statistics
@@ -63,6 +64,7 @@ sys.path.insert(0, str(REPO))
 
 import ulysses.kernels as kernels  # noqa: E402
 from arctic.allocator import use_expandable_segments  # noqa: E402
+from arctic.plan.tracing import fake_world  # noqa: E402
 from arctic.plan import (STACKS, build, init_optimizer_state, make_batch, model_config,  # noqa
                          parse_tokens, stack_config, train_step)
 from ulysses import BACKENDS  # noqa: E402
@@ -144,12 +146,10 @@ def _init(world: int) -> tuple[torch.device, int, bool]:
         dist.init_process_group("nccl" if cuda else "gloo")
         device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
         return device, dist.get_world_size(), True
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     device = torch.device("cuda", 0) if torch.cuda.is_available() else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    fake_world(world)
     return device, world, False
 
 
@@ -176,8 +176,6 @@ class _Run:
     """One (stack, backend) pair, built and warmed, timed in turn with the others."""
 
     def __init__(self, stack, backend, config, world, tokens, device, real, dtype):
-        from dataclasses import replace
-
         self.stack, self.backend, self.tokens, self.dtype = stack, backend, tokens, dtype
         sp = replace(stack_config(stack, world=world), attention_backend=_backend_name(backend))
         self.sp = sp
@@ -234,15 +232,11 @@ def flops_only(args, stacks, backends, dtype) -> dict:
     (``--attention-tflops``, ``--matmul-tflops``) also the step time and MFU they imply."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from arctic.plan.tracing import fake_world
-
     fake_world(args.world)
     rows = []
     for tokens_text in args.tokens_per_rank:
         tokens = parse_tokens(tokens_text)
         for stack in stacks:
-            from dataclasses import replace
-
             sp = replace(stack_config(stack, world=args.world),
                          attention_backend=_backend_name(backends[0]))
             seq = tokens * sp.sequence_parallel_size
