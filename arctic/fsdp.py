@@ -11,12 +11,23 @@ included, so parameters, gradients and optimizer state are split ``W = dp * sp``
 
 FSDP2 and DeepSpeed ZeRO are alternatives: a model or a DeepSpeed config that asks for both
 is refused (:func:`check_no_zero`).
+
+``apply_fsdp(model, mesh=mesh, offload_policy=CPUOffloadPolicy())`` keeps the sharded state on
+the host: the full-precision parameter shards, their gradients and, because the optimizer
+steps the parameters where they live, its state. Each layer's shard is copied to the device
+just before its all-gather, and its gradient shard back to the host after the reduce-scatter;
+the device holds only the gathered layers. A collective on the host-side gradients
+(``clip_grad_norm_``, ``full_tensor()``) needs a process group with a CPU backend, e.g.
+``init_process_group("cuda:nccl,cpu:gloo")`` (pytorch/pytorch#148532). On a CPU mesh (gloo)
+nothing moves, since the host is the device, but FSDP2 takes its offload branches;
+``pin_memory`` needs an accelerator (:func:`check_offload_policy`).
 """
 
 from __future__ import annotations
 
 from typing import Any
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
@@ -43,8 +54,31 @@ def check_no_zero(ds_config: dict[str, Any]) -> None:
                          f"DeepSpeed (examples/train.py) instead of FSDP2")
 
 
+def check_offload_policy(offload_policy) -> None:
+    """``ValueError`` unless ``offload_policy`` is None or a usable FSDP2 ``OffloadPolicy``.
+
+    ``CPUOffloadPolicy(pin_memory=True)`` (its default) is refused when no accelerator is
+    available: pinning host memory needs one. torch would raise ``RuntimeError: Cannot access
+    accelerator device when none is available`` from inside the first ``fully_shard``, after
+    :func:`apply_fsdp` has recorded the sharding stage on the model.
+    """
+    from torch.distributed.fsdp import CPUOffloadPolicy, OffloadPolicy
+
+    if offload_policy is None:
+        return
+    if not isinstance(offload_policy, OffloadPolicy):
+        raise ValueError(f"offload_policy must be a torch.distributed.fsdp.OffloadPolicy (e.g. "
+                         f"CPUOffloadPolicy()) or None, got {type(offload_policy).__name__} "
+                         f"{offload_policy!r}")
+    if (isinstance(offload_policy, CPUOffloadPolicy) and offload_policy.pin_memory
+            and not torch.accelerator.is_available()):
+        raise ValueError("offload_policy=CPUOffloadPolicy(pin_memory=True) pins host memory, "
+                         "which needs an accelerator, and none is available; pass "
+                         "CPUOffloadPolicy(pin_memory=False) on a CPU-only machine")
+
+
 def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bool = True,
-               mp_policy=None) -> nn.Module:
+               mp_policy=None, offload_policy=None) -> nn.Module:
     """Shard ``model`` with FSDP2 over every rank of ``mesh``; returns ``model``.
 
     Each decoder layer (:func:`arctic.anatomy.decoder_layers`: the modules holding a
@@ -69,17 +103,26 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
         reshard_after_forward: free each layer's gathered parameters after its forward (and
             all-gather them again for backward); False keeps them (more memory, less traffic).
         mp_policy: an optional ``torch.distributed.fsdp.MixedPrecisionPolicy``.
+        offload_policy: an optional ``torch.distributed.fsdp.OffloadPolicy``, given to every
+            unit. ``CPUOffloadPolicy()`` keeps the sharded fp32 parameters, their gradients
+            and the optimizer state on the host (the optimizer steps the parameters where
+            they are, so build it after this call); each layer's shard is copied to the
+            device for its all-gather. Device memory then holds only gathered layers and
+            activations, at the price of a host-to-device copy per layer per all-gather, a
+            device-to-host copy per gradient, and an optimizer step on the CPU.
 
     Raises ``ValueError``, before any communication and leaving the model as it was, when
-    the model is under DeepSpeed ZeRO or already sharded, or has no decoder layers.
+    the model is under DeepSpeed ZeRO or already sharded, or has no decoder layers, or
+    ``offload_policy`` is not an ``OffloadPolicy`` (:func:`check_offload_policy`).
     """
+    check_offload_policy(offload_policy)
     check_mesh(mesh)
     if any(hasattr(p, "ds_id") for p in model.parameters()):
         raise ValueError(f"FSDP2 and ZeRO cannot be mixed: {type(model).__name__}'s parameters "
                          f"are already partitioned by DeepSpeed ZeRO (they carry ds_id). Shard "
                          f"with one of them: apply_fsdp on a plain model, or arctic.initialize "
                          f"with a zero_optimization stage")
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         raise ValueError(f"{type(model).__name__} is already sharded with fully_shard; "
@@ -89,7 +132,8 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
         raise ValueError(f"{type(model).__name__} has no decoder layers (modules with self_attn "
                          f"and mlp) to shard one by one")
     record_apply(model, "sharding")  # raises, changing nothing, when applied out of order
-    kwargs = {"mesh": mesh[SHARD_AXIS], "mp_policy": mp_policy or MixedPrecisionPolicy()}
+    kwargs = {"mesh": mesh[SHARD_AXIS], "mp_policy": mp_policy or MixedPrecisionPolicy(),
+              "offload_policy": offload_policy or OffloadPolicy()}
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
     # The root's parameters are gathered in its pre-forward and, being the root, kept until
@@ -98,4 +142,4 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
     return model
 
 
-__all__ = ["apply_fsdp", "check_no_zero"]
+__all__ = ["apply_fsdp", "check_no_zero", "check_offload_policy"]

@@ -3,15 +3,17 @@
     torchrun --nproc-per-node 2 examples/train_fsdp.py --sequence-parallel-size 2 \
         [--ring-degree 1] [--head-chunk-size C] [--seq-len 256] [--max-steps 30] [--lr 1e-3] \
         [--save-dir checkpoints/fsdp --save-every 10] [--resume] \
-        [--no-activation-checkpointing] [--offload-activations] [--config ds.json] \
-        [--log-file log.jsonl]
+        [--no-activation-checkpointing] [--offload-activations] [--offload-params] \
+        [--config ds.json] [--log-file log.jsonl]
 
 The same job as ``examples/train.py`` (the tiny Llama, byte tokens of the shipped corpus, the
 progress bar with loss, tokens/s and peak memory per rank: ``examples/_common.py``), with
 DeepSpeed swapped for FSDP2: ``arctic.engine.apply_sp_recipe`` makes the model
 sequence-parallel, then ``arctic.apply_fsdp`` shards it over every rank (dp x sp), and a
-plain AdamW steps the sharded parameters. The SP loss is built with ``averaged_over_sp=True`` because FSDP2
-averages gradients over all ranks, SP ranks included (see :mod:`arctic.fsdp`).
+plain AdamW steps the sharded parameters. The SP loss is built with ``averaged_over_sp=True``
+because FSDP2 averages gradients over all ranks, SP ranks included (see :mod:`arctic.fsdp`).
+``--offload-params`` passes FSDP2's ``CPUOffloadPolicy`` to ``apply_fsdp``: the parameter
+shards, their gradients and the AdamW state stay on the host, and AdamW steps on the CPU.
 
 ``--config`` takes the SP settings from a DeepSpeed JSON (``sequence_parallel_size`` and the
 ``"ulysses"`` block) instead of the SP flags; one that turns on ZeRO is refused, on every
@@ -32,6 +34,7 @@ import torch
 import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+from torch.distributed.fsdp import CPUOffloadPolicy
 
 # examples/_common.py, beside this file; importing it puts the checkout on sys.path.
 from _common import (ByteCorpus, Progress, add_job_args, build_model, gather_peaks,
@@ -61,6 +64,9 @@ def parse_args() -> argparse.Namespace:
     sp.add_argument("--tiled-mlp", type=_int_or_auto, default=None, help="default auto")
     sp.add_argument("--no-activation-checkpointing", action="store_true", default=None)
     sp.add_argument("--offload-activations", action="store_true", default=None)
+    p.add_argument("--offload-params", action="store_true",
+                   help="FSDP2 CPUOffloadPolicy: parameters, gradients and optimizer state on "
+                        "the host")
     p.add_argument("--config", type=Path, default=None,
                    help="DeepSpeed JSON with sequence_parallel_size and the ulysses block")
     add_job_args(p, seq_len=256)
@@ -129,12 +135,14 @@ def load_checkpoint(path: Path, model, optimizer) -> list[int]:
     return state["progress"].tolist()
 
 
-def grad_norm(model) -> torch.Tensor:
+def grad_norm(model, device: torch.device) -> torch.Tensor:
     """L2 norm of all gradients. Each element lives in exactly one rank's local shard (FSDP2
-    over every rank), so the local sums of squares add up over the world."""
+    over every rank), so the local sums of squares add up over the world. The sum is reduced
+    on ``device``, not where the gradients are: with ``--offload-params`` they are on the host,
+    where NCCL cannot reduce."""
     sq = sum(p.grad.to_local().float().pow(2).sum() for p in model.parameters()
              if p.grad is not None)
-    sq = torch.as_tensor(sq, device=next(model.parameters()).device)
+    sq = torch.as_tensor(sq, device=device)
     dist.all_reduce(sq)
     return sq.sqrt()
 
@@ -149,7 +157,13 @@ def main() -> None:
     if cuda:
         torch.cuda.set_device(local_rank)
     split_cpu_threads()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    backend = "nccl" if cuda else "gloo"
+    if cuda and args.offload_params:
+        # Offloaded gradients and parameters are DTensors with host-side shards, and
+        # full_tensor() (--dump-grads) runs its all-gather where they are; NCCL has no CPU
+        # backend, so CPU tensors go to gloo (pytorch/pytorch#148532, as torchtune#2108 does).
+        backend = "cuda:nccl,cpu:gloo"
+    dist.init_process_group(backend)
     rank = dist.get_rank()
     device = torch.device("cuda", local_rank) if cuda else torch.device("cpu")
     mesh = config.dims(world).build_mesh(device.type)
@@ -157,11 +171,20 @@ def main() -> None:
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     model = build_model(args.model, args.seq_len).to(device)
     apply_sp_recipe(model, config=config, mesh=mesh, averaged_over_sp=True)
-    apply_fsdp(model, mesh=mesh)
+    offload_policy = None
+    if args.offload_params:
+        # Pinned host memory makes the copies to and from the GPU faster and lets them overlap
+        # compute, but pinning needs an accelerator: a CPU-only run must not pin (and there the
+        # host is the device, so nothing moves; apply_fsdp refuses pin_memory=True).
+        offload_policy = CPUOffloadPolicy(pin_memory=torch.cuda.is_available())
+    apply_fsdp(model, mesh=mesh, offload_policy=offload_policy)
     if rank == 0:
         stages = sorted(applied_stages(model), key=STAGES.index)
         print(f"applied: {' -> '.join(stages)} (dp={mesh['dp'].size()}, "
               f"sp={mesh['sp'].size()})", flush=True)
+        if offload_policy is not None:
+            print(f"offload: parameters, gradients and optimizer state on the host "
+                  f"({offload_policy})", flush=True)
     optimizer = torch.optim.AdamW(model.parameters(), lr=args.lr, weight_decay=args.weight_decay)
     loader = SequenceParallelDataLoader(ByteCorpus(args.data, args.seq_len), mesh,
                                         batch_size=args.batch_size, seed=args.seed)
@@ -191,7 +214,7 @@ def main() -> None:
             full = {n: p.grad.full_tensor().cpu() for n, p in model.named_parameters()}
             if rank == 0:
                 torch.save(full, args.dump_grads)
-        norm = grad_norm(model)
+        norm = grad_norm(model, device)
         if args.max_grad_norm is not None:
             coef = min(1.0, args.max_grad_norm / (norm.item() + 1e-6))
             for p in model.parameters():

@@ -9,6 +9,11 @@
 - A DeepSpeed config that asks for ZeRO is refused on every rank before training.
 - ``apply_fsdp`` refuses ZeRO-partitioned or already-sharded models, and a stage applied
   after it (the tiled MLP) is refused.
+- ``offload_policy=CPUOffloadPolicy(pin_memory=False)`` reaches every FSDP unit, and training
+  with it gives the same losses and parameters as without it, on 2 ranks and in the job
+  (``--offload-params``); anything but an ``OffloadPolicy`` is refused before any collective.
+  On gloo CPU ranks the host is the device, so the offload moves nothing: these tests check
+  that the policy is applied and changes no numbers, not the host-device copies.
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ import pytest
 import torch
 
 import dist_pool
+from helpers import count_collectives, get_mesh
 from helpers import value_error_of as _error
 
 pytest.importorskip("transformers", reason="the FSDP2 job trains a HF model ([hf])")
@@ -150,6 +156,17 @@ def test_matches_single_device(tmp_path, nproc, extra, seq_len, stages):
     _check_parity(records, torch.load(tmp_path / "grads.pt"), dp=nproc // 2, seq_len=seq_len)
 
 
+def test_offload_params_job_matches_run_without_it(dp1_sp2_run, tmp_path):
+    records, out = _train(tmp_path, 2, ["--sequence-parallel-size", "2", "--max-steps", "3",
+                                        "--offload-params"])
+    assert "offload: parameters, gradients and optimizer state on the host " \
+           "(CPUOffloadPolicy(pin_memory=False))" in out, out
+    # CPU ranks: nothing moves, the same kernels run in the same order, so the losses agree
+    # bit for bit with the run without the flag.
+    assert {k: r["loss"] for k, r in records.items()} == \
+           {k: r["loss"] for k, r in dp1_sp2_run[0].items() if k <= 3}
+
+
 def test_stopped_run_resumes_step_for_step(dp1_sp2_run, tmp_path):
     uninterrupted = {k: r["loss"] for k, r in dp1_sp2_run[0].items() if k <= 6}
     common = ["--sequence-parallel-size", "2", "--save-dir", str(tmp_path / "ckpt"),
@@ -185,19 +202,23 @@ def test_check_no_zero_accepts_stage_0_and_no_block():
             check_no_zero({"zero_optimization": {"stage": stage}})
 
 
-def _rank_apply_order():
+def _tiny_llama():
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                      num_attention_heads=4, num_key_value_heads=2)
+    return LlamaForCausalLM(cfg)
+
+
+def _rank_apply_order():
     import arctic
     from ulysses import SequenceParallelDims
 
     mesh = SequenceParallelDims(world_size=1, ulysses_degree=1).build_mesh("cpu")
-    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
-                      num_attention_heads=4, num_key_value_heads=2)
-    zero = LlamaForCausalLM(cfg)
+    zero = _tiny_llama()
     next(zero.parameters()).ds_id = 0  # what a DeepSpeed ZeRO partition leaves on parameters
     errors = {"zero": _error(lambda: arctic.apply_fsdp(zero, mesh=mesh))}
-    model = arctic.apply_fsdp(LlamaForCausalLM(cfg), mesh=mesh)
+    model = arctic.apply_fsdp(_tiny_llama(), mesh=mesh)
     sharded = sum(type(m).__name__.startswith("FSDP") for m in model.modules())
     errors["tiled_mlp"] = _error(lambda: arctic.apply_tiled_mlp(model, tiles=2))
     errors["again"] = _error(lambda: arctic.apply_fsdp(model, mesh=mesh))
@@ -211,3 +232,105 @@ def test_apply_fsdp_refuses_zero_and_stages_after_it():
     assert "cannot apply tiling" in errors["tiled_mlp"], errors
     assert "sharding is already applied" in errors["tiled_mlp"], errors
     assert "already sharded with fully_shard" in errors["again"], errors
+
+
+def _offload_flags(model) -> list[tuple[str, bool, bool]]:
+    """Per FSDP unit: its policy's type name, whether every parameter is marked for offload
+    (``FSDPParam.offload_to_cpu``, what FSDP2 branches on) and whether any is pinned. Private
+    FSDP2 state: torch exposes no public accessor for the policy of a unit."""
+    from torch.distributed.fsdp import FSDPModule
+
+    flags = []
+    for m in model.modules():
+        if isinstance(m, FSDPModule):
+            group = m._get_fsdp_state()._fsdp_param_group
+            flags.append((type(group.offload_policy).__name__,
+                          all(p.offload_to_cpu for p in group.fsdp_params),
+                          any(p.pin_memory for p in group.fsdp_params)))
+    return flags
+
+
+def _rank_offload_parity(steps: int):
+    """Train the same tiny Llama ``steps`` AdamW steps without and with CPU offload, on this
+    rank's own batches; returns per run: losses, full final parameters, offload flags and the
+    device types of the local parameter, gradient and optimizer-state shards."""
+    from torch.distributed.fsdp import CPUOffloadPolicy
+
+    import arctic
+
+    mesh = get_mesh(2, 1)  # dp=2: FSDP2 over both ranks
+    runs = {}
+    for name, policy in (("plain", None), ("offload", CPUOffloadPolicy(pin_memory=False))):
+        torch.manual_seed(0)
+        model = arctic.apply_fsdp(_tiny_llama(), mesh=mesh, offload_policy=policy)
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+        batches = torch.Generator().manual_seed(1 + torch.distributed.get_rank())
+        losses = []
+        for _ in range(steps):
+            ids = torch.randint(0, 64, (2, 16), generator=batches)
+            loss = model(input_ids=ids, labels=ids).loss
+            loss.backward()
+            devices = {p.to_local().device.type for p in model.parameters()}
+            devices |= {p.grad.to_local().device.type for p in model.parameters()}
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+        devices |= {s["exp_avg"].to_local().device.type for s in optimizer.state.values()}
+        params = {n: p.detach().full_tensor() for n, p in model.named_parameters()}
+        runs[name] = losses, params, _offload_flags(model), devices
+    return runs
+
+
+def test_cpu_offload_matches_no_offload_on_2_ranks():
+    for rank, runs in enumerate(dist_pool.run(_rank_offload_parity, 3, world_size=2,
+                                              timeout=120)):
+        (losses, params, flags, devices), ref = runs["offload"], runs["plain"]
+        # Three units (two decoder layers, the root), every parameter marked for offload and,
+        # without an accelerator, none pinned; apply_fsdp ignoring the policy fails here.
+        assert flags == [("CPUOffloadPolicy", True, False)] * 3, flags
+        assert ref[2] == [("OffloadPolicy", False, False)] * 3, ref[2]
+        assert devices == {"cpu"}, devices
+        # CPU ranks: the offload's copies are no-ops and the same kernels run in the same
+        # order, so fp32 losses and parameters agree exactly.
+        assert losses == ref[0], (rank, losses, ref[0])
+        for n, p in params.items():
+            torch.testing.assert_close(p, ref[1][n], rtol=0, atol=0, msg=lambda m: f"{n}: {m}")
+
+
+def test_check_offload_policy():
+    from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+    from arctic.fsdp import check_offload_policy
+
+    for ok in (None, OffloadPolicy(), CPUOffloadPolicy(pin_memory=False)):
+        check_offload_policy(ok)
+    for bad, shown in (("cpu", "str 'cpu'"), (CPUOffloadPolicy, "type <class"),
+                       (MixedPrecisionPolicy(), "MixedPrecisionPolicy")):
+        with pytest.raises(ValueError, match=f"offload_policy must be a .*OffloadPolicy.*{shown}"):
+            check_offload_policy(bad)
+    if torch.accelerator.is_available():
+        check_offload_policy(CPUOffloadPolicy(pin_memory=True))
+    else:
+        pinned = r"pin_memory=True.*CPUOffloadPolicy\(pin_memory=False"
+        with pytest.raises(ValueError, match=pinned):
+            check_offload_policy(CPUOffloadPolicy(pin_memory=True))
+
+
+def _rank_bad_offload_policy():
+    from torch.distributed.fsdp import FSDPModule
+
+    import arctic
+    from arctic.order import applied_stages
+
+    model, mesh = _tiny_llama(), get_mesh(1, 1)
+    with count_collectives() as counts:
+        error = _error(lambda: arctic.apply_fsdp(model, mesh=mesh, offload_policy="cpu"))
+    untouched = not any(isinstance(m, FSDPModule) for m in model.modules()) and \
+        not applied_stages(model)
+    return error, dict(counts), untouched
+
+
+def test_apply_fsdp_refuses_a_non_policy_before_any_collective():
+    error, counts, untouched = dist_pool.run(_rank_bad_offload_policy, world_size=1)[0]
+    assert "offload_policy must be a torch.distributed.fsdp.OffloadPolicy" in error, error
+    assert counts == {} and untouched, (counts, untouched)
