@@ -45,19 +45,25 @@ class ByteCorpus(Dataset):
 
 
 def build_model(name: str, seq_len: int):
-    """``"tiny-llama"`` (the CPU demo: 2 layers, byte vocab, random weights) or a HF
-    ``config.json`` path; built from the config with ``attn_implementation="sdpa"``."""
+    """``"tiny-llama"`` (the CPU demo: 2 layers, byte vocab, random weights), a name of the
+    planner's catalogue (:data:`arctic.plan.MODELS`, random weights) or a HF ``config.json``
+    path; built from the config with ``attn_implementation="sdpa"``."""
     from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig
+
+    from arctic.plan.models import MODELS, model_config
 
     if name == "tiny-llama":
         config = LlamaConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
                              num_hidden_layers=2, num_attention_heads=8, num_key_value_heads=4,
                              max_position_embeddings=max(seq_len, 2048),
                              tie_word_embeddings=False)
+    elif name in MODELS:  # the planner's catalogue (python -m arctic.plan prints these)
+        config = model_config(name, max_positions=seq_len)
     else:
         path = Path(name)
         if not path.is_file():
-            raise ValueError(f"--model must be 'tiny-llama' or a config.json path, got {name!r}")
+            raise ValueError(f"--model must be 'tiny-llama', one of {sorted(MODELS)} or a "
+                             f"config.json path, got {name!r}")
         config = AutoConfig.for_model(**json.loads(path.read_text()))
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 

@@ -4,4 +4,5 @@ import sys
 
 from arctic.plan.cli import main
 
-sys.exit(main())
+if __name__ == "__main__":  # the tracing workers (spawned) import this module too
+    sys.exit(main())

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from pathlib import Path
 
 from arctic.config import SequenceParallelConfig, load_ds_config, zero_stage
-from arctic.plan.estimate import Estimate, plan
+from arctic.plan.estimate import ALLOCATOR_HEADROOM, Estimate, plan
 from arctic.plan.models import MODELS, model_config
-from arctic.plan.search import find_max
+from arctic.plan.search import find_max, search
+from arctic.plan.state import MODES, Placement, placement_from_ds_config
 from arctic.plan.step import PLANNED_FIELDS, STACKS
 from arctic.plan.units import GiB, format_gib, parse_bytes, parse_tokens
 
@@ -57,8 +57,13 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--host-memory", type=_arg(parse_bytes), default=parse_bytes("1.5TiB"),
                    help="host memory of one node")
     p.add_argument("--reserve", type=float, default=0.05,
-                   help="fraction of GPU memory kept for the CUDA context, NCCL and "
-                        "fragmentation (default 0.05)")
+                   help="fraction of GPU memory kept for the CUDA context and NCCL "
+                        "(default 0.05)")
+    p.add_argument("--allocator-headroom", type=float, default=ALLOCATOR_HEADROOM,
+                   help="reserved / allocated bytes of the CUDA caching allocator: the "
+                        "traced bytes must fit in the GPU's memory, less the reserve, divided "
+                        f"by this (default {ALLOCATOR_HEADROOM}, measured on an H100 with "
+                        "expandable_segments:True, which our launch paths set)")
     stack = p.add_argument_group("settings (default: the 'ours' stack)")
     stack.add_argument("--stack", choices=sorted(STACKS), default=None,
                        help="a named stack; the flags below change it")
@@ -84,13 +89,27 @@ def parse_args(argv=None) -> argparse.Namespace:
                        default=None, help="--no-recompute-attention keeps each layer's attention "
                        "output and lse (on the host with --offload) instead of recomputing "
                        "attention in backward")
+    stack.add_argument("--offload-state", choices=MODES, default=None,
+                       help="where the optimizer state (and parameters) live: none (device), "
+                            "optimizer (ZeRO-3 offload_optimizer), optimizer+params (and "
+                            "offload_param), fsdp2 (FSDP2 CPUOffloadPolicy, train_fsdp.py "
+                            "--offload-params); default: read from --ds-config, else none")
     p.add_argument("--layers", type=int, default=None,
                    help="override the decoder layer count (quick checks)")
     p.add_argument("--full-trace", action="store_true",
                    help="trace every layer instead of 3 and 4 layers extended to the real "
                         "depth (slower; the two agree, see tests/test_arctic_plan.py)")
     p.add_argument("--find-max", action="store_true",
-                   help="bisect for the longest sequence that fits")
+                   help="the longest sequence that fits, searching the ring x Ulysses "
+                        "factorizations unless --ring or --ulysses is given (or --no-search)")
+    p.add_argument("--search", action=argparse.BooleanOptionalAction, default=None,
+                   help="with --find-max: search the settings (default unless --ring or "
+                        "--ulysses is given)")
+    p.add_argument("--quick", action="store_true",
+                   help="skip the trace that checks the length line (see arctic.plan.estimate)")
+    p.add_argument("--write-config", type=Path, default=None,
+                   help="write the chosen settings as a DeepSpeed JSON (--ds-config's, or a "
+                        "ZeRO-3 bf16 one) with its 'ulysses' block")
     p.add_argument("--plot", type=Path, default=None,
                    help="PNG of peak memory against sequence length: these settings, plain "
                         "Ulysses, ALST-style and ours (needs matplotlib)")
@@ -109,11 +128,6 @@ def settings_from_args(args: argparse.Namespace) -> dict:
         if stage not in (0, 3):
             raise ValueError(f"--ds-config has ZeRO stage {stage}: the planner plans full "
                              f"sharding (ZeRO-3 or FSDP2); use stage 3")
-        zero = ds.get("zero_optimization")
-        if isinstance(zero, dict) and (zero.get("offload_optimizer") or zero.get("offload_param")):
-            print("note: the config offloads the optimizer or parameters to the host; the "
-                  "planner keeps them on the GPU (FSDP2 shards), so its device peak is an "
-                  "upper bound", file=sys.stderr)
         fields = SequenceParallelConfig.from_ds_config(ds, world_size=world)
         fields = {k: getattr(fields, k) for k in PLANNED_FIELDS}
     else:
@@ -153,7 +167,13 @@ def report(e: Estimate) -> str:
              f"{e.seq_len // e.sp['sequence_parallel_size']:,} tokens per rank",
              "settings: " + ", ".join(f"{k}={v}" for k, v in e.sp.items()),
              f"per-rank device peak {format_gib(e.peak.total)}  "
-             f"(budget {format_gib(e.device_budget)})"]
+             f"(budget {format_gib(e.device_budget)}: the GPU less the reserve, / "
+             f"{e.headroom:g} allocator headroom)",
+             f"how: {e.method}"]
+    if e.placement.offloaded:
+        lines.append(f"training state offloaded ({e.placement.mode}): "
+                     f"{e.placement.device_bytes(e.peak.shard_params) / GiB:.2f} GiB stays on "
+                     f"the device, {e.state_host / GiB:.2f} GiB on the host")
     lines += [f"  {kind:<18}{format_gib(v)}" for kind, v in e.peak.by_kind.items()]
     if e.peak.largest:
         lines.append(f"largest at the peak ({e.peak_phase}):")
@@ -161,7 +181,8 @@ def report(e: Estimate) -> str:
                   for label, c, b in e.peak.largest]
     lines.append(f"host, offloaded      {format_gib(e.peak.host)}  "
                  f"(budget {format_gib(e.host_budget)} per "
-                 f"rank: 80% of the node's memory / {e.gpus_per_node})")
+                 f"rank: 80% of the node's memory / {e.gpus_per_node}; layer inputs"
+                 f"{' and training state' if e.state_host else ''})")
     verdict = "FITS" if e.fits else f"DOES NOT FIT (limit: {e.limit()})"
     lines.append(f"verdict: {verdict}   [traced in {e.trace_s:.0f} s]")
     return "\n".join(lines)
@@ -195,48 +216,153 @@ def main(argv=None) -> int:
         raise SystemExit(f"error: {e}")
 
 
+def _placement(args: argparse.Namespace) -> Placement:
+    if args.offload_state is not None:
+        if args.offload_state == "none" or args.ds_config is None:
+            return Placement(args.offload_state)
+        from_config = placement_from_ds_config(load_ds_config(args.ds_config))
+        if from_config.mode != args.offload_state:
+            raise ValueError(f"--offload-state {args.offload_state} contradicts --ds-config's "
+                             f"zero_optimization ({from_config.mode}); drop one")
+        return from_config
+    if args.ds_config is not None:
+        return placement_from_ds_config(load_ds_config(args.ds_config))
+    return Placement()
+
+
+def ulysses_block(fields: dict) -> dict:
+    """The settings as a DeepSpeed config's ``sequence_parallel_size`` and ``"ulysses"`` block."""
+    block = {k: v for k, v in fields.items() if k != "sequence_parallel_size"}
+    return {"sequence_parallel_size": fields["sequence_parallel_size"], "ulysses": block}
+
+
+def command_lines(args: argparse.Namespace, fields: dict, seq_len: int, config_path: str,
+                  placement: Placement) -> list[str]:
+    """How to launch the planned job: examples/train.py (DeepSpeed) and train_fsdp.py."""
+    nodes = f" --num_nodes {args.nodes}" if args.nodes > 1 else ""
+    model = f"--model {args.model} --seq-len {seq_len}"
+    lines = [f"deepspeed --num_gpus {args.gpus}{nodes} examples/train.py "
+             f"--deepspeed_config {config_path} {model}"]
+    if placement.mode in ("none", "fsdp2"):
+        nnodes = f" --nnodes {args.nodes}" if args.nodes > 1 else ""
+        off = " --offload-params" if placement.mode == "fsdp2" else ""
+        lines.append(f"torchrun --nproc-per-node {args.gpus}{nnodes} examples/train_fsdp.py "
+                     f"--config {config_path} {model}{off}")
+    return lines
+
+
+def write_config(path: Path, args: argparse.Namespace, fields: dict,
+                 placement: Placement) -> None:
+    """A DeepSpeed JSON with the settings: --ds-config's with its block replaced, or ZeRO-3."""
+    if args.ds_config is not None:
+        ds = load_ds_config(args.ds_config)
+    else:
+        zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+        if placement.mode in ("optimizer", "optimizer+params"):
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if placement.mode == "optimizer+params":
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "bf16": {"enabled": True}, "zero_optimization": zero,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}}
+        if placement.mode == "fsdp2":  # train_fsdp.py reads only the SP settings
+            ds["zero_optimization"] = {"stage": 0}
+    ds.pop("activation_checkpointing", None)  # the block below says it
+    ds.update(ulysses_block(fields))
+    path.write_text(json.dumps(ds, indent=2) + "\n")
+
+
 def _main(args: argparse.Namespace) -> int:
     if args.seq_len is None and not args.find_max:
         raise SystemExit("give --seq-len, or --find-max")
+    if args.search and not args.find_max:
+        raise ValueError("--search needs --find-max")
     fields = settings_from_args(args)
-    model_config(args.model, layers=args.layers)  # an unknown model fails here, not mid-way
+    placement = _placement(args)
+    config = model_config(args.model, layers=args.layers)  # an unknown model fails here
     world = args.gpus * args.nodes
     common = dict(gpus=args.gpus, nodes=args.nodes, gpu_memory=args.gpu_memory,
-                  host_memory=args.host_memory, reserve=args.reserve, layers=args.layers,
-                  full_trace=args.full_trace)
+                  host_memory=args.host_memory, reserve=args.reserve,
+                  headroom=args.allocator_headroom, placement=placement, layers=args.layers,
+                  full_trace=args.full_trace, quick=args.quick)
 
     def plan_at(n: int, stack=fields) -> Estimate:
         return plan(args.model, n, stack=stack, **common)
 
     result: dict = {"model": args.model, "gpus": args.gpus, "nodes": args.nodes,
-                    "gpu_memory": args.gpu_memory, "host_memory": args.host_memory}
+                    "gpu_memory": args.gpu_memory, "host_memory": args.host_memory,
+                    "allocator_headroom": args.allocator_headroom,
+                    "state_offload": placement.mode}
     estimates: list[Estimate] = []
     if args.seq_len is not None:
         e = plan_at(args.seq_len)
         estimates.append(e)
         print(report(e))
         result["estimate"] = e.as_dict()
+    chosen, best = fields, None
     if args.find_max:
         sp = fields.get("sequence_parallel_size", world)
-        print(f"finding the longest sequence that fits ({args.model}, {world} GPUs):")
-        best, tried = find_max(plan_at, start=args.seq_len or 1 << 20, granule=1024 * sp)
-        estimates += tried
+        start = args.seq_len or 1 << 20
+        searching = args.search if args.search is not None else (
+            args.ring is None and args.ulysses is None)
+        if searching:
+            print(f"searching the settings ({args.model}, {world} GPUs, SP {sp}):")
+            winner, candidates = search(
+                lambda n, f: plan_at(n, f), base=fields, sp_size=sp, granule=1024 * sp,
+                heads=(config.num_attention_heads, config.num_key_value_heads), start=start)
+            print(search_table(candidates, winner))
+            best, chosen = winner.best, winner.fields
+            estimates += [e for c in candidates for e in c.tried]
+            result["search"] = [{"ring": c.ring, "ulysses": c.ulysses, "fields": c.fields,
+                                 "pruned": c.pruned, "max_seq_len": c.best,
+                                 "at_winner": c.at_winner.as_dict() if c.at_winner else None}
+                                for c in candidates]
+        else:
+            print(f"finding the longest sequence that fits ({args.model}, {world} GPUs):")
+            best, tried = find_max(plan_at, start=start, granule=1024 * sp)
+            estimates += tried
         print(f"longest that fits: {best:,} tokens ({best / 1e6:.2f}M)")
         result["max_seq_len"] = best
-        result["tried"] = [e.as_dict() for e in tried]
+        result["settings"] = ulysses_block(chosen)
+        result["tried"] = [e.as_dict() for e in estimates]
+        print("settings, as a DeepSpeed config's SP keys:")
+        print(json.dumps(ulysses_block(chosen), indent=2))
+        path = str(args.write_config or "plan.json")
+        print("launch with:" + "".join(f"\n  {line}" for line in
+                                      command_lines(args, chosen, best, path, placement)))
+        if args.write_config is not None:
+            write_config(args.write_config, args, chosen, placement)
+            print(f"wrote {args.write_config}")
     if args.plot is not None:
         top = max(e.seq_len for e in estimates)
         lengths = sorted({max(1024 * world, int(top * f) // (1024 * world) * 1024 * world)
                           for f in (0.25, 0.5, 0.75, 1.0)})
-        series = {"these settings": [e for e in estimates if e.seq_len in lengths]}
+        series = {"these settings": [plan_at(n, chosen) for n in lengths]}
         for name in ("ulysses", "alst", "ours"):
             series[name] = [plan_at(n, STACKS[name]) for n in lengths]
-        for n in lengths:
-            if not any(e.seq_len == n for e in series["these settings"]):
-                series["these settings"].append(plan_at(n))
-        plot(args.plot, series, budget=int(args.gpu_memory * (1 - args.reserve)),
+        plot(args.plot, series, budget=estimates[0].device_budget,
              title=f"{args.model}, {world} x {args.gpu_memory / GiB:.0f} GiB")
         print(f"wrote {args.plot}")
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def search_table(candidates, winner) -> str:
+    """The best length per factorization, and each one's plan at the winner's length."""
+    rows = [f"{'ring x ulysses':<16}{'longest':>14}  {'at the winner':>24}  limit / note"]
+    for c in candidates:
+        name = f"{c.ring} x {c.ulysses}"
+        extra = {k: v for k, v in c.fields.items() if winner.fields.get(k) != v and
+                 k not in ("ring_degree",)}
+        if extra:
+            name += " " + ",".join(f"{k}={v}" for k, v in extra.items())
+        if c.pruned:
+            rows.append(f"{name:<16}{'-':>14}  {'-':>24}  skipped: {c.pruned}")
+            continue
+        at = c.at_winner
+        peak = (f"{at.peak.total / GiB:.2f} GiB " + ("fits" if at.fits else "no fit")
+                if at else "-")
+        mark = "  <- chosen" if c is winner else ""
+        rows.append(f"{name:<16}{c.best:>14,}  {peak:>24}  {c.limit()}{mark}")
+    return "\n".join(rows)

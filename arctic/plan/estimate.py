@@ -1,17 +1,61 @@
-"""The planner's answer for one setting: trace the step, extend it to the model's depth, and
-compare its peaks with the device and host budgets.
+"""The planner's answer for one setting: trace the step, extend it to the model's depth and to
+the sequence length, move the offloaded training state to the host, and compare the peaks
+with the device and host budgets.
+
+Two extensions keep a 32-layer, multi-million-token answer to a few short traces, each exact
+for the step's structure (``tests/test_arctic_plan.py`` holds both to 1% of full traces):
+
+- Depth: a step's memory is affine in the number of identical decoder layers, phase by phase
+  (forward, backward, optimizer). Each layer adds its parameter, gradient and optimizer
+  shards and its offloaded (or kept) input, while the activation peak is one layer's. A
+  model deeper than 4 layers is traced at 3 and 4 and each phase is extended along the line.
+- Length: at fixed settings, each phase's memory is affine in the sequence length. Layer
+  inputs, offloaded bytes and attention buffers grow with it; parameters and state do not;
+  "auto" tiles hold their temporaries to a fixed budget, however many tiles there are. A
+  length beyond :data:`CHECK_TOKENS` per rank is read off the line through
+  :data:`ANCHOR_TOKENS`, after a third trace (at :data:`CHECK_TOKENS`) confirms the line to
+  :data:`CHECK_TOLERANCE`; if it does not, the length is traced. ``quick`` skips that check.
+
+Traces are cached on disk (:mod:`arctic.plan.cache`), so a search, a plot or the next run
+reads them back instead of tracing again.
 """
 
 from __future__ import annotations
 
+import multiprocessing
+import os
 import time
 from dataclasses import dataclass, field, replace
 
+from arctic.plan.cache import cache_dir, cached, is_cached, trace_key
 from arctic.plan.models import model_config
+from arctic.plan.state import Placement
 from arctic.plan.step import (PLANNED_FIELDS, build, init_optimizer_state, make_batch,
                               stack_config, train_step)
 from arctic.plan.tracing import KINDS, Peak, buffer_pools, fake_world, track_peak
 from arctic.plan.units import GiB
+
+ALLOCATOR_HEADROOM = 1.12
+"""Reserved over allocated bytes of the CUDA caching allocator with
+``expandable_segments:True``, which every launch path of ours sets
+(:func:`arctic.allocator.use_expandable_segments`): measured on an H100, one rank of 8,
+Llama-3-8B, 384K tokens per rank (38.19 / 33.96 GiB). The device budget for the traced
+(allocated) bytes is the GPU's memory less the reserve, divided by this."""
+
+TRACE_LAYERS = (3, 4)
+"""Layer counts traced when a model's own count is larger (see :func:`plan`)."""
+
+ANCHOR_TOKENS = (49152, 98304)
+"""Tokens per rank of the two traces whose line gives longer lengths. Each phase's peak is
+the largest of several moments' bytes, each affine in the length, so the line bends where
+another moment takes over: for Llama-3-8B on 8 ranks the forward peak's bend lies between
+32K and 48K tokens per rank (the loss's fixed buffers give way to the layer inputs)."""
+
+CHECK_TOKENS = 131072
+"""Tokens per rank of the trace that checks the line; up to it, lengths are traced."""
+
+CHECK_TOLERANCE = 0.005
+"""How far (a fraction of the step's traced peak) the check trace may sit from the line."""
 
 
 @dataclass
@@ -31,6 +75,12 @@ class Estimate:
     peak_phase: str = ""
     phases: dict = field(default_factory=dict)
     trace_s: float = 0.0
+    placement: Placement = field(default_factory=Placement)
+    state_host: int = 0
+    """Host bytes of the offloaded training state (in ``peak.host`` with the layer inputs)."""
+    method: str = "traced"
+    """How the figures were had: traced at this length, or read off the length line."""
+    headroom: float = ALLOCATOR_HEADROOM
 
     @property
     def fits(self) -> bool:
@@ -41,7 +91,8 @@ class Estimate:
         if self.refused is not None:
             return self.refused
         if self.peak.host > self.host_budget:
-            return "host memory for offloaded layer inputs"
+            return ("host memory for offloaded layer inputs" +
+                    (" and training state" if self.state_host else ""))
         return max(self.peak.by_kind, key=self.peak.by_kind.get)
 
     def as_dict(self) -> dict:
@@ -49,96 +100,205 @@ class Estimate:
         return {"seq_len": self.seq_len, "stack": self.stack, "sp": self.sp, "fits": self.fits,
                 "limit": None if self.fits else self.limit(), **self.peak.summary(),
                 "device_budget": self.device_budget, "host_budget": self.host_budget,
+                "allocator_headroom": self.headroom, "state_offload": self.placement.mode,
+                "state_host_bytes": self.state_host, "method": self.method,
                 "trace_s": round(self.trace_s, 1)}
 
 
-def _trace(config, sp, world: int, seq_len: int, *, shard: bool, host_limit: int):
-    """One traced step: ``(phase peaks, host peak bytes, refusal or None)``."""
+_NUMBERS = ("total", "host", "stateless", "shard_params", "optimizer_state")
+
+
+def _along(a: Peak, b: Peak, xa: int, xb: int, x: int) -> Peak:
+    """The peak at ``x`` on the line through ``a`` at ``xa`` and ``b`` at ``xb``."""
+    def line(ya: int, yb: int) -> int:
+        return int(round(ya + (yb - ya) * (x - xa) / (xb - xa)))
+
+    values = {k: line(getattr(a, k), getattr(b, k)) for k in _NUMBERS}
+    return Peak(by_kind={k: line(a.by_kind[k], b.by_kind[k]) for k in KINDS},
+                largest=(b if abs(x - xb) <= abs(x - xa) else a).largest, **values)
+
+
+def _trace(config, sp, world: int, seq_len: int, *, shard: bool) -> dict[str, Peak]:
+    """One traced step: each phase's peak, with the offload pool's host peak in ``host``."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake_world(world)
     mesh = sp.dims(world).build_mesh("cpu")  # outside: the mesh reads its rank map
-    refused = None
     with FakeTensorMode(allow_non_fake_inputs=True):
         model, optimizer = build(config, sp, mesh, device="cpu", shard=shard,
-                                 host_memory_limit=host_limit)
+                                 host_memory_limit=1 << 62)  # the host is judged after
         init_optimizer_state(model, optimizer)
         batch = make_batch(seq_len, config.vocab_size, mesh, "cpu")
         session = getattr(model, "activation_offload", None)
         with track_peak(track=(model, optimizer, *batch.values()),
-                        pools=buffer_pools(model)) as tracker:
-            try:
-                train_step(model, optimizer, batch, on_phase=tracker.end_phase)
-            except ValueError as e:  # the offload pool refused: host memory
-                refused = str(e).split(". Fix")[0]
-                tracker.end_phase("refused")
+                        pools=buffer_pools(model), state=(model, optimizer)) as tracker:
+            train_step(model, optimizer, batch, on_phase=tracker.end_phase)
     host = session.pool.stats.peak_host_bytes if session is not None else 0
-    return tracker.phases, host, refused
+    return {k: replace(v, host=host) for k, v in tracker.phases.items()}
 
 
-def _extrapolate(a: Peak, b: Peak, la: int, lb: int, layers: int) -> Peak:
-    def line(x: int, y: int) -> int:
-        return int(round(x + (y - x) * (layers - la) / (lb - la)))
-
-    return Peak(line(a.total, b.total), {k: line(a.by_kind[k], b.by_kind[k]) for k in KINDS},
-                line(a.host, b.host), largest=b.largest)
+WORKERS = int(os.environ.get("ARCTIC_PLAN_WORKERS", "0")) or min(4, os.cpu_count() or 1)
+"""Processes that trace at once when several traces are needed (a trace is one Python
+thread); ``ARCTIC_PLAN_WORKERS`` overrides."""
 
 
-TRACE_LAYERS = (3, 4)
-"""Layer counts traced when a model's own count is larger (see :func:`plan`)."""
+def _trace_in_worker(job) -> None:
+    config, sp, world, shard, seq_len, layers = job
+    _Tracer(config, sp, world, shard=shard).at(seq_len, layers)  # into the disk cache
+
+
+class _Tracer:
+    """Traces of one setting at any length and depth, through the disk cache."""
+
+    def __init__(self, config, sp, world: int, *, shard: bool) -> None:
+        self.config, self.sp, self.world, self.shard = config, sp, world, shard
+        self.fields = {k: getattr(sp, k) for k in PLANNED_FIELDS}
+        self.traced = 0  # traces not read from the cache
+
+    def _key(self, seq_len: int, layers: int) -> str:
+        config = self.config
+        depth, config.num_hidden_layers = config.num_hidden_layers, layers
+        try:
+            return trace_key(config, self.fields, world=self.world, seq_len=seq_len,
+                             shard=self.shard)
+        finally:
+            config.num_hidden_layers = depth
+
+    def at(self, seq_len: int, layers: int) -> dict[str, Peak]:
+        config = self.config
+        key = self._key(seq_len, layers)
+        depth, config.num_hidden_layers = config.num_hidden_layers, layers
+        try:
+            phases, hit = cached(key, lambda: _trace(config, self.sp, self.world, seq_len,
+                                                     shard=self.shard))
+        finally:
+            config.num_hidden_layers = depth
+        self.traced += not hit
+        return phases
+
+    def prefetch(self, jobs: list[tuple[int, int]]) -> None:
+        """Trace the ``(seq_len, layers)`` jobs not yet cached, :data:`WORKERS` at a time in
+        fresh processes (spawned: a forked tracer can inherit a held lock); each writes the
+        cache, where :meth:`at` then reads it."""
+        todo = [j for j in dict.fromkeys(jobs) if not is_cached(self._key(*j))]
+        if len(todo) < 2 or WORKERS < 2 or cache_dir() is None:
+            return
+        ctx = multiprocessing.get_context("spawn")
+        with ctx.Pool(min(WORKERS, len(todo))) as pool:
+            pool.map(_trace_in_worker, [(self.config, self.sp, self.world, self.shard, n, d)
+                                        for n, d in todo], chunksize=1)
+        self.traced += len(todo)
+
+    def depths(self) -> tuple[int, ...]:
+        depth = self.config.num_hidden_layers
+        return (depth,) if depth <= TRACE_LAYERS[1] else TRACE_LAYERS
+
+    def deep(self, seq_len: int, *, full: bool) -> dict[str, Peak]:
+        """The phases at the model's depth: traced whole, or along :data:`TRACE_LAYERS`."""
+        depth = self.config.num_hidden_layers
+        if full or depth <= TRACE_LAYERS[1]:
+            return self.at(seq_len, depth)
+        la, lb = TRACE_LAYERS
+        a, b = self.at(seq_len, la), self.at(seq_len, lb)
+        return {k: _along(a[k], b[k], la, lb, depth) for k in a}
+
+
+def _line_checked(tracer: _Tracer, anchors: tuple[int, int], check: int) -> float:
+    """How far the trace at ``check`` tokens sits from the line through ``anchors``, at the
+    shallower traced depth: the largest gap over phases, device figures as a fraction of the
+    step's traced device peak, host figures of the traced host peak."""
+    layers = min(tracer.depths())
+    (na, nb), traced = anchors, tracer.at(check, layers)
+    a, b = tracer.at(na, layers), tracer.at(nb, layers)
+    scale = max(1, max(t.total for t in traced.values()))
+    worst = 0.0
+    for k, t in traced.items():
+        guess = _along(a[k], b[k], na, nb, check)
+        worst = max(worst, *(abs(getattr(guess, f) - getattr(t, f)) / scale
+                             for f in ("total", "stateless")),
+                    abs(guess.host - t.host) / max(1, t.host))
+    return worst
 
 
 def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | dict = "ours",
          gpu_memory: int = 80 * GiB, host_memory: int = int(1.5 * 1024) * GiB,
-         reserve: float = 0.05, layers: int | None = None, shard: bool = True,
-         full_trace: bool = False) -> Estimate:
+         reserve: float = 0.05, headroom: float = ALLOCATOR_HEADROOM,
+         placement: Placement | None = None, layers: int | None = None, shard: bool = True,
+         full_trace: bool = False, quick: bool = False) -> Estimate:
     """Trace one training step of ``model`` at ``seq_len`` tokens over ``gpus * nodes`` ranks
-    (rank 0) and compare its peak with the budgets: ``gpu_memory * (1 - reserve)`` per rank on
-    the device, and the offload pool's limit, 80% of ``host_memory`` per node split among
-    its ``gpus`` ranks (what :class:`offload.HostBufferPool` allows itself).
+    (rank 0) and compare its peak with the budgets: ``gpu_memory * (1 - reserve) / headroom``
+    of allocated bytes per rank on the device (``reserve``: CUDA context and NCCL;
+    ``headroom``: the caching allocator, :data:`ALLOCATOR_HEADROOM`), and 80% of
+    ``host_memory`` per node split among its ``gpus`` ranks on the host (what
+    :class:`offload.HostBufferPool` allows itself), shared by the offloaded layer inputs and
+    the training state that ``placement`` offloads.
 
-    Depth: a step's memory is affine in the number of identical decoder layers, phase by
-    phase (forward, backward, optimizer): each layer adds its parameter, gradient and
-    optimizer shards and its offloaded (or kept) input, while the activation peak is one
-    layer's. So unless ``full_trace``, a model deeper than 4 layers is traced at 3 and 4
-    layers and each phase's figures are extended along that line to the real depth; the
-    step's peak is the largest phase. ``tests/test_arctic_plan.py`` checks this against full traces.
+    ``full_trace`` traces every layer at the length itself; otherwise the depth and length
+    lines of the module docstring apply, ``quick`` skipping the length line's check.
     """
+    if headroom < 1:
+        raise ValueError(f"headroom is reserved / allocated bytes, >= 1; got {headroom}")
+    placement = placement or Placement()
     world = gpus * nodes
     sp = stack_config(stack, world=world)
     divisor = sp.dims(world).seq_len_divisor  # the mesh's padding rule (layout, degrees)
-    seq_len = -(-seq_len // divisor) * divisor
+    snap = lambda n: -(-n // divisor) * divisor  # noqa: E731
+    seq_len = snap(seq_len)
     config = model_config(model, layers=layers, max_positions=seq_len)
-    host_limit = int(0.8 * host_memory) // gpus
-    name = stack if isinstance(stack, str) else "custom"
     start = time.perf_counter()
-    depth = config.num_hidden_layers
-    if full_trace or depth <= TRACE_LAYERS[1]:
-        phases, host, refused = _trace(config, sp, world, seq_len, shard=shard,
-                                       host_limit=host_limit)
-        peaks = {k: replace(v, host=host) for k, v in phases.items()}
+    tracer = _Tracer(config, sp, world, shard=shard)
+    per_rank = seq_len // sp.sequence_parallel_size
+    if full_trace or per_rank <= CHECK_TOKENS:
+        if not full_trace:
+            tracer.prefetch([(seq_len, d) for d in tracer.depths()])
+        peaks, method = tracer.deep(seq_len, full=full_trace), "traced"
     else:
-        la, lb = TRACE_LAYERS
-        traced = []
-        for n in (la, lb):
-            config.num_hidden_layers = n
-            phases, host, refused = _trace(config, sp, world, seq_len, shard=shard,
-                                           host_limit=1 << 62)
-            traced.append({k: replace(v, host=host) for k, v in phases.items()})
-        config.num_hidden_layers = depth
-        peaks = {k: _extrapolate(traced[0][k], traced[1][k], la, lb, depth)
-                 for k in traced[0]}
-        host = max(p.host for p in peaks.values())
-        refused = None
-        if host > host_limit:
-            refused = (f"offloading the inputs of {depth} checkpointed layers needs "
-                       f"{host / GiB:.2f} GiB of host memory per rank, more than the offload "
-                       f"limit of {host_limit / GiB:.2f} GiB")
+        sp_size = sp.sequence_parallel_size
+        na, nb = (snap(t * sp_size) for t in ANCHOR_TOKENS)
+        tracer.prefetch([(n, d) for n in (na, nb) for d in tracer.depths()] +
+                        ([] if quick else [(snap(CHECK_TOKENS * sp_size), min(tracer.depths()))]))
+        off = 0.0 if quick else _line_checked(tracer, (na, nb), snap(CHECK_TOKENS * sp_size))
+        if off <= CHECK_TOLERANCE:
+            a, b = tracer.deep(na, full=False), tracer.deep(nb, full=False)
+            peaks = {k: _along(a[k], b[k], na, nb, seq_len) for k in a}
+            method = (f"length line through {ANCHOR_TOKENS[0] // 1024}K and "
+                      f"{ANCHOR_TOKENS[1] // 1024}K tokens/rank" +
+                      (" (unchecked: quick)" if quick else
+                       f", checked at {CHECK_TOKENS // 1024}K to {off:.2%}"))
+        else:
+            peaks = tracer.deep(seq_len, full=False)
+            method = f"traced (the length line was {off:.2%} off at {CHECK_TOKENS // 1024}K)"
+    if placement.offloaded:
+        peaks = {k: _offloaded(p, placement, phase=k) for k, p in peaks.items()}
     phase = max(peaks, key=lambda k: peaks[k].total)
+    host = max(p.host for p in peaks.values())
     peak = replace(peaks[phase], host=host)
-    return Estimate(model=model, stack=name, seq_len=seq_len, world=world, gpus_per_node=gpus,
-                    sp={k: getattr(sp, k) for k in PLANNED_FIELDS},
-                    peak=peak, device_budget=int(gpu_memory * (1 - reserve)),
+    state_host = placement.host_bytes(peak.shard_params) if placement.offloaded else 0
+    host_limit = int(0.8 * host_memory) // gpus
+    refused = None
+    if host > host_limit:
+        refused = (f"the offloaded layer inputs and state need {host / GiB:.2f} GiB of host "
+                   f"memory per rank, more than the offload limit of {host_limit / GiB:.2f} GiB")
+    return Estimate(model=model, stack=stack if isinstance(stack, str) else "custom",
+                    seq_len=seq_len, world=world, gpus_per_node=gpus,
+                    sp={k: getattr(sp, k) for k in PLANNED_FIELDS}, peak=peak,
+                    device_budget=int(gpu_memory * (1 - reserve) / headroom),
                     host_budget=host_limit, refused=refused, peak_phase=phase,
                     phases={k: v.total for k, v in peaks.items()},
-                    trace_s=time.perf_counter() - start)
+                    trace_s=time.perf_counter() - start, placement=placement,
+                    state_host=state_host, method=method, headroom=headroom)
+
+
+def _offloaded(p: Peak, placement: Placement, *, phase: str) -> Peak:
+    """A phase's peak with the training state where ``placement`` puts it: the device keeps
+    the phase's stateless peak plus the state it still holds; the host adds the state (and,
+    for FSDP2's offload, torch's AdamW temporaries of the step, which then run on the host)."""
+    n = p.shard_params
+    device_state = placement.device_bytes(n)
+    host = p.host + placement.host_bytes(n)
+    if placement.mode == "fsdp2":
+        host += max(0, p.by_kind["optimizer"] - p.optimizer_state) if phase == "optimizer" else 0
+    by_kind = dict(p.by_kind, parameters=device_state, gradients=0, optimizer=0)
+    rest = p.stateless - sum(v for k, v in by_kind.items() if k != "parameters")
+    by_kind["temporaries"] += rest  # what the stateless peak holds beyond the kinds kept
+    return replace(p, total=p.stateless + device_state, host=host, by_kind=by_kind)

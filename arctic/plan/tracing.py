@@ -51,10 +51,21 @@ class Peak:
     largest: list = field(default_factory=list)
     """What is alive at the peak, grouped by the op and module that made it:
     ``(label, tensors, bytes)``, largest first (at the last 1% step of the peak's climb)."""
+    stateless: int = 0
+    """The phase's peak with the sharded training state left out: the most, over the phase,
+    of the live bytes less the parameter shards, the optimizer's state and the gradient
+    shards alive at that moment. What the device holds besides that state when the state
+    is offloaded (:mod:`arctic.plan.state`); in the optimizer phase, the bytes alive as it
+    starts (an offloaded optimizer steps on the host)."""
+    shard_params: int = 0
+    """Parameters in this rank's shards (the state's size: :class:`arctic.plan.state.Placement`)."""
+    optimizer_state: int = 0
+    """Bytes of the optimizer's state (AdamW's moments) of this rank."""
 
     def summary(self) -> dict:
         return {"device_peak_bytes": self.total, "by_kind": dict(self.by_kind),
-                "host_peak_bytes": self.host,
+                "host_peak_bytes": self.host, "stateless_peak_bytes": self.stateless,
+                "shard_params": self.shard_params, "optimizer_state_bytes": self.optimizer_state,
                 "largest_at_peak": [{"made_by": k, "tensors": c, "bytes": b}
                                     for k, c, b in self.largest]}
 
@@ -84,6 +95,34 @@ def _tracker_class():
             self.largest_at_peak: dict = {}
             self._labeled_at: dict = {}
             self._op = "before the step"
+            self.state_params: list = []  # the sharded parameters (their .grad: grad shards)
+            self.state_fixed = 0  # parameter shards + optimizer state: alive all step
+            self.optimizer_state = 0
+            self.stateless_peak = 0
+            self._state_frozen = False
+
+        def set_state(self, params, optimizer) -> None:
+            """Note the training state (sharded parameters and ``optimizer``'s state) whose
+            bytes :attr:`Peak.stateless` leaves out."""
+            self.state_params = list(params)
+            self.optimizer_state = sum(st.nbytes() for state in optimizer.state.values()
+                                       for v in state.values()
+                                       if isinstance(v, torch.Tensor) and v.dim() > 0
+                                       for st in get_untyped_storages(v))
+            self.state_fixed = self.optimizer_state + sum(
+                st.nbytes() for p in self.state_params for st in get_untyped_storages(p))
+
+        def _grad_shards(self) -> int:
+            # each storage once: FSDP2's gradient shards can be views of one flat buffer
+            storages = {st for p in self.state_params if p.grad is not None
+                        for st in get_untyped_storages(p.grad)}
+            return sum(st.nbytes() for st in storages)
+
+        def _note_stateless(self, total: int) -> None:
+            # total - fixed bounds total - state from above; only then walk the gradients
+            if not self._state_frozen and total - self.state_fixed > self.stateless_peak:
+                self.stateless_peak = max(self.stateless_peak,
+                                          total - self.state_fixed - self._grad_shards())
 
         def __torch_dispatch__(self, func, types, args=(), kwargs=None):
             self._op = func.__name__.split(".")[0]
@@ -113,7 +152,18 @@ def _tracker_class():
 
         def end_phase(self, name: str, device_type: str = "cpu") -> None:
             """Note the peak since the last phase ended as ``name``'s, and start anew."""
-            self.phases[name] = self.breakdown(device_type)
+            peak = self.breakdown(device_type)
+            peak.stateless = self.stateless_peak
+            peak.shard_params = sum(p.numel() if not hasattr(p, "to_local") else
+                                    p.to_local().numel() for p in self.state_params)
+            peak.optimizer_state = self.optimizer_state
+            self.phases[name] = peak
+            now = sum(s[_TOTAL_KEY] for d, s in self._curr_mem_snap.items()
+                      if d.type == device_type)
+            self.stateless_peak = now - self.state_fixed - self._grad_shards()
+            # An offloaded optimizer steps on the host: what the step allocates after the
+            # backward is not device memory then.
+            self._state_frozen = name == "backward"
             self._labeled_at = {}
             self._peak_mem = {d: s[_TOTAL_KEY] for d, s in self._curr_mem_snap.items()}
             self._peak_mem_snap = {d: dict(s) for d, s in self._curr_mem_snap.items()}
@@ -124,6 +174,8 @@ def _tracker_class():
             # The step's peak only: MemTracker also keeps every module's peak, walking all
             # modules at each allocation, which makes a 32-layer trace quadratic.
             for dev, snap in self._curr_mem_snap.items():
+                if dev.type == "cpu":  # the device; "meta" holds the offload pool's buffers
+                    self._note_stateless(snap[_TOTAL_KEY])
                 if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
                     self._peak_mem[dev] = snap[_TOTAL_KEY]
                     self._peak_mem_snap[dev] = dict(snap)
@@ -173,9 +225,11 @@ def buffer_pools(model: nn.Module) -> list[BufferPool]:
 
 
 @contextlib.contextmanager
-def track_peak(*, track=(), pools: Sequence[BufferPool] = ()):
+def track_peak(*, track=(), pools: Sequence[BufferPool] = (), state=None):
     """Track every storage allocated inside the block (plus ``track``: modules, optimizers,
     tensors that exist before it). Yields the tracker; ``tracker.breakdown("cpu")`` after.
+    ``state=(model, optimizer)`` names the training state that each phase's
+    :attr:`Peak.stateless` leaves out.
 
     The buffers that ``pools`` (:func:`buffer_pools`) create inside the block are reported as
     "attention buffers": the block sets each pool's :attr:`ulysses.BufferPool.on_allocate`
@@ -183,6 +237,8 @@ def track_peak(*, track=(), pools: Sequence[BufferPool] = ()):
     """
     tracker = _tracker_class()()
     tracker.track_external(*track)
+    if state is not None:
+        tracker.set_state(state[0].parameters(), state[1])
     before = [pool.on_allocate for pool in pools]
 
     def note(buf: torch.Tensor) -> None:
