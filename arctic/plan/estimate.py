@@ -22,6 +22,7 @@ reads them back instead of tracing again.
 
 from __future__ import annotations
 
+import contextlib
 import multiprocessing
 import os
 import time
@@ -153,26 +154,32 @@ class _Tracer:
     def __init__(self, config, sp, world: int, *, shard: bool) -> None:
         self.config, self.sp, self.world, self.shard = config, sp, world, shard
         self.fields = {k: getattr(sp, k) for k in PLANNED_FIELDS}
+        self.positions = config.max_position_embeddings  # the model's own
         self.traced = 0  # traces not read from the cache
 
-    def _key(self, seq_len: int, layers: int) -> str:
+    @contextlib.contextmanager
+    def _shaped(self, seq_len: int, layers: int):
+        """The config with ``layers`` layers and room for ``seq_len`` positions (the traced
+        length's, not the planned one's: the line's traces serve every length)."""
         config = self.config
-        depth, config.num_hidden_layers = config.num_hidden_layers, layers
+        saved = config.num_hidden_layers, config.max_position_embeddings
+        config.num_hidden_layers = layers
+        config.max_position_embeddings = max(self.positions, seq_len)
         try:
+            yield config
+        finally:
+            config.num_hidden_layers, config.max_position_embeddings = saved
+
+    def _key(self, seq_len: int, layers: int) -> str:
+        with self._shaped(seq_len, layers) as config:
             return trace_key(config, self.fields, world=self.world, seq_len=seq_len,
                              shard=self.shard)
-        finally:
-            config.num_hidden_layers = depth
 
     def at(self, seq_len: int, layers: int) -> dict[str, Peak]:
-        config = self.config
         key = self._key(seq_len, layers)
-        depth, config.num_hidden_layers = config.num_hidden_layers, layers
-        try:
+        with self._shaped(seq_len, layers) as config:
             phases, hit = cached(key, lambda: _trace(config, self.sp, self.world, seq_len,
                                                      shard=self.shard))
-        finally:
-            config.num_hidden_layers = depth
         self.traced += not hit
         return phases
 
@@ -244,7 +251,7 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
     divisor = sp.dims(world).seq_len_divisor  # the mesh's padding rule (layout, degrees)
     snap = lambda n: -(-n // divisor) * divisor  # noqa: E731
     seq_len = snap(seq_len)
-    config = model_config(model, layers=layers, max_positions=seq_len)
+    config = model_config(model, layers=layers)
     start = time.perf_counter()
     tracer = _Tracer(config, sp, world, shard=shard)
     per_rank = seq_len // sp.sequence_parallel_size
