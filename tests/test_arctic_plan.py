@@ -87,7 +87,7 @@ def test_find_max_verdict_and_plot(tmp_path):
     pytest.importorskip("matplotlib")
     png = tmp_path / "peak.png"
     got = _plan(tmp_path, "--model", "tiny-llama", "--gpus", "2", "--gpu-memory", "48MiB",
-                "--host-memory", "1GiB", "--find-max", "--plot", str(png))
+                "--host-memory", "1GiB", "--find-max", "--no-search", "--plot", str(png))
     best = got["max_seq_len"]
     assert best > 0
     tried = {t["seq_len"]: t for t in got["tried"]}
@@ -172,16 +172,29 @@ def test_track_peak_counts_the_given_pools_buffers_and_restores_their_hooks():
     del again, not_ours
 
 
-def test_length_line_matches_a_full_trace_within_1_percent(tmp_path):
-    """Issue 18's speed-up: 160K tokens per rank read off the line through the 48K and 96K
-    traces (checked at 128K) agrees with a trace at 160K, phase by phase, to 1%."""
-    args = ["--model", "llama3-8b", "--layers", "2", "--seq-len", "1280K", "--gpus", "8"]
-    full = _plan(tmp_path, *args, "--full-trace", name="full.json")["estimate"]
+def test_length_line_matches_a_traced_length_within_1_percent(tmp_path):
+    """Issue 18's speed-up: a 4-layer Llama-3-8B on 8 ranks at 160K tokens per rank, read off
+    the line through the 48K and 96K traces (checked at 128K), agrees with the length traced
+    (--trace-length) to 1%, device and host. (4 layers: the depth line's deepest trace; the
+    depth line itself is held to full traces by test_depth_extrapolation_matches_a_full_trace.
+    For the 32-layer model the same comparison gave 32.34 GiB both ways.)"""
+    args = ["--model", "llama3-8b", "--layers", "4", "--seq-len", "1280K", "--gpus", "8"]
     line = _plan(tmp_path, *args, name="line.json")["estimate"]
-    assert full["method"] == "traced" and line["method"].startswith("length line")
-    assert abs(line["device_peak_bytes"] / full["device_peak_bytes"] - 1) < 0.01
-    assert abs(line["host_peak_bytes"] / full["host_peak_bytes"] - 1) < 0.01
-    assert abs(line["stateless_peak_bytes"] / full["stateless_peak_bytes"] - 1) < 0.01
+    traced = _plan(tmp_path, *args, "--trace-length", name="traced.json")["estimate"]
+    assert traced["method"] == "traced" and line["method"].startswith("length line"), line
+    for key in ("device_peak_bytes", "host_peak_bytes", "stateless_peak_bytes"):
+        assert abs(line[key] / traced[key] - 1) < 0.01, key
+
+
+@pytest.mark.slow
+def test_a_bent_line_is_traced_instead():
+    """Two layers at 160K tokens per rank: the backward peak moves to the other layer (with
+    its gradient shards) past the anchors, the check at 128K sees the line 0.5% off, and the
+    length is traced instead of read off the line."""
+    proc = _run("-m", "arctic.plan", "--model", "llama3-8b", "--layers", "2", "--seq-len",
+                "1280K", "--gpus", "8")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "how: traced (the length line was" in proc.stdout, proc.stdout
 
 
 def test_search_winner_fits_and_every_other_factorization_does_not(tmp_path):
@@ -189,7 +202,7 @@ def test_search_winner_fits_and_every_other_factorization_does_not(tmp_path):
     every split is valid): the winner fits at its length, and each other factorization,
     planned at that length, does not fit (or is the winner's tie at a larger ring)."""
     cfg = tmp_path / "chosen_ds.json"
-    got = _plan(tmp_path, "--model", "tiny-llama", "--gpus", "4", "--gpu-memory", "40MiB",
+    got = _plan(tmp_path, "--model", "tiny-llama", "--gpus", "4", "--gpu-memory", "28MiB",
                 "--host-memory", "1GiB", "--find-max", "--write-config", str(cfg))
     best, rows = got["max_seq_len"], got["search"]
     assert best > 0 and {(r["ring"], r["ulysses"]) for r in rows} >= {(1, 4), (2, 2), (4, 1)}
@@ -223,7 +236,8 @@ def test_optimizer_offload_moves_the_state_to_the_host(tmp_path):
     assert n == none["shard_params"] > 0 and off["state_offload"] == "optimizer"
     assert off["state_host_bytes"] == 18 * n
     assert off["host_peak_bytes"] == none["host_peak_bytes"] + 18 * n
-    assert off["device_peak_bytes"] == off["stateless_peak_bytes"] + 2 * n + 2000
+    # the bucket: 1000 elements of the SP comm dtype (fp32 by default with SP > 1)
+    assert off["device_peak_bytes"] == off["stateless_peak_bytes"] + 2 * n + 4000
     # the parameter shards and AdamW's moments (12 bytes per parameter) are alive all step,
     # so without the state every moment is at least that much lower
     assert off["stateless_peak_bytes"] <= none["device_peak_bytes"] - 12 * n

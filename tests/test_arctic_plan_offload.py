@@ -76,6 +76,13 @@ def _rank_offload_step(config: dict) -> dict:
     from helpers import init_deepspeed_comm
 
     init_deepspeed_comm()
+    from deepspeed.utils import groups
+
+    # A pooled worker may hold an earlier job's SP mpu in DeepSpeed's module globals; with it
+    # the engine would use seq_parallel_communication_data_type for the gradient bucket
+    # (tested apart, in test_sp_config_buckets_in_the_sp_comm_dtype).
+    groups.mpu = None
+    groups.mesh_device = None
     cfg = LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=128,
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       tie_word_embeddings=False)
@@ -213,3 +220,15 @@ def test_per_param_bytes():
     bad = dict(_zero(offload_optimizer=CPU), data_types={"grad_accum_dtype": "int8"})
     assert "grad_accum_dtype='int8'" in value_error_of(lambda: placement_from_ds_config(bad))
     assert "offload mode must be one of" in value_error_of(lambda: Placement("disk"))
+
+
+def test_sp_config_buckets_in_the_sp_comm_dtype():
+    """With sequence_parallel_size > 1 DeepSpeed's engine takes its communication dtype from
+    seq_parallel_communication_data_type (default fp32): the bucket is sized in it."""
+    base = {"bf16": {"enabled": True}, "sequence_parallel_size": 8,
+            "zero_optimization": {"stage": 3, "reduce_bucket_size": 1000,
+                                  "offload_optimizer": {"device": "cpu"}}}
+    assert placement_from_ds_config(base).device_fixed == 4000
+    bf16 = dict(base, seq_parallel_communication_data_type="bf16")
+    assert placement_from_ds_config(bf16).device_fixed == 2000
+    assert placement_from_ds_config(dict(base, sequence_parallel_size=1)).device_fixed == 2000

@@ -105,6 +105,9 @@ def parse_args(argv=None) -> argparse.Namespace:
     p.add_argument("--search", action=argparse.BooleanOptionalAction, default=None,
                    help="with --find-max: search the settings (default unless --ring or "
                         "--ulysses is given)")
+    p.add_argument("--trace-length", action="store_true",
+                   help="trace the length itself instead of reading it off the length line "
+                        "(slower; the two agree to 1%%, see tests/test_arctic_plan.py)")
     p.add_argument("--quick", action="store_true",
                    help="skip the trace that checks the length line (see arctic.plan.estimate)")
     p.add_argument("--write-config", type=Path, default=None,
@@ -284,7 +287,8 @@ def _main(args: argparse.Namespace) -> int:
     common = dict(gpus=args.gpus, nodes=args.nodes, gpu_memory=args.gpu_memory,
                   host_memory=args.host_memory, reserve=args.reserve,
                   headroom=args.allocator_headroom, placement=placement, layers=args.layers,
-                  full_trace=args.full_trace, quick=args.quick)
+                  full_trace=args.full_trace, quick=args.quick,
+                  line=not args.trace_length)
 
     def plan_at(n: int, stack=fields) -> Estimate:
         return plan(args.model, n, stack=stack, **common)
@@ -299,7 +303,7 @@ def _main(args: argparse.Namespace) -> int:
         estimates.append(e)
         print(report(e))
         result["estimate"] = e.as_dict()
-    chosen, best = fields, None
+    chosen, best = {"sequence_parallel_size": world, **fields}, None
     if args.find_max:
         sp = fields.get("sequence_parallel_size", world)
         start = args.seq_len or 1 << 20

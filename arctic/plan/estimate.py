@@ -231,7 +231,7 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
          gpu_memory: int = 80 * GiB, host_memory: int = int(1.5 * 1024) * GiB,
          reserve: float = 0.05, headroom: float = ALLOCATOR_HEADROOM,
          placement: Placement | None = None, layers: int | None = None, shard: bool = True,
-         full_trace: bool = False, quick: bool = False) -> Estimate:
+         full_trace: bool = False, quick: bool = False, line: bool = True) -> Estimate:
     """Trace one training step of ``model`` at ``seq_len`` tokens over ``gpus * nodes`` ranks
     (rank 0) and compare its peak with the budgets: ``gpu_memory * (1 - reserve) / headroom``
     of allocated bytes per rank on the device (``reserve``: CUDA context and NCCL;
@@ -241,7 +241,8 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
     the training state that ``placement`` offloads.
 
     ``full_trace`` traces every layer at the length itself; otherwise the depth and length
-    lines of the module docstring apply, ``quick`` skipping the length line's check.
+    lines of the module docstring apply (``line=False``: the depth line only, the length
+    traced), ``quick`` skipping the length line's check.
     """
     if headroom < 1:
         raise ValueError(f"headroom is reserved / allocated bytes, >= 1; got {headroom}")
@@ -255,7 +256,7 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
     start = time.perf_counter()
     tracer = _Tracer(config, sp, world, shard=shard)
     per_rank = seq_len // sp.sequence_parallel_size
-    if full_trace or per_rank <= CHECK_TOKENS:
+    if full_trace or not line or per_rank <= CHECK_TOKENS:
         if not full_trace:
             tracer.prefetch([(seq_len, d) for d in tracer.depths()])
         peaks, method = tracer.deep(seq_len, full=full_trace), "traced"

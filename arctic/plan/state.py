@@ -135,6 +135,12 @@ def placement_from_ds_config(ds: dict) -> Placement:
         accum, "data_types.grad_accum_dtype")
     comm = ds.get("communication_data_type")
     comm_bytes = param_bytes if comm is None else _dtype_bytes(comm, "communication_data_type")
+    if int(ds.get("sequence_parallel_size", 1)) > 1:
+        # With sequence parallelism (an SP mpu, as arctic.initialize gives it) DeepSpeed's
+        # engine replaces the communication dtype with seq_parallel_communication_data_type
+        # (default fp32), and the ZeRO-3 bucket is allocated in it.
+        sp_comm = ds.get("seq_parallel_communication_data_type", "fp32")
+        comm_bytes = _dtype_bytes(sp_comm, "seq_parallel_communication_data_type")
     bucket = int(zero.get("reduce_bucket_size", DS_REDUCE_BUCKET_SIZE))
     if not zero.get("contiguous_gradients", True):
         bucket = 0  # DeepSpeed allocates the bucket only to copy gradients into contiguously
