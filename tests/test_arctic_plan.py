@@ -128,6 +128,7 @@ def test_kept_attention_costs_host_bytes_not_device_bytes(tmp_path):
     (["--seq-len", "1M", "--model", "gpt-17"], "--model must be one of"),
     (["--seq-len", "1M", "--gpu-memory", "lots"], "not a memory size"),
     ([], "give --seq-len, or --find-max"),
+    (["--seq-len", "1M", "--allocator-headroom", "0.9"], "headroom is reserved / allocated"),
 ])
 def test_bad_arguments_are_refused(args, needle):
     proc = _run("-m", "arctic.plan", "--layers", "2", *args)
@@ -184,6 +185,10 @@ def test_length_line_matches_a_traced_length_within_1_percent(tmp_path):
     assert traced["method"] == "traced" and line["method"].startswith("length line"), line
     for key in ("device_peak_bytes", "host_peak_bytes", "stateless_peak_bytes"):
         assert abs(line[key] / traced[key] - 1) < 0.01, key
+    # --quick reads the same line without the check trace
+    quick = _plan(tmp_path, *args, "--quick", name="quick.json")["estimate"]
+    assert quick["method"].endswith("(unchecked: quick)"), quick["method"]
+    assert quick["device_peak_bytes"] == line["device_peak_bytes"]
 
 
 @pytest.mark.slow
@@ -242,3 +247,7 @@ def test_optimizer_offload_moves_the_state_to_the_host(tmp_path):
     # so without the state every moment is at least that much lower
     assert off["stateless_peak_bytes"] <= none["device_peak_bytes"] - 12 * n
     assert off["device_peak_bytes"] < none["device_peak_bytes"]
+    # the device budget: 80 GiB less the 5% reserve, over the allocator headroom
+    assert none["device_budget"] == int((80 << 30) * 0.95 / 1.12)
+    bare = _plan(tmp_path, *args, "--allocator-headroom", "1.0", name="bare.json")["estimate"]
+    assert bare["device_budget"] == int((80 << 30) * 0.95)
