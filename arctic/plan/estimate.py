@@ -14,7 +14,8 @@ for the step's structure (``tests/test_arctic_plan.py`` holds both to 1% of full
   "auto" tiles hold their temporaries to a fixed budget, however many tiles there are. A
   length beyond :data:`CHECK_TOKENS` per rank is read off the line through
   :data:`ANCHOR_TOKENS`, after a third trace (at :data:`CHECK_TOKENS`) confirms the line to
-  :data:`CHECK_TOLERANCE`; if it does not, the length is traced. ``quick`` skips that check.
+  :data:`CHECK_TOLERANCE`; if it does not, a line further up is tried, then the length is
+  traced (:func:`_read_off_the_line`). ``quick`` skips the check.
 
 Traces are cached on disk (:mod:`arctic.plan.cache`), so a search, a plot or the next run
 reads them back instead of tracing again.
@@ -227,6 +228,38 @@ def _line_checked(tracer: _Tracer, anchors: tuple[int, int], check: int) -> floa
     return worst
 
 
+def _read_off_the_line(tracer: _Tracer, seq_len: int, snap, *, quick: bool):
+    """The phases at ``seq_len`` from the length line, and how they were had.
+
+    The line through :data:`ANCHOR_TOKENS` is checked at :data:`CHECK_TOKENS`. A phase's peak
+    only bends upwards (a steeper moment takes over), so when the check is off the line is
+    tried once more from the check's trace up: through :data:`CHECK_TOKENS` and its double,
+    checked at three times it. When that is off too, or the length is within it, the length
+    itself is traced.
+    """
+    sp_size = tracer.sp.sequence_parallel_size
+    steps = [(ANCHOR_TOKENS, CHECK_TOKENS), ((CHECK_TOKENS, 2 * CHECK_TOKENS), 3 * CHECK_TOKENS)]
+    notes = []
+    for (ta, tb), tc in steps:
+        if quick and notes:
+            break
+        if seq_len // sp_size <= tb:  # within the anchors: trace it
+            break
+        na, nb, nc = snap(ta * sp_size), snap(tb * sp_size), snap(tc * sp_size)
+        low = min(tracer.depths())
+        tracer.prefetch([(n, d) for n in (na, nb) for d in tracer.depths()] +
+                        ([] if quick else [(nc, low)]))
+        off = 0.0 if quick else _line_checked(tracer, (na, nb), nc)
+        if off <= CHECK_TOLERANCE:
+            a, b = tracer.deep(na, full=False), tracer.deep(nb, full=False)
+            how = (f"length line through {ta // 1024}K and {tb // 1024}K tokens/rank" +
+                   (" (unchecked: quick)" if quick else f", checked at {tc // 1024}K to {off:.2%}"))
+            return {k: _along(a[k], b[k], na, nb, seq_len) for k in a}, "; ".join(notes + [how])
+        notes.append(f"the line through {ta // 1024}K and {tb // 1024}K was {off:.2%} off at "
+                     f"{tc // 1024}K")
+    return tracer.deep(seq_len, full=False), f"traced ({'; '.join(notes) or 'within anchors'})"
+
+
 def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | dict = "ours",
          gpu_memory: int = 80 * GiB, host_memory: int = int(1.5 * 1024) * GiB,
          reserve: float = 0.05, headroom: float = ALLOCATOR_HEADROOM,
@@ -261,21 +294,7 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
             tracer.prefetch([(seq_len, d) for d in tracer.depths()])
         peaks, method = tracer.deep(seq_len, full=full_trace), "traced"
     else:
-        sp_size = sp.sequence_parallel_size
-        na, nb = (snap(t * sp_size) for t in ANCHOR_TOKENS)
-        tracer.prefetch([(n, d) for n in (na, nb) for d in tracer.depths()] +
-                        ([] if quick else [(snap(CHECK_TOKENS * sp_size), min(tracer.depths()))]))
-        off = 0.0 if quick else _line_checked(tracer, (na, nb), snap(CHECK_TOKENS * sp_size))
-        if off <= CHECK_TOLERANCE:
-            a, b = tracer.deep(na, full=False), tracer.deep(nb, full=False)
-            peaks = {k: _along(a[k], b[k], na, nb, seq_len) for k in a}
-            method = (f"length line through {ANCHOR_TOKENS[0] // 1024}K and "
-                      f"{ANCHOR_TOKENS[1] // 1024}K tokens/rank" +
-                      (" (unchecked: quick)" if quick else
-                       f", checked at {CHECK_TOKENS // 1024}K to {off:.2%}"))
-        else:
-            peaks = tracer.deep(seq_len, full=False)
-            method = f"traced (the length line was {off:.2%} off at {CHECK_TOKENS // 1024}K)"
+        peaks, method = _read_off_the_line(tracer, seq_len, snap, quick=quick)
     if placement.offloaded:
         peaks = {k: _offloaded(p, placement, phase=k) for k, p in peaks.items()}
     phase = max(peaks, key=lambda k: peaks[k].total)
