@@ -156,7 +156,6 @@ class _Tracer:
         self.config, self.sp, self.world, self.shard = config, sp, world, shard
         self.fields = {k: getattr(sp, k) for k in PLANNED_FIELDS}
         self.positions = config.max_position_embeddings  # the model's own
-        self.traced = 0  # traces not read from the cache
 
     @contextlib.contextmanager
     def _shaped(self, seq_len: int, layers: int):
@@ -179,9 +178,8 @@ class _Tracer:
     def at(self, seq_len: int, layers: int) -> dict[str, Peak]:
         key = self._key(seq_len, layers)
         with self._shaped(seq_len, layers) as config:
-            phases, hit = cached(key, lambda: _trace(config, self.sp, self.world, seq_len,
-                                                     shard=self.shard))
-        self.traced += not hit
+            phases, _ = cached(key, lambda: _trace(config, self.sp, self.world, seq_len,
+                                                   shard=self.shard))
         return phases
 
     def prefetch(self, jobs: list[tuple[int, int]]) -> None:
@@ -195,7 +193,6 @@ class _Tracer:
         with ctx.Pool(min(WORKERS, len(todo))) as pool:
             pool.map(_trace_in_worker, [(self.config, self.sp, self.world, self.shard, n, d)
                                         for n, d in todo], chunksize=1)
-        self.traced += len(todo)
 
     def depths(self) -> tuple[int, ...]:
         depth = self.config.num_hidden_layers
