@@ -26,6 +26,7 @@ from torch import Tensor, nn
 
 from arctic.anatomy import decoder_layers, token_norms
 from arctic.order import record_apply
+from ulysses import trace_shortcuts
 
 IGNORE_INDEX = -100
 DEFAULT_TILE_BUDGET_BYTES = 256 << 20
@@ -66,7 +67,7 @@ class _TiledMLPFn(torch.autograd.Function):
         ctx.save_for_backward(x_BSE)
         out = None
         with torch.no_grad():
-            for x_t, start in _tiles(x_BSE.detach(), tiles):
+            for _, x_t, start in _tiles(x_BSE.detach(), tiles):
                 y_t = mlp(x_t)                      # [B, s_t, F] lives only inside the call
                 if out is None:
                     out = x_BSE.new_empty(x_BSE.shape[:2] + y_t.shape[2:], dtype=y_t.dtype)
@@ -80,7 +81,7 @@ class _TiledMLPFn(torch.autograd.Function):
         dx = torch.empty_like(x_BSE)
         module = ctx.mlp if isinstance(ctx.mlp, nn.Module) else getattr(ctx.mlp, "__self__", None)
         params = [p for p in module.parameters() if p.requires_grad] if module is not None else []
-        for i, (x_t, start) in enumerate(_tiles(x_BSE, ctx.tiles)):
+        for i, x_t, start in _tiles(x_BSE, ctx.tiles):
             n = x_t.shape[1]
             # DeepSpeed ZeRO reduces a parameter's gradient when its hook fires; with tiles the
             # gradient is complete only after the last one (ZeRO-2 would otherwise reduce the
@@ -98,12 +99,25 @@ class _TiledMLPFn(torch.autograd.Function):
         return dx, None, None
 
 
-def _tiles(x_BSE: Tensor, tiles: int):
-    """``(tile view, start row)`` for ``tiles`` near-equal tiles of the sequence dim."""
+def _tile_rows(x: Tensor, rows: int, tiles: int):
+    """``(index, start, rows)`` of ``tiles`` near-equal tiles of ``rows`` rows, split as
+    ``tensor_split`` does (the first ``rows % tiles`` tiles one row longer). In a memory
+    trace, a tile that repeats the two before it is left out (:mod:`ulysses.trace_shortcuts`):
+    each tile frees all it allocates, so the planner's traces cost the same at any length."""
+    q, r = divmod(rows, tiles)
     start = 0
-    for t in x_BSE.tensor_split(tiles, dim=1):
-        yield t, start
-        start += t.shape[1]
+    for i in range(tiles):
+        n = q + (i < r)
+        if trace_shortcuts.kept(i, tiles, i < r or i - 2 >= r, x):
+            yield i, start, n
+        start += n
+
+
+def _tiles(x_BSE: Tensor, tiles: int):
+    """``(index, tile view, start row)`` for ``tiles`` near-equal tiles of the sequence dim
+    (see :func:`_tile_rows`)."""
+    for i, start, n in _tile_rows(x_BSE, x_BSE.shape[1], tiles):
+        yield i, x_BSE[:, start:start + n], start
 
 
 class TiledMLP(nn.Module):
@@ -147,7 +161,7 @@ def _tiled_call(fn, x_BSE: Tensor, tiles, intermediate_size, budget_bytes, group
     row = 3 * x_BSE.shape[0] * (intermediate_size or 0) * x_BSE.element_size()
     n = resolve_tiles(tiles, x_BSE.shape[1], row, budget_bytes=budget_bytes, group=group)
     if not torch.is_grad_enabled():
-        return torch.cat([fn(t) for t, _ in _tiles(x_BSE, n)], dim=1)
+        return torch.cat([fn(t) for t in x_BSE.tensor_split(n, dim=1)], dim=1)
     return _TiledMLPFn.apply(x_BSE, fn, n)
 
 
@@ -268,7 +282,8 @@ class _TiledLossFn(torch.autograd.Function):
         ctx.tiles, ctx.scale, ctx.softcap = tiles, scale, softcap
         ctx.save_for_backward(h_NE, weight_VE, labels_N)
         total = torch.zeros((), dtype=torch.float32, device=h_NE.device)
-        for h_t, y_t in zip(h_NE.tensor_split(tiles), labels_N.tensor_split(tiles)):
+        for _, start, n in _tile_rows(h_NE, h_NE.shape[0], tiles):
+            h_t, y_t = h_NE[start:start + n], labels_N[start:start + n]
             total += F.cross_entropy(_tile_logits(h_t, weight_VE, scale, softcap), y_t,
                                      ignore_index=IGNORE_INDEX, reduction="sum")
         return total
@@ -283,9 +298,8 @@ class _TiledLossFn(torch.autograd.Function):
         # dc/dz = scale * (1 - (c / softcap)^2) (tanh' = 1 - tanh^2), or just scale without a
         # cap. The constant scale joins the upstream gradient.
         upstream = grad_total * ctx.scale
-        start = 0
-        for h_t, y_t in zip(h_NE.tensor_split(ctx.tiles), labels_N.tensor_split(ctx.tiles)):
-            n = h_t.shape[0]
+        for _, start, n in _tile_rows(h_NE, h_NE.shape[0], ctx.tiles):
+            h_t, y_t = h_NE[start:start + n], labels_N[start:start + n]
             c = _tile_logits(h_t, weight_VE, ctx.scale, softcap)         # [t, V] float32
             g = torch.softmax(c, dim=-1)                                   # [t, V] float32
             # Without nonzero()/boolean indexing: no device->host sync on CUDA, and the step
@@ -300,7 +314,6 @@ class _TiledLossFn(torch.autograd.Function):
             g *= upstream
             dh[start:start + n] = (g.to(h_NE.dtype) @ weight_VE)
             dw.addmm_(g.t(), h_t.float())
-            start += n
             del g
         return dh, dw.to(weight_VE.dtype), None, None, None, None
 

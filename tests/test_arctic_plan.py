@@ -6,6 +6,7 @@ leak into other tests."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import subprocess
@@ -189,6 +190,53 @@ def test_length_line_matches_a_traced_length_within_1_percent(tmp_path):
     quick = _plan(tmp_path, *args, "--quick", name="quick.json")["estimate"]
     assert quick["method"].endswith("(unchecked: quick)"), quick["method"]
     assert quick["device_peak_bytes"] == line["device_peak_bytes"]
+
+
+@pytest.mark.parametrize("stack,world,layers", [("ours", 8, 2), ("hybrid", 4, 4)])
+def test_trace_shortcuts_change_no_byte(stack, world, layers):
+    """The trace's shortcuts (ulysses.trace_shortcuts: repeated tiles run once, in-place
+    packing and exchanges left out) give each phase the same peaks and breakdown, byte for
+    byte, as the full trace, at tile counts where most tiles are skipped (47 loss tiles)."""
+    from arctic.plan.estimate import _trace
+    from arctic.plan.models import model_config
+    from arctic.plan.step import stack_config
+
+    config, sp = model_config("llama3-8b", layers=layers), stack_config(stack, world=world)
+    seq_len = 12 * 1024 * world + 3 * world  # uneven tiles
+    full = _trace(config, sp, world, seq_len, shard=True, shortcuts=False)
+    fast = _trace(config, sp, world, seq_len, shard=True, shortcuts=True)
+    assert set(full) == {"forward", "backward", "optimizer"}
+    for phase, peak in full.items():
+        assert fast[phase] == peak, phase
+
+
+def test_trace_shortcuts_never_touch_real_tensors():
+    """Inside memory_trace(), tile loops over real tensors still run every tile (and the tiled
+    loss is the same); over fake tensors they skip the repeats but keep the last tile."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from arctic.tiling import _tile_rows, tiled_logits_loss
+    from ulysses.trace_shortcuts import memory_trace
+
+    real = torch.zeros(10)
+    with memory_trace():
+        assert [i for i, _, _ in _tile_rows(real, 10, 7)] == list(range(7))
+        with FakeTensorMode():
+            fake = torch.zeros(10)
+            # sizes 2, 2, 2, 1, 1, 1, 1: each size's first two tiles, and the last
+            assert [i for i, _, _ in _tile_rows(fake, 10, 7)] == [0, 1, 3, 4, 6]
+    assert [i for i, _, _ in _tile_rows(fake, 10, 7)] == list(range(7))  # outside: all
+    torch.manual_seed(0)
+    h, w = torch.randn(37, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True)
+    labels = torch.randint(0, 11, (37,))
+    grads = []
+    for ctx in (memory_trace(), contextlib.nullcontext()):
+        with ctx:
+            loss, _ = tiled_logits_loss(h[None], w, labels[None], tiles=9)
+            grads.append((loss.detach(), *torch.autograd.grad(loss, (h, w))))
+    for a, b in zip(*grads):
+        assert torch.equal(a, b)
 
 
 @pytest.mark.slow

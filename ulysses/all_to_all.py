@@ -26,6 +26,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ulysses import trace_shortcuts
 from ulysses.buffer_pool import BufferPool
 
 
@@ -190,27 +191,32 @@ def exchange_blocks_async(send_blocks: Sequence[Tensor], recv_shapes: Sequence[S
     acquire = (lambda n: pool.acquire(n, dtype, first.device)) if pool is not None else (
         lambda n: torch.empty(n, dtype=dtype, device=first.device))
     send, recv = acquire(sum(send_numels)), acquire(sum(recv_numels))
-    offset = 0
-    for r, (block, numel) in enumerate(zip(send_blocks, send_numels)):
-        if r != skip:
-            send[offset:offset + numel].view(block.shape).copy_(block)
-        offset += numel
-    recvs, offset = [], 0
-    for numel in recv_numels:
-        recvs.append(recv[offset:offset + numel])
-        offset += numel
+    recvs = list(recv.split(recv_numels))  # flat views at their offsets
     work = None
-    if uniform:
+    if trace_shortcuts.skip(first):
+        pass  # a memory trace: packing and the exchange fill buffers that exist
+    elif uniform:
+        _pack_blocks(send, send_blocks, send_numels, skip)
         recvs[me].view(send_blocks[me].shape).copy_(send_blocks[me])
         if world > 1:
             sends = list(send.split(send_numels))
             sends[me] = recvs[me]  # the exchange's self copy is then a no-op onto itself
             work = dist.all_to_all(recvs, sends, group=group, async_op=True)
     else:
+        _pack_blocks(send, send_blocks, send_numels, skip)
         work = dist.all_to_all_single(recv, send, output_split_sizes=recv_numels,
                                       input_split_sizes=send_numels, group=group, async_op=True)
     views = [r.view(shape) for r, shape in zip(recvs, recv_shapes)]
     return PendingExchange(work, send, recv, views, pool)
+
+
+def _pack_blocks(send: Tensor, blocks: Sequence[Tensor], numels: list[int], skip: int) -> None:
+    """Copy each block but ``blocks[skip]`` into its place in the flat ``send`` buffer."""
+    offset = 0
+    for r, (block, numel) in enumerate(zip(blocks, numels)):
+        if r != skip:
+            send[offset:offset + numel].view(block.shape).copy_(block)
+        offset += numel
 
 
 class PendingAllToAll:

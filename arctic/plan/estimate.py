@@ -36,6 +36,7 @@ from arctic.plan.step import (PLANNED_FIELDS, build, init_optimizer_state, make_
                               stack_config, train_step)
 from arctic.plan.tracing import KINDS, Peak, buffer_pools, fake_world, track_peak
 from arctic.plan.units import GiB
+from ulysses.trace_shortcuts import memory_trace
 
 ALLOCATOR_HEADROOM = 1.12
 """Reserved over allocated bytes of the CUDA caching allocator with
@@ -120,13 +121,18 @@ def _along(a: Peak, b: Peak, xa: int, xb: int, x: int) -> Peak:
                 largest=(b if abs(x - xb) <= abs(x - xa) else a).largest, **values)
 
 
-def _trace(config, sp, world: int, seq_len: int, *, shard: bool) -> dict[str, Peak]:
-    """One traced step: each phase's peak, with the offload pool's host peak in ``host``."""
+def _trace(config, sp, world: int, seq_len: int, *, shard: bool,
+           shortcuts: bool = True) -> dict[str, Peak]:
+    """One traced step: each phase's peak, with the offload pool's host peak in ``host``.
+    ``shortcuts``: skip the work that allocates nothing or repeats
+    (:mod:`ulysses.trace_shortcuts`): the peaks are the same, the trace's cost no longer
+    grows with the tile counts."""
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake_world(world)
     mesh = sp.dims(world).build_mesh("cpu")  # outside: the mesh reads its rank map
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    skipping = memory_trace() if shortcuts else contextlib.nullcontext()
+    with FakeTensorMode(allow_non_fake_inputs=True), skipping:
         model, optimizer = build(config, sp, mesh, device="cpu", shard=shard,
                                  host_memory_limit=1 << 62)  # the host is judged after
         init_optimizer_state(model, optimizer)
