@@ -12,7 +12,7 @@ import json
 from pathlib import Path
 
 from arctic.config import SequenceParallelConfig, load_ds_config, zero_stage
-from arctic.plan.estimate import ALLOCATOR_HEADROOM, Estimate, plan
+from arctic.plan.estimate import ALLOCATOR_HEADROOM, Estimate, plan, start_workers
 from arctic.plan.models import MODELS, model_config
 from arctic.plan.search import find_max, search
 from arctic.plan.state import MODES, Placement, placement_from_ds_config
@@ -214,7 +214,9 @@ def plot(path: Path, series: dict[str, list[Estimate]], *, budget: int, title: s
 
 def main(argv=None) -> int:
     try:
-        return _main(parse_args(argv))
+        args = parse_args(argv)
+        start_workers()  # the tracers' imports run while this process reads the model
+        return _main(args)
     except ValueError as e:  # bad settings: say what, no traceback
         raise SystemExit(f"error: {e}")
 
