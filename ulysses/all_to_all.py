@@ -137,30 +137,57 @@ def _unpack(recv: Tensor, plan: _Plan) -> Tensor:
 
 class PendingExchange:
     """A block exchange in flight. :meth:`wait` returns the received blocks (views into one
-    flat buffer); :meth:`release` hands that buffer back to the pool once they are consumed."""
+    flat buffer, made when first asked for); :meth:`release` hands that buffer back to the
+    pool once they are consumed."""
 
-    def __init__(self, work, send: Tensor, recv: Tensor, views: list[Tensor],
+    def __init__(self, work, send: Tensor, recv: Tensor, shapes: Sequence[Sequence[int]],
                  pool: BufferPool | None) -> None:
-        self._work, self._send, self._recv, self._views, self._pool = work, send, recv, views, pool
+        self._work, self._send, self._recv, self._pool = work, send, recv, pool
+        self._shapes, self._views = shapes, None
 
-    def wait(self) -> list[Tensor]:
+    def arrive(self) -> None:
+        """Wait for the exchange (and give the send buffer back), making no views."""
         if self._work is not None:
             self._work.wait()
             self._work = None
         if self._send is not None and self._pool is not None:
             self._pool.release(self._send)  # the exchange no longer reads it
         self._send = None
+
+    def wait(self) -> list[Tensor]:
+        self.arrive()
+        if self._views is None and self._recv is not None:
+            numels = [math.prod(shape) for shape in self._shapes]
+            self._views = [r.view(shape) for r, shape in
+                           zip(self._recv.split(numels), self._shapes)]
         return self._views
 
     def wait_flat(self) -> Tensor:
         """Like :meth:`wait`, but the whole receive buffer: the blocks back to back, 1-D."""
-        self.wait()
+        self.arrive()
         return self._recv
 
     def release(self) -> None:
         if self._pool is not None and self._recv is not None:
             self._pool.release(self._recv)
         self._recv = self._views = None
+
+
+class BlockViews(Sequence):
+    """Send blocks made when read: ``make(r)`` is rank r's block (a view), and ``numels[r]``
+    its element count, known without making it. A memory trace, which packs nothing
+    (:mod:`ulysses.trace_shortcuts`), then makes only the first."""
+
+    def __init__(self, make, numels: Sequence[int]) -> None:
+        self._make, self.numels = make, list(numels)
+
+    def __len__(self) -> int:
+        return len(self.numels)
+
+    def __getitem__(self, r):
+        if isinstance(r, slice):
+            return [self._make(i) for i in range(len(self))[r]]
+        return self._make(range(len(self))[r])
 
 
 def exchange_blocks_async(send_blocks: Sequence[Tensor], recv_shapes: Sequence[Sequence[int]],
@@ -171,7 +198,7 @@ def exchange_blocks_async(send_blocks: Sequence[Tensor], recv_shapes: Sequence[S
 
     The lower-level form of :func:`all_to_all_async`, for callers that pick each rank's block
     themselves (head chunks, whose heads are not one contiguous range). Blocks may be strided
-    views and may be empty. Received blocks come back as contiguous views of one flat buffer,
+    views and may be empty, or a :class:`BlockViews` that makes them as read. Received blocks come back as contiguous views of one flat buffer,
     in rank order. This rank's own block never enters the send buffer: it is copied straight
     into its place in the receive buffer. Both buffers come from ``pool`` when given.
     ``dtype``: the dtype that travels (blocks are cast into the send buffer, and the received
@@ -184,19 +211,21 @@ def exchange_blocks_async(send_blocks: Sequence[Tensor], recv_shapes: Sequence[S
     # gloo's list all-to-all needs equal sizes; it lets this rank's own block skip the send
     # buffer (copied straight into place). Uneven blocks go through all_to_all_single, whose
     # cumulative offsets need the self block in the send buffer too.
-    uniform = len({b.numel() for b in send_blocks} | set(recv_numels)) == 1
+    numels = (send_blocks.numels if isinstance(send_blocks, BlockViews) else
+              [b.numel() for b in send_blocks])
+    uniform = len(set(numels) | set(recv_numels)) == 1
     skip = me if uniform else -1
-    send_numels = [0 if r == skip else b.numel() for r, b in enumerate(send_blocks)]
+    send_numels = [0 if r == skip else n for r, n in enumerate(numels)]
     dtype = first.dtype if dtype is None else dtype
     acquire = (lambda n: pool.acquire(n, dtype, first.device)) if pool is not None else (
         lambda n: torch.empty(n, dtype=dtype, device=first.device))
     send, recv = acquire(sum(send_numels)), acquire(sum(recv_numels))
-    recvs = list(recv.split(recv_numels))  # flat views at their offsets
     work = None
     if trace_shortcuts.skip(first):
         pass  # a memory trace: packing and the exchange fill buffers that exist
     elif uniform:
         _pack_blocks(send, send_blocks, send_numels, skip)
+        recvs = list(recv.split(recv_numels))  # flat views at their offsets
         recvs[me].view(send_blocks[me].shape).copy_(send_blocks[me])
         if world > 1:
             sends = list(send.split(send_numels))
@@ -206,8 +235,7 @@ def exchange_blocks_async(send_blocks: Sequence[Tensor], recv_shapes: Sequence[S
         _pack_blocks(send, send_blocks, send_numels, skip)
         work = dist.all_to_all_single(recv, send, output_split_sizes=recv_numels,
                                       input_split_sizes=send_numels, group=group, async_op=True)
-    views = [r.view(shape) for r, shape in zip(recvs, recv_shapes)]
-    return PendingExchange(work, send, recv, views, pool)
+    return PendingExchange(work, send, recv, recv_shapes, pool)
 
 
 def _pack_blocks(send: Tensor, blocks: Sequence[Tensor], numels: list[int], skip: int) -> None:

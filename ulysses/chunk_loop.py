@@ -32,7 +32,7 @@ import torch
 from torch import Tensor
 
 from ulysses import trace_shortcuts
-from ulysses.all_to_all import PendingExchange, exchange_blocks_async
+from ulysses.all_to_all import BlockViews, PendingExchange, exchange_blocks_async
 from ulysses.buffer_pool import BufferPool
 from ulysses.chunk_schedule import Step
 from ulysses.sharding import HeadLayout
@@ -82,7 +82,8 @@ def to_heads(x_BsXD: Tensor, ranges: Ranges, mine: int, group, pool,
     ``x_SBnD`` for this rank's ``mine`` heads: the kernel reads it as a strided view.
     """
     B, s, _, D = x_BsXD.shape
-    send = [x_BsXD[:, :, start:start + n].permute(1, 0, 2, 3) for start, n in ranges]
+    send = BlockViews(lambda r: x_BsXD[:, :, ranges[r][0]:sum(ranges[r])].permute(1, 0, 2, 3),
+                      [s * B * n * D for _, n in ranges])
     return exchange_blocks_async(send, [(s, B, mine, D)] * len(ranges), group, pool=pool,
                                  dtype=dtype)
 
@@ -100,7 +101,7 @@ def to_seq(y_BSnD: Tensor, ranges: Ranges, group, pool,
     B, S, _, D = y_BSnD.shape
     U = len(ranges)
     s = S // U
-    send = [y_BSnD[:, r * s:(r + 1) * s] for r in range(U)]
+    send = BlockViews(lambda r: y_BSnD[:, r * s:(r + 1) * s], [B * s * y_BSnD.shape[2] * D] * U)
     return exchange_blocks_async(send, [(B, s, n, D) for _, n in ranges], group, pool=pool,
                                  dtype=dtype)
 
@@ -135,7 +136,7 @@ def _exchange_kv(src: ChunkSource, j: int, st: Step, cfg: ChunkConfig, pool, sha
     pend = [_send(src, kind, j, st, mine, cfg, pool) for kind in ("k", "v")]
     if not st.kv_new[me]:
         for p in pend:
-            p.wait(), p.release()
+            p.arrive(), p.release()
         return None
     return pend, tuple(as_BSnD(p, (s, B, mine, D), U).to(dtype) for p in pend)
 
@@ -196,7 +197,7 @@ def run_forward(src: ChunkSource, out: Tensor, cfg: ChunkConfig, pool: BufferPoo
             _release(kv)
             kv = None
         if nxt is not None:
-            nxt.wait()  # ran during the kernel; frees its send buffer
+            nxt.arrive()  # ran during the kernel; frees its send buffer
         pend_out = (to_seq(o_j, st.q, cfg.group, pool, cfg.comm_dtype), st.q)
         del o_j
         if not cfg.overlap:
@@ -263,7 +264,7 @@ def run_backward(src: ChunkSource, out: Tensor, lse: Tensor, cfg: ChunkConfig,
             _release(kv)
             kv = None
         for p in nxt or ():
-            p.wait()
+            p.arrive()
         sent = [(to_seq(dq_j, st.q, cfg.group, pool, cfg.comm_dtype), "q", j, st)]
         del dq_j
         ranges = st.kv_returned()
