@@ -163,6 +163,25 @@ def _finish(src: ChunkSource, sent) -> None:
 #   anything new is acquired, and kernel outputs are dropped as soon as they are packed;
 # - a source's tensors (a projected chunk, say) live only until they are packed.
 
+def _steps_run(steps: Sequence[Step], x: Tensor) -> list[int]:
+    """The indices of the steps a loop runs: all of them; in a memory trace
+    (:func:`ulysses.trace_shortcuts.skip` of ``x``), the schedule less its middle periods.
+
+    Steps differ only in which heads they take when their shapes (every rank's q and kv head
+    counts, and which ranks send or return kv) repeat with a period p; the first two periods
+    and the last then allocate and free all that the whole schedule does (the second shows
+    a period following another), and the periods between are left out."""
+    n = len(steps)
+    if n < 4 or not trace_shortcuts.skip(x):
+        return list(range(n))
+    shape = [(tuple(c for _, c in st.q), tuple(c for _, c in st.kv), st.kv_new, st.kv_done)
+             for st in steps]
+    for p in range(1, n // 3 + 1):
+        if all(shape[j] == shape[j - p] for j in range(p, n)):
+            return list(range(2 * p)) + list(range(max(2 * p, n - p), n))
+    return list(range(n))
+
+
 def run_forward(src: ChunkSource, out: Tensor, cfg: ChunkConfig, pool: BufferPool,
                 sinks: Tensor | None = None) -> Tensor:
     """Fill ``out_BsHD`` (all heads, this rank's piece) with every chunk's attention output;
@@ -175,14 +194,16 @@ def run_forward(src: ChunkSource, out: Tensor, cfg: ChunkConfig, pool: BufferPoo
     def launch(j):
         return _send(src, "q", j, steps[j], steps[j].q[me][1], cfg, pool)
 
-    kv, pend_out, nxt = None, None, launch(0)
-    for j, st in enumerate(steps):
+    order = _steps_run(steps, out)
+    kv, pend_out, nxt = None, None, launch(order[0])
+    for i, j in enumerate(order):
+        st = steps[j]
         if pend_out is not None:
             _finish_out(pend_out, out)
         kv = _exchange_kv(src, j, st, cfg, pool, (s, B, D), out.dtype) or kv
         pq, n = nxt, st.q[me][1]
         q_j = as_BSnD(pq, (s, B, n, D), U).to(out.dtype)  # waits before the next launch
-        nxt = launch(j + 1) if cfg.overlap and j + 1 < len(steps) else None
+        nxt = launch(order[i + 1]) if cfg.overlap and i + 1 < len(order) else None
         o_j = out.new_empty(B, s * U, 0, D)
         if n:
             k_j, v_j = kv[1]
@@ -203,7 +224,7 @@ def run_forward(src: ChunkSource, out: Tensor, cfg: ChunkConfig, pool: BufferPoo
         if not cfg.overlap:
             _finish_out(pend_out, out)
             pend_out = None
-            nxt = launch(j + 1) if j + 1 < len(steps) else None
+            nxt = launch(order[i + 1]) if i + 1 < len(order) else None
     if pend_out is not None:
         _finish_out(pend_out, out)
     _release(kv)
@@ -231,8 +252,10 @@ def run_backward(src: ChunkSource, out: Tensor, lse: Tensor, cfg: ChunkConfig,
         st = steps[j]
         return [_send(src, kind, j, st, st.q[me][1], cfg, pool) for kind in ("q", "dout")]
 
-    kv, dkv_sum, sent, nxt = None, None, [], launch(0)
-    for j, st in enumerate(steps):
+    order = _steps_run(steps, out)
+    kv, dkv_sum, sent, nxt = None, None, [], launch(order[0])
+    for i, j in enumerate(order):
+        st = steps[j]
         _finish(src, sent)
         kv = _exchange_kv(src, j, st, cfg, pool, (s, B, D), out.dtype) or kv
         n = st.q[me][1]
@@ -241,7 +264,7 @@ def run_backward(src: ChunkSource, out: Tensor, lse: Tensor, cfg: ChunkConfig,
         pqs = nxt + [p_out]
         # waits before the next launch
         q_j, dout_j = (as_BSnD(p, (s, B, n, D), U).to(out.dtype) for p in pqs[:2])
-        nxt = launch(j + 1) if cfg.overlap and j + 1 < len(steps) else None
+        nxt = launch(order[i + 1]) if cfg.overlap and i + 1 < len(order) else None
         dq_j = out.new_empty(B, s * U, 0, D)
         if n:
             k_j, v_j = kv[1]
@@ -279,7 +302,7 @@ def run_backward(src: ChunkSource, out: Tensor, lse: Tensor, cfg: ChunkConfig,
         if not cfg.overlap:
             _finish(src, sent)
             sent = []
-            nxt = launch(j + 1) if j + 1 < len(steps) else None
+            nxt = launch(order[i + 1]) if i + 1 < len(order) else None
     _finish(src, sent)
     _release(kv)
     return dsinks

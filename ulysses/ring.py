@@ -32,6 +32,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ulysses import trace_shortcuts
 from ulysses.all_to_all import check_comm_dtype
 from ulysses.band import (Piece, acc_dtype, band_pieces, check_window, merge_into,
                           piece_backward, piece_forward)
@@ -146,6 +147,17 @@ class _Hop:
         return self.recv
 
 
+def _hops_run(cfg: RingAttention, L: int, x: Tensor) -> list[int]:
+    """The ring steps a loop runs: all; in a memory trace (:func:`ulysses.trace_shortcuts.skip`
+    of ``x``), a step whose kernel calls have the shapes of the two before it is left out
+    unless it is the last, as it allocates and frees what they did."""
+    shapes = [tuple((p.q1 - p.q0, p.k1 - p.k0, p.kind) for p in _pieces(cfg, t, L))
+              for t in range(cfg.size)]
+    return [t for t in range(cfg.size)
+            if trace_shortcuts.kept(t, cfg.size, t >= 4 and shapes[t] == shapes[t - 1] ==
+                                    shapes[t - 2], x)]
+
+
 def _forward(q, k, v, cfg: RingAttention) -> tuple[Tensor, Tensor]:
     B, L, h, D = q.shape
     # The running result: float32 for half inputs; lse -inf until a row has seen a key.
@@ -153,7 +165,7 @@ def _forward(q, k, v, cfg: RingAttention) -> tuple[Tensor, Tensor]:
     lse = torch.full((B, h, L), float("-inf"), dtype=torch.float32, device=q.device)
     comm = k.dtype if cfg.comm_dtype is None else cfg.comm_dtype
     cur, spare = (k, v), None
-    for t in range(cfg.size):
+    for t in _hops_run(cfg, L, q):
         hop = _Hop(cur, spare, cfg, comm) if t + 1 < cfg.size else None
         for p in _pieces(cfg, t, L):
             out_b, lse_b = piece_forward(q, *cur, p, scale=cfg.scale, backend=cfg.backend)
@@ -174,7 +186,7 @@ def _backward(dout, q, k, v, out, lse, cfg: RingAttention) -> tuple[Tensor, Tens
                       (cfg.comm_dtype, cfg.comm_dtype))
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     cur, spare, dkv_hop = (k, v), None, None
-    for t in range(cfg.size):
+    for t in _hops_run(cfg, L, q):
         hop = _Hop(cur, spare, cfg, comm) if t + 1 < cfg.size else None
         # The partial dk/dv of the block in hand: fresh at step 0, else what the previous
         # holder passed on (it travelled one hop behind the block itself).

@@ -4,9 +4,10 @@ The memory planner (:mod:`arctic.plan`) traces a training step under ``FakeTenso
 records every allocation and free. Two kinds of work cost it most of its time and change
 nothing it records:
 
-- repeats: a tile loop's tile that has the same shape as the two before it allocates and
-  frees exactly what they did (the first repeat is kept: it shows what accumulating into the
-  first tile's outputs allocates, and the last tile is always kept);
+- repeats: a tile of a tiled MLP or loss, a period of the head-chunk schedule, a ring hop
+  that has the shapes of those before it allocates and frees exactly what they did (the
+  first repeat is kept: it shows what accumulating into the first one's outputs allocates,
+  and the last is always kept);
 - in-place copies and adds into buffers that already exist (packing an exchange's send
   buffer, placing received blocks): they allocate nothing.
 
