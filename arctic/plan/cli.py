@@ -370,5 +370,7 @@ def search_table(candidates, winner) -> str:
         peak = (f"{at.peak.total / GiB:.2f} GiB " + ("fits" if at.fits else "no fit")
                 if at else "-")
         mark = "  <- chosen" if c is winner else ""
-        rows.append(f"{name:<16}{c.best:>14,}  {peak:>24}  {c.limit()}{mark}")
+        longest = f"{c.best:,}" if c.best else "-"
+        note = c.limit() if c.best else f"does not fit one granule past the winner: {c.limit()}"
+        rows.append(f"{name:<16}{longest:>14}  {peak:>24}  {note}{mark}")
     return "\n".join(rows)

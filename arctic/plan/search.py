@@ -7,8 +7,10 @@ Apart from :mod:`arctic.plan.estimate` because it knows nothing of tracing: it c
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
+from arctic.config import SequenceParallelConfig
 from arctic.plan.estimate import Estimate
 from arctic.plan.units import format_gib
 
@@ -153,16 +155,26 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int, int], start
                          f"{heads[0]} query / {heads[1]} kv heads")
     winner = max(traced, key=lambda c: (c.best, -c.ring))
     host_bound = "host" in winner.limit()
+    defaults = {f.name: f.default for f in dataclasses.fields(SequenceParallelConfig)}
     for change in ({"recompute_attention": True},
                    {"offload_activations": False, "recompute_attention": True}):
-        if not host_bound or all(winner.fields.get(k) == v for k, v in change.items()):
+        if not host_bound or all(winner.fields.get(k, defaults[k]) == v
+                                 for k, v in change.items()):
             continue
         alt = Candidate(ring=winner.ring, ulysses=winner.ulysses,
                         fields=dict(winner.fields, **change))
         log(f"ring {alt.ring} x ulysses {alt.ulysses}, {change}:")
-        alt.best, alt.tried = find_max(lambda n, f=alt.fields: plan_with(n, f),
-                                       start=winner.best or start, granule=granule, log=log,
+        # It matters only if it goes past the winner: one plan tells, and only then is its
+        # longest length searched.
+        past = plan_with(winner.best + granule, alt.fields)
+        log(f"    {past.seq_len:>11,} tokens: "
+            f"{'fits' if past.fits else 'does not fit (' + past.limit() + ')'}")
+        alt.tried = [past]
+        if past.fits:
+            alt.best, tried = find_max(lambda n, f=alt.fields: plan_with(n, f),
+                                       start=past.seq_len, granule=granule, log=log,
                                        tolerance=0)
+            alt.tried += tried
         candidates.append(alt)
         if alt.best > winner.best:
             winner, host_bound = alt, "host" in alt.limit()
