@@ -99,6 +99,23 @@ def test_find_max_verdict_and_plot(tmp_path):
     assert png.stat().st_size > 10_000
 
 
+def test_searched_plot_draws_each_factorization(tmp_path):
+    """With the search, --plot draws every traced factorization at its own settings beside
+    the chosen ones (and the JSON records each line): tiny Llama on 2 GPUs, ring 1 x
+    Ulysses 2 and ring 2 x Ulysses 1."""
+    pytest.importorskip("matplotlib")
+    png = tmp_path / "peak.png"
+    got = _plan(tmp_path, "--model", "tiny-llama", "--gpus", "2", "--gpu-memory", "48MiB",
+                "--host-memory", "1GiB", "--find-max", "--plot", str(png))
+    ring = got["settings"]["ulysses"].get("ring_degree", 1)
+    other = f"ring {3 - ring} x ulysses {ring}"
+    assert set(got["plot"]) >= {"these settings", other, "ulysses", "alst", "ours"}
+    for name in ("these settings", other):
+        peaks = [p for _, p in got["plot"][name]]
+        assert len(peaks) >= 2 and peaks == sorted(peaks) and peaks[0] > 0, name
+    assert png.stat().st_size > 10_000
+
+
 def test_verdict_names_the_limit(tmp_path):
     """Plain Ulysses (untiled logits) at 512K tokens on 8 x 80 GiB does not fit; the full stack
     does, and uses far less."""

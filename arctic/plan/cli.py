@@ -305,7 +305,7 @@ def _main(args: argparse.Namespace) -> int:
         estimates.append(e)
         print(report(e))
         result["estimate"] = e.as_dict()
-    chosen, best = {"sequence_parallel_size": world, **fields}, None
+    chosen, best, candidates = {"sequence_parallel_size": world, **fields}, None, []
     if args.find_max:
         sp = fields.get("sequence_parallel_size", world)
         start = args.seq_len or 1 << 20
@@ -344,8 +344,17 @@ def _main(args: argparse.Namespace) -> int:
         lengths = sorted({max(1024 * world, int(top * f) // (1024 * world) * 1024 * world)
                           for f in (0.25, 0.5, 0.75, 1.0)})
         series = {"these settings": [plan_at(n, chosen) for n in lengths]}
+        for c in candidates:  # each searched factorization (and variant) at its settings
+            if c.pruned or c.fields == chosen:
+                continue
+            extra = ",".join(f"{k}={v}" for k, v in c.fields.items()
+                             if chosen.get(k) != v and k != "ring_degree")
+            name = f"ring {c.ring} x ulysses {c.ulysses}" + (f" {extra}" if extra else "")
+            series[name] = [plan_at(n, c.fields) for n in lengths]
         for name in ("ulysses", "alst", "ours"):
             series[name] = [plan_at(n, STACKS[name]) for n in lengths]
+        result["plot"] = {name: [[e.seq_len, e.peak.total] for e in es]
+                          for name, es in series.items()}
         plot(args.plot, series, budget=estimates[0].device_budget,
              title=f"{args.model}, {world} x {args.gpu_memory / GiB:.0f} GiB")
         print(f"wrote {args.plot}")
