@@ -178,7 +178,8 @@ def _steps_run(steps: Sequence[Step], x: Tensor) -> list[int]:
              for st in steps]
     for p in range(1, n // 3 + 1):
         if all(shape[j] == shape[j - p] for j in range(p, n)):
-            return list(range(2 * p)) + list(range(max(2 * p, n - p), n))
+            tail = max(2 * p, (n - p) // p * p)  # a period's start: the run goes on in phase
+            return list(range(2 * p)) + list(range(tail, n))
     return list(range(n))
 
 
