@@ -82,8 +82,12 @@ def to_heads(x_BsXD: Tensor, ranges: Ranges, mine: int, group, pool,
     ``x_SBnD`` for this rank's ``mine`` heads: the kernel reads it as a strided view.
     """
     B, s, _, D = x_BsXD.shape
-    send = BlockViews(lambda r: x_BsXD[:, :, ranges[r][0]:sum(ranges[r])].permute(1, 0, 2, 3),
-                      [s * B * n * D for _, n in ranges])
+
+    def block(r: int) -> Tensor:
+        start, n = ranges[r]
+        return x_BsXD[:, :, start:start + n].permute(1, 0, 2, 3)
+
+    send = BlockViews(block, [s * B * n * D for _, n in ranges])
     return exchange_blocks_async(send, [(s, B, mine, D)] * len(ranges), group, pool=pool,
                                  dtype=dtype)
 

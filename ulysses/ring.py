@@ -150,7 +150,10 @@ class _Hop:
 def _hops_run(cfg: RingAttention, L: int, x: Tensor) -> list[int]:
     """The ring steps a loop runs: all; in a memory trace (:func:`ulysses.trace_shortcuts.skip`
     of ``x``), a step whose kernel calls have the shapes of the two before it is left out
-    unless it is the last, as it allocates and frees what they did."""
+    unless it is the last, as it allocates and frees what they did. Hops 0 to 3 always run:
+    the first hops allocate the receive buffers that later hops reuse."""
+    if not trace_shortcuts.skip(x):
+        return list(range(cfg.size))
     shapes = [tuple((p.q1 - p.q0, p.k1 - p.k0, p.kind) for p in _pieces(cfg, t, L))
               for t in range(cfg.size)]
     return [t for t in range(cfg.size)

@@ -219,8 +219,7 @@ class _Tracer:
         processes of their own (:func:`_workers_context`); each writes the cache, where
         :meth:`at` then reads it."""
         todo = [j for j in dict.fromkeys(jobs) if not is_cached(self._key(*j))]
-        todo.sort(key=lambda j: (-j[1], -j[0]))  # the costliest (deepest) first: the workers
-        # then finish together
+        todo.sort(key=lambda j: (-j[1], -j[0]))  # deepest first: the workers finish together
         if len(todo) < 2 or WORKERS < 2 or cache_dir() is None:
             return
         with _workers_context().Pool(min(WORKERS, len(todo))) as pool:
