@@ -116,6 +116,76 @@ def test_searched_plot_draws_each_factorization(tmp_path):
     assert png.stat().st_size > 10_000
 
 
+def test_a_trace_in_this_process_keeps_the_cache_keys():
+    """Building a model writes to its config (dtype): a trace must not change the key of the
+    next one, or every trace after the first in a process misses the cache."""
+    script = (
+        "from arctic.plan.estimate import _Tracer\n"
+        "from arctic.plan.cache import is_cached\n"
+        "from arctic.plan.models import model_config\n"
+        "from arctic.plan.step import stack_config\n"
+        "if __name__ == '__main__':\n"
+        "    t = _Tracer(model_config('tiny-llama'), stack_config('ours', world=2), 2,\n"
+        "                shard=True)\n"
+        "    key = t._key(4096, 2)\n"
+        "    t.at(4096, 2)\n"
+        "    assert t._key(4096, 2) == key and is_cached(key), 'key changed'\n")
+    proc = _run("-c", script)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _synthetic(device, host, budget=(100.0, 100.0)):
+    """A ``plan_at`` whose device and host figures are the given functions of the length."""
+    from types import SimpleNamespace
+
+    def plan_at(n):
+        d, h = device(n), host(n)
+        fits = d <= budget[0] and h <= budget[1]
+        return SimpleNamespace(seq_len=n, fits=fits, limit=lambda: "x",
+                               peak=SimpleNamespace(total=d, host=h),
+                               device_budget=budget[0], host_budget=budget[1])
+    return plan_at
+
+
+@pytest.mark.parametrize("name,device,host,most", [
+    ("host line", lambda n: 20 + n / 1e5, lambda n: 5 + n / 5.3e4, 5),
+    ("device line", lambda n: 20 + n / 6.1e4, lambda n: n / 1e6, 5),
+    ("bent device", lambda n: 20 + max(n / 1e5, n / 2e4 - 150), lambda n: 0.0, 7),
+    ("curved host", lambda n: 0.0, lambda n: (n / 7.7e4) ** 1.5, 8),
+])
+def test_find_max_lands_on_the_longest_fit_in_few_plans(name, device, host, most):
+    """find_max returns the longest granule multiple that fits (checked against every
+    multiple), in few plans: lines are crossed where they cross the budget; a bend or a curve
+    costs a few more plans, never a creep of a tenth of the bracket per plan."""
+    from arctic.plan.search import find_max
+
+    granule, plans = 1024, []
+    plan_at = _synthetic(device, host)
+    counted = lambda n: plans.append(n) or plan_at(n)  # noqa: E731
+    best, tried = find_max(counted, start=1 << 20, granule=granule, log=lambda _: None,
+                           tolerance=0)
+    truth = max(n for n in range(granule, 1 << 24, granule) if plan_at(n).fits)
+    assert best == truth, (name, best, truth, plans)
+    assert len(plans) <= most, (name, plans)
+    assert find_max(plan_at, start=1 << 20, granule=1 << 30, log=lambda _: None)[0] == 0
+
+
+def test_no_offload_is_skipped_only_when_half_the_offloaded_inputs_overflow():
+    """The search skips the no-offload variant untraced only when at least half the host
+    bytes of the offloaded layer inputs (the pool reuses a buffer for a tensor half its size)
+    exceed the device budget; the offloaded training state does not count."""
+    from types import SimpleNamespace
+
+    from arctic.plan.search import _inputs_overflow
+
+    def at(host, state=0):
+        return SimpleNamespace(seq_len=1 << 20, peak=SimpleNamespace(host=host),
+                               state_host=state, device_budget=100)
+    assert _inputs_overflow(at(202)) and "at least" in _inputs_overflow(at(202))
+    assert _inputs_overflow(at(200)) is None
+    assert _inputs_overflow(at(250, state=60)) is None
+
+
 def test_verdict_names_the_limit(tmp_path):
     """Plain Ulysses (untiled logits) at 512K tokens on 8 x 80 GiB does not fit; the full stack
     does, and uses far less."""

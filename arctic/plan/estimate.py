@@ -24,6 +24,7 @@ reads them back instead of tracing again.
 from __future__ import annotations
 
 import contextlib
+import copy
 import multiprocessing
 import os
 import time
@@ -189,29 +190,26 @@ class _Tracer:
         self.fields = {k: getattr(sp, k) for k in PLANNED_FIELDS}
         self.positions = config.max_position_embeddings  # the model's own
 
-    @contextlib.contextmanager
     def _shaped(self, seq_len: int, layers: int):
-        """The config with ``layers`` layers and room for ``seq_len`` positions (the traced
-        length's, not the planned one's: the line's traces serve every length)."""
-        config = self.config
-        saved = config.num_hidden_layers, config.max_position_embeddings
+        """A copy of the config with ``layers`` layers and room for ``seq_len`` positions
+        (the traced length's, not the planned one's: the line's traces serve every length).
+        A copy, since building a model writes to its config (``dtype``), which would change
+        the cache keys of every later trace in this process."""
+        config = copy.deepcopy(self.config)
         config.num_hidden_layers = layers
         config.max_position_embeddings = max(self.positions, seq_len)
-        try:
-            yield config
-        finally:
-            config.num_hidden_layers, config.max_position_embeddings = saved
+        return config
 
     def _key(self, seq_len: int, layers: int) -> str:
-        with self._shaped(seq_len, layers) as config:
-            return trace_key(config, self.fields, world=self.world, seq_len=seq_len,
-                             shard=self.shard)
+        return trace_key(self._shaped(seq_len, layers), self.fields, world=self.world,
+                         seq_len=seq_len, shard=self.shard)
 
     def at(self, seq_len: int, layers: int) -> dict[str, Peak]:
-        key = self._key(seq_len, layers)
-        with self._shaped(seq_len, layers) as config:
-            phases, _ = cached(key, lambda: _trace(config, self.sp, self.world, seq_len,
-                                                   shard=self.shard))
+        config = self._shaped(seq_len, layers)
+        key = trace_key(config, self.fields, world=self.world, seq_len=seq_len,
+                        shard=self.shard)
+        phases, _ = cached(key, lambda: _trace(config, self.sp, self.world, seq_len,
+                                               shard=self.shard))
         return phases
 
     def prefetch(self, jobs: list[tuple[int, int]]) -> None:

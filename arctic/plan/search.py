@@ -8,6 +8,7 @@ Apart from :mod:`arctic.plan.estimate` because it knows nothing of tracing: it c
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 from arctic.config import SequenceParallelConfig
@@ -21,70 +22,69 @@ def find_max(plan_at, *, start: int, granule: int, log=print,
     granule). ``plan_at(n)`` plans ``n`` tokens. Returns it (0 if one granule does not fit)
     and every estimate made.
 
-    Device and host memory grow about linearly with the length, so the search steps to where
-    the line through the last two traces crosses the budget (regula falsi, kept inside the
-    bracket of the longest length that fits and the shortest that does not), and halves the
-    bracket when that step would not shrink it enough. Each step is one trace.
+    Device and host memory grow about linearly with the length, so each step goes to where
+    the line through two estimates crosses the budget: outside the bracket, the last two
+    (a little past the crossing, so that the next lands on the other side); inside it, the
+    longest fit and the shortest misfit (regula falsi, with the Illinois rule: an end kept
+    twice in a row has its distance to the budget halved, so a bent line cannot hold one end
+    still). Each step is one plan; on an exact line the search ends in about four.
     """
     tried: list[Estimate] = []
 
     def load(e: Estimate) -> float:  # > 1: does not fit
-        if e.refused is not None:
-            return max(2.0, e.peak.host / max(1, e.host_budget))
         return max(e.peak.total / e.device_budget, e.peak.host / max(1, e.host_budget))
 
-    def at(n: int) -> Estimate:
+    def at(n: int) -> tuple[int, float]:
         e = plan_at(n)
         tried.append(e)
         log(f"  {n:>12,} tokens: peak {format_gib(e.peak.total)}, "
             f"host {format_gib(e.peak.host)} -> "
             f"{'fits' if e.fits else 'does not fit (' + e.limit() + ')'}")
-        return e
+        return e.seq_len, load(e) if e.fits else max(load(e), 1.0 + 1e-9)
+
+    def crossing(a: tuple[int, float], b: tuple[int, float]) -> float | None:
+        (na, fa), (nb, fb) = a, b
+        return None if fb == fa or nb == na else na + (1 - fa) * (nb - na) / (fb - fa)
 
     snap = lambda n: max(granule, int(n) // granule * granule)  # noqa: E731
-    lo, hi = None, None  # (n, load) of the longest fit / shortest misfit
-    e = at(snap(start))
-    if e.fits:
-        lo = (e.seq_len, load(e))
-    else:
-        hi = (e.seq_len, load(e))
+    points = [at(snap(start))]
+    lo = points[0] if points[0][1] <= 1 else None  # (n, load): the longest fit
+    hi = None if lo else points[0]  # the shortest misfit
     while lo is None or hi is None:
-        # Bracket. Memory is about a + b n with a > 0 (parameters, optimizer state), so scaling
-        # by the line through the origin lands short of the crossing: step 5% past it when
-        # growing, 2% short of it when shrinking, so the next trace lands on the other side.
-        n, f = lo or hi
+        n, f = points[-1]
+        # Memory is about a + b n with a > 0 (parameters, optimizer state), so from one point
+        # the line through the origin is all there is; it lands short of the crossing, and
+        # the line through two points is used once there are two. Aim 2% past the crossing,
+        # towards the other side.
+        guess = crossing(points[-2], points[-1]) if len(points) > 1 else None
+        if guess is None or guess <= 0:
+            guess = n / f if f > 0 else 2 * n
         if lo is not None:
-            target = snap(n / f * 1.05) if f > 0 else 2 * n
-            target = max(target, n + granule)
+            target = max(snap(min(guess * 1.02, 4 * n)), n + granule)
         else:
-            target = min(snap(n / f * 0.98), snap(n // 2) if f > 2 else n - granule)
-        if target == n or target < granule:
-            break
-        e = at(target)
-        if e.fits:
-            lo = (e.seq_len, load(e))
-        else:
-            hi = (e.seq_len, load(e))
-        if hi is not None and hi[0] <= granule and not e.fits:
+            target = min(snap(max(guess * 0.98, n / 4)), n - granule)
+        if target < granule:
             return 0, tried
-    if lo is None:  # not even one granule fits
-        return 0, tried
-    while hi[0] - lo[0] > max(granule, int(lo[0] * tolerance)):
-        (n0, f0), (n1, f1) = lo, hi
-        guess = n0 + (1 - f0) * (n1 - n0) / (f1 - f0) if f1 > f0 else (n0 + n1) / 2
-        width = n1 - n0
-        if not (n0 + width / 10 < guess < n1 - width / 10):
-            guess = min(max(guess, n0 + width / 10), n1 - width / 10)
-        n = snap(guess)
-        if n <= n0 or n >= n1:
-            n = snap((n0 + n1) / 2)
-            if n <= n0 or n >= n1:
-                break
-        e = at(n)
-        if e.fits:
-            lo = (e.seq_len, load(e))
+        points.append(at(target))
+        if points[-1][1] <= 1:
+            lo = points[-1] if lo is None or points[-1][0] > lo[0] else lo
         else:
-            hi = (e.seq_len, load(e))
+            hi = points[-1] if hi is None or points[-1][0] < hi[0] else hi
+    kept = None  # which end the last step kept
+    while hi[0] - lo[0] > max(granule, int(lo[0] * tolerance)):
+        guess = crossing(lo, hi) or (lo[0] + hi[0]) / 2
+        n = min(max(snap(guess), lo[0] + granule), hi[0] - granule)
+        point = at(n)
+        if point[1] <= 1:
+            lo = point
+            if kept == "hi":  # Illinois: move the misfit's load halfway to the budget
+                hi = (hi[0], 1 + (hi[1] - 1) / 2)
+            kept = "hi"
+        else:
+            hi = point
+            if kept == "lo":
+                lo = (lo[0], 1 - (1 - lo[1]) / 2)
+            kept = "lo"
     return lo[0], tried
 
 
@@ -147,8 +147,10 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int, int], start
             log(f"ring {c.ring} x ulysses {c.ulysses}: skipped ({c.pruned})")
             continue
         log(f"ring {c.ring} x ulysses {c.ulysses}:")
+        began = time.perf_counter()
         c.best, c.tried = find_max(lambda n, f=c.fields: plan_with(n, f), start=start,
                                    granule=granule, log=log, tolerance=0)
+        log(f"  ({len(c.tried)} plans, {time.perf_counter() - began:.1f} s)")
     traced = [c for c in candidates if not c.pruned]
     if not traced:
         raise ValueError(f"no ring x Ulysses factorization of {sp_size} suits the model's "
@@ -164,6 +166,12 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int, int], start
         alt = Candidate(ring=winner.ring, ulysses=winner.ulysses,
                         fields=dict(winner.fields, **change))
         log(f"ring {alt.ring} x ulysses {alt.ulysses}, {change}:")
+        candidates.append(alt)
+        if change.get("offload_activations") is False:
+            alt.pruned = _inputs_overflow(plan_with(winner.best + granule, winner.fields))
+            if alt.pruned:
+                log(f"    skipped: {alt.pruned}")
+                continue
         # It matters only if it goes past the winner: one plan tells, and only then is its
         # longest length searched.
         past = plan_with(winner.best + granule, alt.fields)
@@ -175,10 +183,22 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int, int], start
                                        start=past.seq_len, granule=granule, log=log,
                                        tolerance=0)
             alt.tried += tried
-        candidates.append(alt)
         if alt.best > winner.best:
             winner, host_bound = alt, "host" in alt.limit()
     for c in candidates:
         if not c.pruned and c.best and winner.best:
             c.at_winner = plan_with(winner.best, c.fields)
     return winner, candidates
+
+
+def _inputs_overflow(e: Estimate) -> str | None:
+    """Why turning offload off cannot fit where ``e`` (offloading) is: the layer inputs it
+    holds on the host would stay on the device. The host pool reuses a buffer for a tensor of
+    at least half its size, so the tensors are at least half the host bytes; when that half
+    alone is over the device budget, no trace is needed."""
+    held = e.peak.host - e.state_host
+    if held // 2 <= e.device_budget:
+        return None
+    return (f"at {e.seq_len:,} tokens its layer inputs (at least {format_gib(held // 2).strip()}"
+            f", offloaded there) would stay on the device, over its budget of "
+            f"{format_gib(e.device_budget).strip()}")
