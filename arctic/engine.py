@@ -29,7 +29,7 @@ from arctic.config import SequenceParallelConfig, load_ds_config, zero_stage
 from arctic.data import SequenceParallelDataLoader
 from arctic.loss import apply_sp_loss
 from arctic.tiling import apply_tiled_mlp, apply_tiled_norms
-from ulysses import DeepSpeedMPU
+from ulysses import DeepSpeedMPU, flat_mesh
 
 
 def _zero3_reduction_settings(ds_config: dict, model: nn.Module, sp_size: int) -> dict:
@@ -89,14 +89,14 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
             # With the MLP tiled, the RMSNorms' float32 temporaries set the step's peak (found
             # by the planner, arctic.plan); they are tiled with it, by their own byte budget.
             apply_tiled_norms(model)
-    apply_sp_loss(model, group=mesh["sp"].get_group(), loss_tiles=config.loss_tiles,
+    apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group(), loss_tiles=config.loss_tiles,
                   averaged_over_sp=averaged_over_sp)
     if config.activation_checkpointing:
         # The host limit is agreed over all ranks, so all refuse (or not) together.
         apply_activation_checkpointing(model, offload_to_cpu=config.offload_activations,
                                        host_memory_limit=host_memory_limit,
                                        recompute_attention=config.recompute_attention,
-                                       group=mesh["dp_sp"].get_group())
+                                       group=flat_mesh(mesh, "dp_sp").get_group())
     return model
 
 

@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from arctic.anatomy import decoder_layers
 from arctic.config import zero_stage
 from arctic.order import record_apply
-from ulysses.mesh import check_mesh
+from ulysses.mesh import check_mesh, flat_mesh
 
 SHARD_AXIS = "dp_sp"
 """The flattened mesh axis spanning every rank (:meth:`SequenceParallelDims.build_mesh`)."""
@@ -132,7 +132,7 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
         raise ValueError(f"{type(model).__name__} has no decoder layers (modules with self_attn "
                          f"and mlp) to shard one by one")
     record_apply(model, "sharding")  # raises, changing nothing, when applied out of order
-    kwargs = {"mesh": mesh[SHARD_AXIS], "mp_policy": mp_policy or MixedPrecisionPolicy(),
+    kwargs = {"mesh": flat_mesh(mesh, SHARD_AXIS), "mp_policy": mp_policy or MixedPrecisionPolicy(),
               "offload_policy": offload_policy or OffloadPolicy()}
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)

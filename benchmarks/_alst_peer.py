@@ -44,6 +44,8 @@ import deepspeed.comm as ds_dist
 from deepspeed.runtime.sequence_parallel.ulysses_sp import (
     TiledFusedLogitsLoss, TiledMLP, UlyssesSPAttentionHF, UlyssesSPDataLoaderAdapter)
 
+from ulysses import flat_mesh
+
 IGNORE_INDEX = -100
 
 
@@ -117,7 +119,7 @@ def apply_alst(model: nn.Module, *, mesh, seq_len: int, mlp_tiles: int,
     rank's contiguous shard ``[1, seq_len / sp]`` each) returns the SP token-mean loss.
     """
     init_deepspeed_comm()
-    sp_mesh = mesh["sp"]
+    sp_mesh = flat_mesh(mesh, "sp")
     mpu = UlyssesSPAttentionHF.register_with_transformers(
         model_name_or_path=model, core_attn_implementation="sdpa",
         sequence_parallel_size=sp_mesh.size(), micro_batch_size=1, seq_length=seq_len,
@@ -138,7 +140,7 @@ def check_shards(input_ids_BS: Tensor, batch: dict[str, Tensor], mesh) -> None:
     """Raise unless DeepSpeed's data adapter cuts ``input_ids_BS`` (the same on every rank)
     into exactly ``batch``'s shards (``input_ids``, ``position_ids``, ``shift_labels``)."""
     init_deepspeed_comm()
-    sp_mesh = mesh["sp"]
+    sp_mesh = flat_mesh(mesh, "sp")
     S = input_ids_BS.shape[1]
     sample = {"input_ids": input_ids_BS, "labels": input_ids_BS.clone(),
               "position_ids": torch.arange(S).expand_as(input_ids_BS)}

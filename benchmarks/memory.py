@@ -57,7 +57,7 @@ from arctic.hf_attention import apply_sequence_parallel  # noqa: E402
 from arctic.loss import apply_sp_loss, sp_token_loss  # noqa: E402
 from arctic.tiling import apply_tiled_mlp, apply_tiled_norms  # noqa: E402
 from arctic import apply_activation_checkpointing  # noqa: E402
-from ulysses import SequenceParallelDims  # noqa: E402
+from ulysses import SequenceParallelDims, flat_mesh  # noqa: E402
 
 import _alst_peer  # noqa: E402  (benchmarks/, on sys.path as the script's directory)
 
@@ -114,10 +114,10 @@ def build(stack: str, args, mesh, device, seq_len: int):
     if level >= 2:
         apply_tiled_mlp(model, tiles=args.mlp_tiles)
         apply_tiled_norms(model, tiles=args.mlp_tiles)
-        apply_sp_loss(model, group=mesh["sp"].get_group(), loss_tiles=args.loss_tiles)
+        apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group(), loss_tiles=args.loss_tiles)
     if level >= 3:
         apply_activation_checkpointing(model, offload_to_cpu=True,
-                                       group=mesh["dp_sp"].get_group())
+                                       group=flat_mesh(mesh, "dp_sp").get_group())
     return model
 
 
@@ -182,7 +182,7 @@ def predict(args) -> None:
     fake_world(args.world)
     mesh = SequenceParallelDims(world_size=args.world,
                                 ulysses_degree=args.world).build_mesh("cpu")
-    group = mesh["sp"].get_group()
+    group = flat_mesh(mesh, "sp").get_group()
     device = torch.device("cpu")
     record = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "predicted": {}}
@@ -218,7 +218,7 @@ def main() -> None:
         torch.cuda.set_device(device)
     world = dist.get_world_size()
     mesh = SequenceParallelDims(world_size=world, ulysses_degree=world).build_mesh(device.type)
-    group = mesh["sp"].get_group()
+    group = flat_mesh(mesh, "sp").get_group()
     ids = torch.randint(0, 256, (1, args.seq), generator=torch.Generator().manual_seed(1))
     batch = {k: v.to(device) for k, v in prepare_sp_batch({"input_ids": ids}, mesh).items()}
     _alst_peer.check_shards(ids.to(device), batch, mesh)

@@ -28,6 +28,7 @@ from _common import (REPO, ByteCorpus, Progress, add_job_args, build_model, gath
                      parse_job_args, resumable_batches, split_cpu_threads)
 
 import arctic  # after _common: from the checkout
+from ulysses import flat_mesh
 
 
 def parse_args() -> argparse.Namespace:
@@ -61,7 +62,7 @@ def main() -> None:
     progress = Progress(desc="train", total=args.max_steps, initial=step,
                         log_file=args.log_file)
     tokens_per_step = args.seq_len * engine.train_micro_batch_size_per_gpu() * \
-        (dist.get_world_size() // engine.sp_mesh["sp"].size())
+        (dist.get_world_size() // flat_mesh(engine.sp_mesh, "sp").size())
     batches = resumable_batches(loader, epoch=epoch, skip=skip)
     while step < args.max_steps:
         epoch, i, batch = next(batches)

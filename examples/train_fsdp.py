@@ -46,6 +46,7 @@ from arctic.config import load_ds_config  # noqa: E402
 from arctic.engine import apply_sp_recipe  # noqa: E402
 from arctic.fsdp import check_no_zero  # noqa: E402
 from arctic.order import STAGES, applied_stages  # noqa: E402
+from ulysses import flat_mesh  # noqa: E402
 
 SP_FLAGS = ("sequence_parallel_size", "ring_degree", "head_chunk_size", "tiled_mlp",
             "no_activation_checkpointing", "offload_activations")
@@ -181,7 +182,7 @@ def main() -> None:
     if rank == 0:
         stages = sorted(applied_stages(model), key=STAGES.index)
         print(f"applied: {' -> '.join(stages)} (dp={mesh['dp'].size()}, "
-              f"sp={mesh['sp'].size()})", flush=True)
+              f"sp={flat_mesh(mesh, 'sp').size()})", flush=True)
         if offload_policy is not None:
             print(f"offload: parameters, gradients and optimizer state on the host "
                   f"({offload_policy})", flush=True)

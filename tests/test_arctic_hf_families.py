@@ -121,12 +121,13 @@ def _rank_step(family, ulysses, ring=1, chunk=None, fuse=False, documents=False)
     from arctic.data import prepare_sp_batch
     from arctic.hf_attention import apply_sequence_parallel
     from arctic.loss import apply_sp_loss
+    from ulysses import flat_mesh
 
     world = ulysses * ring
     mesh = get_mesh(world, ulysses, ring)
     model = apply_sequence_parallel(_model(family), mesh=mesh, head_chunk_size=chunk,
                                     fuse_projections=fuse)
-    apply_sp_loss(model, group=mesh["sp"].get_group(), loss_tiles=2)
+    apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group(), loss_tiles=2)
     raw = {"input_ids": _tokens(), "labels": _tokens()}
     if documents:
         raw["position_ids"] = _doc_positions()
@@ -278,10 +279,11 @@ def _rank_interleaved(hf_checkpointing: bool):
     from arctic.data import prepare_sp_batch
     from arctic.hf_attention import apply_sequence_parallel
     from arctic.loss import apply_sp_loss
+    from ulysses import flat_mesh
 
     mesh = get_mesh(2, 2)
     model = apply_sequence_parallel(_model("stablelm"), mesh=mesh)
-    apply_sp_loss(model, group=mesh["sp"].get_group(), loss_tiles=2)
+    apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group(), loss_tiles=2)
     model.train()
     if hf_checkpointing:
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})

@@ -73,15 +73,16 @@ def _rank_train_sp(name, kv_heads, ulysses, ring, chunk, tiled_mlp=False, masked
     from arctic.hf_attention import apply_sequence_parallel
     from arctic.loss import apply_sp_loss
     from arctic.tiling import apply_tiled_mlp
+    from ulysses import flat_mesh
 
     world = ulysses * ring
     mesh = get_mesh(world, ulysses, ring)
     model = apply_sequence_parallel(_model(name, kv_heads), mesh=mesh, head_chunk_size=chunk)
     if tiled_mlp:
         apply_tiled_mlp(model, tiles=3)
-    apply_sp_loss(model, group=mesh["sp"].get_group(), loss_tiles=2)
+    apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group(), loss_tiles=2)
     batch = prepare_sp_batch({"input_ids": _tokens(), "labels": _labels(masked_tail)}, mesh)
-    if masked_tail and mesh["sp"].get_local_rank() == 1:
+    if masked_tail and flat_mesh(mesh, "sp").get_local_rank() == 1:
         assert (batch["shift_labels"] == -100).all()
 
     def average(model):  # what DDP does: average over every rank

@@ -16,7 +16,7 @@ import torch.nn.functional as F
 import dist_pool
 from helpers import TOL, get_mesh
 from helpers import value_error_of as _error
-from ulysses import gather_sequence, shard_sequence, ulysses_attention
+from ulysses import flat_mesh, gather_sequence, shard_sequence, ulysses_attention
 from ulysses.fused_attention import fused_attention
 from ulysses.kernels import local_attention
 
@@ -215,7 +215,7 @@ def _rank_model(name, kv_heads, ulysses, ring, chunk, checkpointing=False):
     for fuse in (True, False):
         model = apply_sequence_parallel(_model(name, kv_heads), mesh=mesh, head_chunk_size=chunk,
                                         fuse_projections=fuse)
-        apply_sp_loss(model, group=mesh["sp"].get_group(), loss_tiles=2)
+        apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group(), loss_tiles=2)
         if checkpointing:
             apply_activation_checkpointing(model)
         loss = model(**batch)
@@ -372,7 +372,7 @@ def _rank_fsdp2():
     mesh = get_mesh(2, 2)
     model = apply_sequence_parallel(_model("qwen3", 4), mesh=mesh, head_chunk_size=2,
                                     fuse_projections=True)
-    apply_sp_loss(model, group=mesh["sp"].get_group(), loss_tiles=2, averaged_over_sp=True)
+    apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group(), loss_tiles=2, averaged_over_sp=True)
     apply_activation_checkpointing(model)
     apply_fsdp(model, mesh=mesh)
     loss = model(**prepare_sp_batch({"input_ids": _tokens()}, mesh))

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 import torch.distributed as dist
 
 import dist_pool
-from ulysses import DeepSpeedMPU, SequenceParallelDims, all_to_all
+from ulysses import DeepSpeedMPU, SequenceParallelDims, all_to_all, flat_mesh
 
 
 @pytest.mark.parametrize("world,u,r,dp", [(8, 8, 1, 1), (8, 4, 1, 2), (8, 2, 2, 2), (1, 1, 1, 1)])
@@ -30,8 +32,16 @@ def test_bad_degrees(kwargs, needle):
 
 
 def _rank_mpu(world, u, r):
-    mesh = SequenceParallelDims(world, u, r).build_mesh("cpu")
-    mpu = DeepSpeedMPU(mesh)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        mesh = SequenceParallelDims(world, u, r).build_mesh("cpu")
+        mpu = DeepSpeedMPU(mesh)  # reads the flattened axes (flat_mesh), not mesh["sp"]
+        flat = {k: dist.get_process_group_ranks(flat_mesh(mesh, k).get_group())
+                for k in ("sp", "dp_sp")}
+    try:
+        flat_mesh(mesh, "ring")
+    except ValueError as e:
+        refused = str(e)
     ranks = lambda g: dist.get_process_group_ranks(g)  # noqa: E731
     return dict(
         names=mesh.mesh_dim_names, shape=tuple(mesh.shape),
@@ -45,6 +55,8 @@ def _rank_mpu(world, u, r):
              ranks(mpu.get_sequence_data_parallel_group())),
         mp=mpu.get_model_parallel_world_size(),
         ulysses=ranks(mesh["ulysses"].get_group()),
+        flat=flat, refused=refused,
+        warned=[str(w.message) for w in caught if "flatten" in str(w.message)],
     )
 
 
@@ -58,6 +70,8 @@ def test_mpu_dp2_ulysses2():
         assert r["dp"] == (2, rank // 2, [rank % 2, rank % 2 + 2]) and not r["has_dp"]
         assert r["sdp"] == (4, rank, [0, 1, 2, 3])
         assert r["mp"] == 2
+        assert r["flat"] == {"sp": [base, base + 1], "dp_sp": [0, 1, 2, 3]}
+        assert "no flattened axis 'ring'" in r["refused"] and not r["warned"], r
 
 
 def test_mpu_ring2_ulysses2():

@@ -11,7 +11,7 @@ from ulysses.attention import ulysses_attention
 from ulysses.buffer_pool import BufferPool
 from ulysses.kernels import BACKENDS, local_attention, select_backend
 from ulysses.layer import DistributedAttention
-from ulysses.mesh import DeepSpeedMPU, SequenceParallelDims, mesh_dims
+from ulysses.mesh import DeepSpeedMPU, SequenceParallelDims, flat_mesh, mesh_dims
 from ulysses.ring import ring_attention
 from ulysses.sharding import gather_sequence, head_layout, padded_len, shard_sequence
 
@@ -26,6 +26,7 @@ __all__ = [
     "gather_sequence",
     "head_layout",
     "local_attention",
+    "flat_mesh",
     "mesh_dims",
     "padded_len",
     "ring_attention",

@@ -93,8 +93,10 @@ class SequenceParallelDims:
                                 mesh_dim_names=MESH_AXES)
         # "sp" (ring x ulysses) is what a loss all-reduce and DeepSpeed's SP group use;
         # "dp_sp" (every axis) is what ZeRO/FSDP shard over.
-        mesh["ring", "ulysses"]._flatten("sp")
-        mesh["dp", "ring", "ulysses"]._flatten("dp_sp")
+        # Kept on the mesh and read with flat_mesh(): slicing a flattened axis off the root
+        # mesh warns of its deprecation from torch 2.11 on.
+        mesh._sp_flat = {"sp": mesh["ring", "ulysses"]._flatten("sp"),
+                         "dp_sp": mesh["dp", "ring", "ulysses"]._flatten("dp_sp")}
         # The description travels with the mesh: everything that cuts or attends a sequence
         # reads the layout from here, so the two sides cannot be given different ones.
         mesh._sp_dims = SequenceParallelDims(self.world_size, self.ulysses_degree,
@@ -120,6 +122,16 @@ def mesh_dims(mesh: DeviceMesh) -> SequenceParallelDims:
     layout (``zigzag``, ``seq_len_divisor``). ``ValueError`` for any other mesh."""
     check_mesh(mesh)
     return mesh._sp_dims
+
+
+def flat_mesh(mesh: DeviceMesh, name: str) -> DeviceMesh:
+    """The one-axis mesh over the flattened ``"sp"`` (ring x ulysses) or ``"dp_sp"`` (every
+    axis) ranks of a mesh from :meth:`SequenceParallelDims.build_mesh`."""
+    check_mesh(mesh)
+    flat = getattr(mesh, "_sp_flat", {})
+    if name not in flat:
+        raise ValueError(f"the mesh has no flattened axis {name!r}; it has {sorted(flat)}")
+    return flat[name]
 
 
 def axis_size(mesh: DeviceMesh, axis: str) -> int:
@@ -158,8 +170,8 @@ class DeepSpeedMPU:
     def __init__(self, mesh: DeviceMesh) -> None:
         check_mesh(mesh)
         self.mesh = mesh
-        self._sp = mesh["sp"]
-        self._dp_sp = mesh["dp_sp"]
+        self._sp = flat_mesh(mesh, "sp")
+        self._dp_sp = flat_mesh(mesh, "dp_sp")
 
     def initialize_sequence_parallel(self, sequence_parallel_size: int) -> None:
         """Groups already exist (they come from the mesh); only check the size agrees."""
