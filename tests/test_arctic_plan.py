@@ -152,6 +152,8 @@ def _synthetic(device, host, budget=(100.0, 100.0)):
     ("device line", lambda n: 20 + n / 6.1e4, lambda n: n / 1e6, 5),
     ("bent device", lambda n: 20 + max(n / 1e5, n / 2e4 - 150), lambda n: 0.0, 7),
     ("curved host", lambda n: 0.0, lambda n: (n / 7.7e4) ** 1.5, 8),
+    # the device nearer its budget at first, the host growing faster and over it first
+    ("host overtakes", lambda n: 50 + n / 1.3e5, lambda n: n / 3.1e4, 5),
 ])
 def test_find_max_lands_on_the_longest_fit_in_few_plans(name, device, host, most):
     """find_max returns the longest granule multiple that fits (checked against every

@@ -22,39 +22,52 @@ def find_max(plan_at, *, start: int, granule: int, log=print,
     granule). ``plan_at(n)`` plans ``n`` tokens. Returns it (0 if one granule does not fit)
     and every estimate made.
 
-    Device and host memory grow about linearly with the length, so each step goes to where
-    the line through two estimates crosses the budget: outside the bracket, the last two
-    (a little past the crossing, so that the next lands on the other side); inside it, the
-    longest fit and the shortest misfit (regula falsi, with the Illinois rule: an end kept
-    twice in a row has its distance to the budget halved, so a bent line cannot hold one end
-    still). Each step is one plan; on an exact line the search ends in about four.
+    Device and host memory each grow about linearly with the length, so each step goes to
+    where the first of the two lines through two estimates crosses its budget: outside the
+    bracket, the last two (a little past the crossing, so that the next lands on the other
+    side); inside it, the longest fit and the shortest misfit (regula falsi, with the Illinois
+    rule: an end kept twice in a row has its distance to the budget halved, so a bent line
+    cannot hold one end still). Each step is one plan; on exact lines the search ends in
+    about five.
     """
     tried: list[Estimate] = []
 
-    def load(e: Estimate) -> float:  # > 1: does not fit
-        return max(e.peak.total / e.device_budget, e.peak.host / max(1, e.host_budget))
-
-    def at(n: int) -> tuple[int, float]:
+    def at(n: int) -> tuple[int, tuple[float, float]]:
+        """``(n, loads)``: device and host bytes over their budgets (> 1: over)."""
         e = plan_at(n)
         tried.append(e)
         log(f"  {n:>12,} tokens: peak {format_gib(e.peak.total)}, "
             f"host {format_gib(e.peak.host)} -> "
             f"{'fits' if e.fits else 'does not fit (' + e.limit() + ')'}")
-        return e.seq_len, load(e) if e.fits else max(load(e), 1.0 + 1e-9)
+        loads = (e.peak.total / e.device_budget, e.peak.host / max(1, e.host_budget))
+        if not e.fits and max(loads) <= 1:
+            loads = (loads[0], 1.0 + 1e-9)  # refused at the budget itself
+        return e.seq_len, loads
 
-    def crossing(a: tuple[int, float], b: tuple[int, float]) -> float | None:
+    def crossing(a, b) -> float | None:
+        """Where the first of the device and host lines through ``a`` and ``b`` crosses its
+        budget (the two grow at different rates: the one over at ``b`` may not be the one
+        nearest at ``a``)."""
         (na, fa), (nb, fb) = a, b
-        return None if fb == fa or nb == na else na + (1 - fa) * (nb - na) / (fb - fa)
+        xs = [na + (1 - ya) * (nb - na) / (yb - ya) for ya, yb in zip(fa, fb)
+              if yb > ya and nb != na]
+        return min(xs, default=None)
+
+    def fits(point) -> bool:
+        return max(point[1]) <= 1
+
+    def toward_budget(point):  # Illinois: a kept end's loads halfway to the budget
+        return point[0], tuple(1 + (y - 1) / 2 for y in point[1])
 
     snap = lambda n: max(granule, int(n) // granule * granule)  # noqa: E731
     points = [at(snap(start))]
-    lo = points[0] if points[0][1] <= 1 else None  # (n, load): the longest fit
+    lo = points[0] if fits(points[0]) else None  # the longest fit
     hi = None if lo else points[0]  # the shortest misfit
     while lo is None or hi is None:
-        n, f = points[-1]
+        n, f = points[-1][0], max(points[-1][1])
         # Memory is about a + b n with a > 0 (parameters, optimizer state), so from one point
         # the line through the origin is all there is; it lands short of the crossing, and
-        # the line through two points is used once there are two. Aim 2% past the crossing,
+        # the lines through two points are used once there are two. Aim 2% past the crossing,
         # towards the other side.
         guess = crossing(points[-2], points[-1]) if len(points) > 1 else None
         if guess is None or guess <= 0:
@@ -66,24 +79,19 @@ def find_max(plan_at, *, start: int, granule: int, log=print,
         if target < granule:
             return 0, tried
         points.append(at(target))
-        if points[-1][1] <= 1:
+        if fits(points[-1]):
             lo = points[-1] if lo is None or points[-1][0] > lo[0] else lo
         else:
             hi = points[-1] if hi is None or points[-1][0] < hi[0] else hi
     kept = None  # which end the last step kept
     while hi[0] - lo[0] > max(granule, int(lo[0] * tolerance)):
         guess = crossing(lo, hi) or (lo[0] + hi[0]) / 2
-        n = min(max(snap(guess), lo[0] + granule), hi[0] - granule)
-        point = at(n)
-        if point[1] <= 1:
-            lo = point
-            if kept == "hi":  # Illinois: move the misfit's load halfway to the budget
-                hi = (hi[0], 1 + (hi[1] - 1) / 2)
+        point = at(min(max(snap(guess), lo[0] + granule), hi[0] - granule))
+        if fits(point):
+            lo, hi = point, toward_budget(hi) if kept == "hi" else hi
             kept = "hi"
         else:
-            hi = point
-            if kept == "lo":
-                lo = (lo[0], 1 - (1 - lo[1]) / 2)
+            lo, hi = toward_budget(lo) if kept == "lo" else lo, point
             kept = "lo"
     return lo[0], tried
 
