@@ -28,6 +28,7 @@ from arctic.checkpointing import apply_activation_checkpointing
 from arctic.config import SequenceParallelConfig, load_ds_config, zero_stage
 from arctic.data import SequenceParallelDataLoader
 from arctic.loss import apply_sp_loss
+from arctic.placement import Placement, offload_pool_limit, placement_from_ds_config
 from arctic.tiling import apply_tiled_mlp, apply_tiled_norms
 from ulysses import DeepSpeedMPU, flat_mesh
 
@@ -100,6 +101,23 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
     return model
 
 
+def host_limit_beside_state(ds_config: dict, sp: SequenceParallelConfig, model: nn.Module,
+                            mesh) -> int | None:
+    """:func:`apply_sp_recipe`'s ``host_memory_limit`` under a DeepSpeed config: what the
+    training state that ZeRO-3 offloads to the CPU leaves of the offload pool's default
+    budget (:func:`arctic.placement.offload_pool_limit`); ``None`` (the default) when the
+    layer inputs are not offloaded or the state is not on the host. Call it on every rank
+    (the budget is agreed over them), before DeepSpeed allocates the state."""
+    if not (sp.activation_checkpointing and sp.offload_activations):
+        return None
+    try:
+        placement = placement_from_ds_config(ds_config)
+    except ValueError:  # NVMe, or offload_param alone: not modelled; the pool's default
+        placement = Placement("none")
+    return offload_pool_limit(placement, sum(p.numel() for p in model.parameters()),
+                              dist.get_world_size(), group=flat_mesh(mesh, "dp_sp").get_group())
+
+
 def initialize(*, model: nn.Module, config: str | Path | dict, model_parameters=None,
                training_data=None, optimizer=None, lr_scheduler=None, collate_fn=None,
                dist_init_required: bool | None = None):
@@ -118,7 +136,10 @@ def initialize(*, model: nn.Module, config: str | Path | dict, model_parameters=
         ``engine(**batch)`` returns the SP group's token-mean loss; ``engine.sp_mesh`` is the
         mesh. Every ``ValueError`` (bad config, heads that do not fit) is raised on every rank
         before DeepSpeed starts. On CUDA it turns on the allocator's expandable segments
-        unless ``PYTORCH_CUDA_ALLOC_CONF`` is set (:mod:`arctic.allocator`).
+        unless ``PYTORCH_CUDA_ALLOC_CONF`` is set (:mod:`arctic.allocator`). With ZeRO-3's
+        ``offload_optimizer`` (and ``offload_param``) on the CPU, the activation offload
+        pool's host limit is what that state leaves of it
+        (:func:`arctic.placement.offload_pool_limit`), as the planner counts them.
     """
     import deepspeed
 
@@ -134,7 +155,8 @@ def initialize(*, model: nn.Module, config: str | Path | dict, model_parameters=
     mesh = sp.dims(dist.get_world_size()).build_mesh(device.type)
 
     # DeepSpeed, given the SP mpu, sums gradients over the sp ranks and divides by dp only.
-    apply_sp_recipe(model, config=sp, mesh=mesh, averaged_over_sp=False)
+    apply_sp_recipe(model, config=sp, mesh=mesh, averaged_over_sp=False,
+                    host_memory_limit=host_limit_beside_state(ds_config, sp, model, mesh))
     engine, optimizer, _, lr_scheduler = deepspeed.initialize(
         model=model, config=ds_config,
         model_parameters=model.parameters() if model_parameters is None else model_parameters,
@@ -149,4 +171,4 @@ def initialize(*, model: nn.Module, config: str | Path | dict, model_parameters=
     return engine, optimizer, loader, lr_scheduler
 
 
-__all__ = ["apply_sp_recipe", "initialize"]
+__all__ = ["apply_sp_recipe", "host_limit_beside_state", "initialize"]

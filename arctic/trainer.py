@@ -37,7 +37,7 @@ from transformers import Trainer
 from arctic import allocator
 from arctic.config import SequenceParallelConfig, load_ds_config
 from arctic.data import SequenceParallelDataLoader
-from arctic.engine import apply_sp_recipe
+from arctic.engine import apply_sp_recipe, host_limit_beside_state
 
 SP_KEYS = ("sequence_parallel_size", "seq_parallel_communication_data_type", "ulysses")
 
@@ -68,7 +68,8 @@ class SequenceParallelTrainer(Trainer):
                 args.activation_checkpointing = False
         self.sp_config = sp
         self.sp_mesh = sp.dims(args.world_size).build_mesh(args.device.type)
-        apply_sp_recipe(model, config=sp, mesh=self.sp_mesh, averaged_over_sp=True)
+        apply_sp_recipe(model, config=sp, mesh=self.sp_mesh, averaged_over_sp=True,
+                        host_memory_limit=host_limit_beside_state(ds, sp, model, self.sp_mesh))
         _hand_deepspeed_plain_config(args, {k: v for k, v in ds.items() if k not in SP_KEYS})
         self._sp_collate = data_collator or _collate
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)

@@ -46,6 +46,7 @@ from arctic.config import load_ds_config  # noqa: E402
 from arctic.engine import apply_sp_recipe  # noqa: E402
 from arctic.fsdp import check_no_zero  # noqa: E402
 from arctic.order import STAGES, applied_stages  # noqa: E402
+from arctic.placement import Placement, offload_pool_limit  # noqa: E402
 from ulysses import flat_mesh  # noqa: E402
 
 SP_FLAGS = ("sequence_parallel_size", "ring_degree", "head_chunk_size", "tiled_mlp",
@@ -171,7 +172,15 @@ def main() -> None:
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     model = build_model(args.model, args.seq_len).to(device)
-    apply_sp_recipe(model, config=config, mesh=mesh, averaged_over_sp=True)
+    host_limit = None
+    if args.offload_params and config.activation_checkpointing and config.offload_activations:
+        # CPUOffloadPolicy puts the state on the host beside the offloaded layer inputs: the
+        # pool gets what the state leaves of its budget, as the planner counts them.
+        host_limit = offload_pool_limit(Placement("fsdp2"),
+                                        sum(p.numel() for p in model.parameters()), world,
+                                        group=flat_mesh(mesh, "dp_sp").get_group())
+    apply_sp_recipe(model, config=config, mesh=mesh, averaged_over_sp=True,
+                    host_memory_limit=host_limit)
     offload_policy = None
     if args.offload_params:
         # Pinned host memory makes the copies to and from the GPU faster and lets them overlap

@@ -104,3 +104,60 @@ def test_bad_config_fails_on_every_rank_before_training(change, needle):
     config = {**_config(3), **change}
     for msg in dist_pool.run(_rank_bad_initialize, config, world_size=2, timeout=120):
         assert needle in msg, msg
+
+
+def _rank_pool_limit(offload_optimizer):
+    """The offload pool's limit after initialize, with the default budget fixed at 1 GiB."""
+    import arctic.engine
+    from helpers import init_deepspeed_comm
+    from offload import activations
+
+    init_deepspeed_comm()
+    default = activations.default_host_limit
+    activations.default_host_limit = lambda group=None: 1 << 30  # restored below: pooled
+    config = _config(3, {"activation_checkpointing": True, "offload_activations": True})
+    config["bf16"] = {"enabled": True}
+    if offload_optimizer:
+        config["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
+        config["zero_force_ds_cpu_optimizer"] = False
+    model = _model()
+    params = sum(p.numel() for p in model.parameters())
+    try:
+        engine, _, _, _ = arctic.engine.initialize(model=model, config=config)
+    finally:
+        activations.default_host_limit = default
+    try:
+        return engine.module.activation_offload.pool.limit_bytes, params
+    finally:
+        engine.destroy()
+
+
+@pytest.mark.parametrize("offload_optimizer", [False, True])
+def test_offloaded_optimizer_state_shares_the_host_budget(offload_optimizer):
+    """With ZeRO-3 offload_optimizer on the CPU, the activation offload pool may use what the
+    offloaded state (18 bytes per parameter of the rank's half, bf16: arctic.placement)
+    leaves of the budget, as the planner counts them; without it, the whole budget."""
+    for limit, params in dist_pool.run(_rank_pool_limit, offload_optimizer, world_size=2,
+                                       timeout=240):
+        state = 18 * -(-params // 2) if offload_optimizer else 0
+        assert limit == (1 << 30) - state, (limit, params)
+
+
+def test_every_launch_path_shares_the_host_budget():
+    """arctic.initialize, the Trainer and examples/train_fsdp.py (CPUOffloadPolicy) each give
+    the offload pool what the offloaded state leaves (checked in their source: a launch path
+    that drops it fails here; the budget itself is tested above)."""
+    import inspect
+    from pathlib import Path
+
+    import arctic.engine
+    import arctic.trainer
+
+    repo = Path(__file__).resolve().parent.parent
+    sources = {"arctic.initialize": inspect.getsource(arctic.engine.initialize),
+               "SequenceParallelTrainer": inspect.getsource(
+                   arctic.trainer.SequenceParallelTrainer.__init__),
+               "train_fsdp.py": (repo / "examples" / "train_fsdp.py").read_text()}
+    for name, source in sources.items():
+        assert ("host_memory_limit=host_limit_beside_state(" in source or
+                "offload_pool_limit(Placement(\"fsdp2\")" in source), name

@@ -364,7 +364,7 @@ def test_search_winner_fits_and_every_other_factorization_does_not(tmp_path):
 def test_optimizer_offload_moves_the_state_to_the_host(tmp_path):
     """--offload-state optimizer (ZeRO-3 offload_optimizer): the device keeps the phase's
     peak without the sharded state plus the bf16 partition and the gradient bucket; the host
-    adds 18 bytes per parameter of the shard (arctic.plan.state, checked against DeepSpeed in
+    adds 18 bytes per parameter of the shard (arctic.placement, checked against DeepSpeed in
     tests/test_arctic_plan_offload.py). A --ds-config with the block plans the same."""
     args = ["--model", "tiny-llama", "--seq-len", "8K", "--gpus", "2"]
     none = _plan(tmp_path, *args, name="none.json")["estimate"]

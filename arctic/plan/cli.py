@@ -15,7 +15,7 @@ from arctic.config import SequenceParallelConfig, load_ds_config, zero_stage
 from arctic.plan.estimate import ALLOCATOR_HEADROOM, Estimate, plan, start_workers
 from arctic.plan.models import MODELS, model_config
 from arctic.plan.search import find_max, search
-from arctic.plan.state import MODES, Placement, placement_from_ds_config
+from arctic.placement import MODES, Placement, placement_from_ds_config
 from arctic.plan.step import PLANNED_FIELDS, STACKS
 from arctic.plan.units import GiB, format_gib, parse_bytes, parse_tokens
 

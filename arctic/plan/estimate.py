@@ -32,7 +32,7 @@ from dataclasses import dataclass, field, replace
 
 from arctic.plan.cache import cache_dir, cached, is_cached, trace_key
 from arctic.plan.models import model_config
-from arctic.plan.state import Placement
+from arctic.placement import Placement
 from arctic.plan.step import (PLANNED_FIELDS, build, init_optimizer_state, make_batch,
                               stack_config, train_step)
 from arctic.plan.tracing import KINDS, Peak, buffer_pools, fake_world, track_peak

@@ -149,4 +149,29 @@ def placement_from_ds_config(ds: dict) -> Placement:
                      grad_accum_bytes=accum_bytes)
 
 
-__all__ = ["DS_REDUCE_BUCKET_SIZE", "MODES", "Placement", "placement_from_ds_config"]
+def offload_pool_limit(placement: Placement, num_params: int, world: int, *,
+                       group=None) -> int | None:
+    """The activation offload pool's host limit when ``placement`` puts training state on the
+    host: the pool's default (80% of the host's available memory per local rank, agreed over
+    ``group``: :func:`offload.activations.default_host_limit`) less this rank's share of the
+    state (a shard of ``ceil(num_params / world)`` parameters), so that the offloaded layer
+    inputs and the state share one budget, as the planner counts them. ``None`` (the pool's
+    default) when nothing is offloaded. Called before the state is allocated, as
+    :func:`arctic.initialize` does; ``ValueError`` if the state alone takes the budget."""
+    if not placement.offloaded:
+        return None
+    from offload import activations
+
+    budget = activations.default_host_limit(group)
+    state = placement.host_bytes(-(-num_params // world))
+    if state >= budget:
+        raise ValueError(f"the training state offloaded to the host ({placement.mode}) needs "
+                         f"{state / 2**30:.2f} GiB per rank, the whole offload budget of "
+                         f"{budget / 2**30:.2f} GiB (80% of available host memory per local "
+                         f"rank): no room is left for offloaded activations. Fix: add ranks, "
+                         f"or turn offload_activations off")
+    return budget - state
+
+
+__all__ = ["DS_REDUCE_BUCKET_SIZE", "MODES", "Placement", "offload_pool_limit",
+           "placement_from_ds_config"]
