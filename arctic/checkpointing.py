@@ -22,6 +22,7 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
                                    layers: list[nn.Module] | None = None,
                                    pool: HostBufferPool | None = None,
                                    host_memory_limit: int | None = None,
+                                   offload_dir=None,
                                    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
                                    recompute_attention: bool = True,
                                    group=None) -> nn.Module:
@@ -38,6 +39,9 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
         pool: the host buffers; default a new :class:`offload.HostBufferPool` with
             ``host_memory_limit`` (default 80% of available host memory per local rank,
             agreed over ``group``).
+        offload_dir: a writable directory (best on a local NVMe) where layer inputs past the
+            host limit spill, whole layers at a time, to be read back one layer ahead in
+            backward (:mod:`offload.disk`); needs ``offload_to_cpu=True``.
         min_offload_bytes: smaller saved tensors stay on the device.
         recompute_attention: False keeps each layer's attention results (``out``, one
             hidden-sized tensor, and the fp32 lse of this rank's heads) from the forward, on
@@ -50,8 +54,9 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
     ``None``) whose ``pool.stats`` report bytes offloaded and peak host bytes. Raises
     ``ValueError``, leaving the model as it was, when no layer is found, when a layer is
     already checkpointed (here or with HF's ``gradient_checkpointing_enable``), or out of
-    order; and, at the first layer of a forward, when the inputs of all layers would exceed
-    the host limit. See :func:`offload.apply_activation_checkpointing` for the rest.
+    order, or when ``offload_dir`` is not a writable directory; and, at the first layer of a
+    forward, when the inputs of all layers would exceed the host limit (plus the disk budget
+    with ``offload_dir``). See :func:`offload.apply_activation_checkpointing` for the rest.
     """
     layers = decoder_layers(model) if layers is None else list(layers)
     if not layers:
@@ -61,7 +66,8 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
         raise ValueError("HF gradient checkpointing is already enabled on this model; call "
                          "model.gradient_checkpointing_disable() first (checkpointing twice "
                          "recomputes every layer twice)")
-    check_activation_checkpointing(layers, offload_to_cpu=offload_to_cpu, pool=pool)
+    check_activation_checkpointing(layers, offload_to_cpu=offload_to_cpu, pool=pool,
+                                   offload_dir=offload_dir)
     if not isinstance(recompute_attention, bool):
         raise ValueError(f"recompute_attention must be True or False, got "
                          f"{recompute_attention!r}")
@@ -75,7 +81,7 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
                              f"(attention modules without it: {which})")
     record_apply(model, "checkpointing")  # after the checks: a refused call changes nothing
     return _checkpoint_layers(model, layers=layers, offload_to_cpu=offload_to_cpu, pool=pool,
-                              host_memory_limit=host_memory_limit,
+                              host_memory_limit=host_memory_limit, offload_dir=offload_dir,
                               min_offload_bytes=min_offload_bytes, drop_kwargs=CACHE_KWARGS,
                               group=group, keep=None if recompute_attention else KeptAttention)
 

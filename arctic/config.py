@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import torch
 
+from offload.disk import check_offload_dir
 from ulysses import BACKENDS, SequenceParallelDims
 
 BLOCK = "ulysses"
@@ -73,6 +74,12 @@ class SequenceParallelConfig:
     """Checkpoint each decoder layer."""
     offload_activations: bool = False
     """Move checkpointed layer inputs to host memory (needs activation_checkpointing)."""
+    offload_dir: str | None = None
+    """A directory (best on a local NVMe) where the offloaded layer inputs that do not fit
+    the host limit spill, whole layers at a time, and are read back one layer ahead in
+    backward (:mod:`offload.disk`); None: none, past the limit the step is refused. Needs
+    offload_activations; it must exist and be writable. The budget there is its free space,
+    split among the node's ranks, agreed over all ranks."""
     recompute_attention: bool = True
     """False: keep each layer's attention output and lse from the forward (on the host with
     the layer input when offloading) and recompute only norms, projections, RoPE and MLP in
@@ -117,6 +124,12 @@ class SequenceParallelConfig:
         if self.offload_activations and not self.activation_checkpointing:
             raise ValueError("offload_activations needs activation_checkpointing: only "
                              "checkpointed layer inputs are offloaded")
+        if self.offload_dir is not None:
+            if not self.offload_activations:
+                raise ValueError(f"ulysses.offload_dir={self.offload_dir!r} needs "
+                                 f"offload_activations: the directory holds what the host "
+                                 f"offload pool cannot")
+            check_offload_dir(self.offload_dir, name="ulysses.offload_dir")
         if not self.recompute_attention and not self.activation_checkpointing:
             raise ValueError("ulysses.recompute_attention=false needs activation_checkpointing: "
                              "without checkpointing nothing is recomputed")

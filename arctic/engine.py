@@ -72,8 +72,9 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
                     averaged_over_sp: bool, host_memory_limit: int | None = None) -> nn.Module:
     """Apply everything ``config`` asks for to a HF causal LM, in the fixed order
     (:mod:`arctic.order`): SP attention, MLP tiling, the tiled SP loss, checkpointing with
-    the layer inputs offloaded to the host when ``config.offload_activations`` (and the
-    attention results kept, not recomputed, when ``config.recompute_attention`` is False).
+    the layer inputs offloaded to the host when ``config.offload_activations`` (spilling
+    past the host limit to ``config.offload_dir`` when set, and the attention results kept,
+    not recomputed, when ``config.recompute_attention`` is False).
     Parameter sharding (ZeRO, FSDP2) comes after, from the caller. ``host_memory_limit``
     (bytes per rank) caps the offload pool; default: 80% of the host's available memory per
     local rank, agreed over all ranks. Returns ``model``."""
@@ -96,6 +97,7 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
         # The host limit is agreed over all ranks, so all refuse (or not) together.
         apply_activation_checkpointing(model, offload_to_cpu=config.offload_activations,
                                        host_memory_limit=host_memory_limit,
+                                       offload_dir=config.offload_dir,
                                        recompute_attention=config.recompute_attention,
                                        group=flat_mesh(mesh, "dp_sp").get_group())
     return model

@@ -10,7 +10,8 @@ group saved just before it, layer i-1, so that copy overlaps layer i's recompute
 
 The pool reuses its buffers across steps and refuses with a ``ValueError`` when what it is
 asked to hold would exceed its host limit, rather than let the OS kill the job
-(ArcticTraining #263 reports exactly that CPU OOM from offload).
+(ArcticTraining #263 reports exactly that CPU OOM from offload). Given a ``disk_dir``, it
+spills what does not fit to files there instead (:mod:`offload.disk`).
 """
 
 from __future__ import annotations
@@ -25,6 +26,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.weak import WeakIdKeyDictionary
+
+from offload.disk import DiskTier, check_offload_dir, min_over_group
 
 DEFAULT_MIN_OFFLOAD_BYTES = 64 << 10
 """Saved tensors smaller than this stay where they are: the copy would cost more than it frees."""
@@ -48,25 +51,21 @@ def default_host_limit(group: dist.ProcessGroup | None = None) -> int:
     except (OSError, KeyError, ValueError):
         available = os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
     limit = int(0.8 * available) // max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
-    if group is not None:
-        t = torch.tensor([limit], dtype=torch.int64)
-        if dist.get_backend(group) == "nccl":
-            t = t.cuda()
-        dist.all_reduce(t, op=dist.ReduceOp.MIN, group=group)
-        limit = int(t.item())
-    return limit
+    return min_over_group(limit, group)
 
 
 @dataclass(kw_only=True, slots=True)
 class OffloadStats:
-    """What a :class:`HostBufferPool` did; all byte counts are host bytes."""
+    """What a :class:`HostBufferPool` did: bytes offloaded count the host and the disk tier
+    together; ``host_bytes`` and ``reserved_bytes`` the host alone, ``disk_bytes`` the disk."""
 
     bytes_offloaded: int = 0
-    """Total bytes copied device -> host since creation (or :meth:`HostBufferPool.reset_stats`)."""
+    """Total bytes moved off the device (to host or disk) since creation (or
+    :meth:`HostBufferPool.reset_stats`)."""
     bytes_restored: int = 0
-    """Total bytes copied host -> device."""
+    """Total bytes copied back to the device."""
     tensors_offloaded: int = 0
-    """Saved tensors moved to the host (a tensor saved by several layers counts once)."""
+    """Saved tensors moved off the device (a tensor saved by several layers counts once)."""
     prefetches: int = 0
     """Tensors copied back ahead of their unpack (the group before the one being unpacked)."""
     host_bytes: int = 0
@@ -75,23 +74,45 @@ class OffloadStats:
     """The most ``host_bytes`` has been."""
     reserved_bytes: int = 0
     """Bytes of host buffers the pool owns, in use or free (what it costs the host)."""
+    bytes_spilled: int = 0
+    """Of ``bytes_offloaded``, those written to the disk tier (counted, not written, for the
+    planner's fake tensors)."""
+    disk_bytes: int = 0
+    """Bytes of disk-tier files now holding saved tensors."""
+    peak_disk_bytes: int = 0
+    """The most ``disk_bytes`` has been."""
 
 
 class HostBufferPool:
     """Host buffers for offloaded activations, reused across layers and steps.
 
     Args:
-        limit_bytes: the most host memory the pool may own; default
-            :func:`default_host_limit`. Exceeding it raises ``ValueError``.
+        limit_bytes: the most host memory the pool may own; default :func:`default_host_limit`.
+            Exceeding it raises ``ValueError``, or spills to ``disk_dir`` when given.
         pin_memory: page-locked buffers (needed for async copies); default: CUDA is available.
-        group: with ``limit_bytes=None``, agree on the default limit over this group.
+        group: with ``limit_bytes=None``, agree on the default limit over this group; with
+            ``disk_dir``, on the disk budget too.
+        disk_dir: an existing, writable directory (best on a local NVMe): past the host
+            limit, saved tensors spill to files there instead of being refused, a whole
+            group (layer) at a time, and are read back ahead of use in backward
+            (:class:`offload.disk.DiskTier`, ``pool.disk``). Default: no disk tier.
+        disk_limit_bytes: caps the disk budget, which is otherwise the directory's free space
+            when the pool is made, split among the node's ranks. Needs ``disk_dir``.
     """
 
     def __init__(self, *, limit_bytes: int | None = None, pin_memory: bool | None = None,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, disk_dir=None,
+                 disk_limit_bytes: int | None = None) -> None:
         if limit_bytes is not None and limit_bytes <= 0:
             raise ValueError(f"limit_bytes must be positive, got {limit_bytes}")
+        if disk_dir is None and disk_limit_bytes is not None:
+            raise ValueError(f"disk_limit_bytes={disk_limit_bytes} needs disk_dir, the "
+                             f"directory the disk tier writes to")
+        if disk_dir is not None:
+            check_offload_dir(disk_dir, name="disk_dir")  # before the collectives below
         self.limit_bytes = default_host_limit(group) if limit_bytes is None else int(limit_bytes)
+        self.disk = None if disk_dir is None else DiskTier(disk_dir, limit_bytes=disk_limit_bytes,
+                                                           group=group)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.stats = OffloadStats()
         self._free: list[tuple[Tensor, object]] = []  # (uint8 buffer, last H2D event or None)
@@ -100,15 +121,20 @@ class HostBufferPool:
     # --- planning and buffers -----------------------------------------------------------
 
     def plan(self, nbytes: int, *, what: str = "offloading") -> None:
-        """Refuse up front: ``ValueError`` if holding ``nbytes`` at once exceeds the limit."""
-        if nbytes > self.limit_bytes:
+        """Refuse up front: ``ValueError`` if holding ``nbytes`` at once exceeds the limit (the
+        host limit plus the disk budget, with a disk tier)."""
+        if self.disk is not None:
+            self.disk.check(nbytes, self.limit_bytes, what)
+        elif nbytes > self.limit_bytes:
             raise ValueError(
                 f"{what} needs {_gib(nbytes)} of host memory per rank, more than the offload "
                 f"limit of {_gib(self.limit_bytes)} (limit_bytes / host_memory_limit, default "
                 f"80% of MemAvailable per local rank). Fix: shorten the sequence, add ranks, "
                 f"raise the limit if the host has the memory, or turn offload off")
 
-    def _acquire(self, nbytes: int, *, virtual: bool = False) -> Tensor:
+    def _acquire(self, nbytes: int, *, virtual: bool = False,
+                 spill: bool = False) -> Tensor | None:
+        """A buffer of at least ``nbytes``; past the limit, ``None`` if ``spill`` else refused."""
         fits = [i for i, (b, _) in enumerate(self._free)
                 if nbytes <= b.numel() <= 2 * nbytes and (b.device.type == "meta") == virtual]
         if fits:
@@ -119,6 +145,8 @@ class HostBufferPool:
         if self.stats.reserved_bytes + nbytes > self.limit_bytes and self._free:
             self.trim()  # give back buffers of the wrong size before refusing
         if self.stats.reserved_bytes + nbytes > self.limit_bytes:
+            if spill:
+                return None
             raise ValueError(
                 f"offloading a {_gib(nbytes)} activation would make the host pool "
                 f"{_gib(self.stats.reserved_bytes + nbytes)}, over its limit of "
@@ -150,7 +178,9 @@ class HostBufferPool:
         """Zero the counters and peak; the host-bytes figures stay as they are."""
         self.stats = OffloadStats(host_bytes=self.stats.host_bytes,
                                   peak_host_bytes=self.stats.host_bytes,
-                                  reserved_bytes=self.stats.reserved_bytes)
+                                  reserved_bytes=self.stats.reserved_bytes,
+                                  disk_bytes=self.stats.disk_bytes,
+                                  peak_disk_bytes=self.stats.disk_bytes)
 
     def _stream(self, device: torch.device):
         if device not in self._streams:
@@ -159,13 +189,18 @@ class HostBufferPool:
 
     # --- offload and restore --------------------------------------------------------------
 
-    def _offload(self, t: Tensor) -> "_Offloaded":
+    def _offload(self, t: Tensor, group: "_Group"):
+        """``t``'s handle: in a host buffer, or in a file once ``group`` spills to disk."""
         # Keep the layout of dense tensors (a permuted one too: empty_like preserves it) so
         # kernels see the same strides in backward; other views come back contiguous.
         stride = torch.empty_like(t, device="meta").stride()
         nbytes = t.numel() * t.element_size()
         virtual = is_fake(t)
-        buf = self._acquire(nbytes, virtual=virtual)
+        buf = None if group.on_disk else self._acquire(nbytes, virtual=virtual,
+                                                       spill=self.disk is not None)
+        if buf is None:  # past the host limit: this group and the ones after it go to disk
+            group.on_disk = True
+            return self.disk.spill(self, t, stride, virtual)
         host = buf[:nbytes].view(t.dtype).as_strided(t.shape, stride)
         event = None
         if virtual:
@@ -250,6 +285,7 @@ class _Group:
         self.prev = weakref.ref(prev) if prev is not None else None
         self.saved: list[weakref.ref] = []
         self.unpacked = False
+        self.on_disk = prev is not None and prev.on_disk  # spill: see HostBufferPool._offload
 
     def previous(self) -> "_Group | None":
         return self.prev() if self.prev is not None else None
@@ -285,7 +321,7 @@ class _Hooks:
         if hit is not None and hit[0] == t._version and hit[1]() is not None:
             handle = hit[1]()
         else:
-            handle = self.pool._offload(t)
+            handle = self.pool._offload(t, self.group)
             self.seen[t] = (t._version, weakref.ref(handle))
         if with_group:
             self.group.saved.append(weakref.ref(handle))

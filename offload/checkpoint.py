@@ -26,6 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from offload.activations import DEFAULT_MIN_OFFLOAD_BYTES, HostBufferPool, OffloadSession
+from offload.disk import check_offload_dir
 
 
 class _CheckpointedForward:
@@ -122,7 +123,8 @@ def _stacked(a, b):
 
 
 def check_activation_checkpointing(layers, *, offload_to_cpu: bool = False,
-                                   pool: HostBufferPool | None = None) -> list[nn.Module]:
+                                   pool: HostBufferPool | None = None,
+                                   offload_dir=None) -> list[nn.Module]:
     """``ValueError`` unless :func:`apply_activation_checkpointing` can wrap ``layers``; returns
     them as a list.
 
@@ -137,12 +139,21 @@ def check_activation_checkpointing(layers, *, offload_to_cpu: bool = False,
         raise ValueError("apply_activation_checkpointing was already applied to this model")
     if pool is not None and not offload_to_cpu:
         raise ValueError("a pool was given but offload_to_cpu=False")
+    if offload_dir is not None:
+        if not offload_to_cpu:
+            raise ValueError(f"offload_dir={offload_dir!r} needs offload_to_cpu=True: the disk "
+                             f"tier holds what the host offload pool cannot")
+        if pool is not None:
+            raise ValueError("offload_dir was given with a pool: give the pool its directory "
+                             "instead (HostBufferPool(disk_dir=...))")
+        check_offload_dir(offload_dir)
     return layers
 
 
 def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: bool = False,
                                    pool: HostBufferPool | None = None,
                                    host_memory_limit: int | None = None,
+                                   offload_dir=None,
                                    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
                                    drop_kwargs: tuple[str, ...] = (),
                                    group=None, keep=None) -> nn.Module:
@@ -160,6 +171,11 @@ def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: 
         pool: the host buffers; default a new :class:`HostBufferPool` with
             ``host_memory_limit`` (default 80% of available host memory per local rank,
             agreed over ``group``).
+        offload_dir: an existing, writable directory (best on a local NVMe) for the pool's
+            disk tier (``HostBufferPool(disk_dir=offload_dir)``): past the host limit, layer
+            inputs spill to files there, whole layers at a time, and in backward are read back
+            on an I/O thread one layer ahead (:mod:`offload.disk`). Needs
+            ``offload_to_cpu=True``; with ``pool``, give the pool the directory instead.
         min_offload_bytes: smaller saved tensors stay on the device.
         drop_kwargs: keyword arguments passed to a layer as ``None`` while checkpointing
             (state the layer would otherwise update twice, in forward and in the recompute,
@@ -181,14 +197,17 @@ def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: 
     Returns ``model``; ``model.activation_offload`` is the :class:`OffloadSession` (or
     ``None``) whose ``pool.stats`` report bytes offloaded and peak host bytes. Raises
     ``ValueError`` (:func:`check_activation_checkpointing`) when ``layers`` is empty or a
-    layer is already checkpointed; and, at the first layer of a forward, when the inputs of
-    all layers would exceed the host limit.
+    layer is already checkpointed, or ``offload_dir`` is not a writable directory; and, at
+    the first layer of a forward, when the inputs of all layers would exceed the host limit
+    (plus the disk budget, with ``offload_dir``).
     """
-    layers = check_activation_checkpointing(layers, offload_to_cpu=offload_to_cpu, pool=pool)
+    layers = check_activation_checkpointing(layers, offload_to_cpu=offload_to_cpu, pool=pool,
+                                            offload_dir=offload_dir)
     session = None
     if offload_to_cpu:
         if pool is None:
-            pool = HostBufferPool(limit_bytes=host_memory_limit, group=group)
+            pool = HostBufferPool(limit_bytes=host_memory_limit, group=group,
+                                  disk_dir=offload_dir)
         session = OffloadSession(pool, min_offload_bytes)
     context_fn = getattr(model, "checkpoint_context_fn", None)
     for layer in layers:

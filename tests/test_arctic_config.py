@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import tempfile
 from pathlib import Path
 
 import pytest
@@ -154,6 +155,9 @@ def _rank_fingerprint(ds):
         "loss_tiles": model.lm_head.forward.tiles,
         "activation_checkpointing": isinstance(ckpt, _CheckpointedForward),
         "offload_activations": isinstance(ckpt, _CheckpointedForward) and ckpt.session is not None,
+        "offload_dir": (ckpt.session.pool.disk.directory if isinstance(ckpt, _CheckpointedForward)
+                        and ckpt.session is not None and ckpt.session.pool.disk is not None
+                        else None),
         "recompute_attention": not (isinstance(ckpt, _CheckpointedForward) and
                                     ckpt.keep is not None),
     }
@@ -173,6 +177,10 @@ KEY_EFFECTS = {
     "offload_activations": ({"ulysses": {"activation_checkpointing": True,
                                          "offload_activations": True}},
                             {"activation_checkpointing": True, "offload_activations": True}),
+    "offload_dir": ({"ulysses": {"activation_checkpointing": True, "offload_activations": True,
+                                 "offload_dir": tempfile.gettempdir()}},
+                    {"activation_checkpointing": True, "offload_activations": True,
+                     "offload_dir": tempfile.gettempdir()}),
     "recompute_attention": ({"ulysses": {"activation_checkpointing": True,
                                          "recompute_attention": False}},
                             {"activation_checkpointing": True, "recompute_attention": False}),
