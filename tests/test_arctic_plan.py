@@ -232,6 +232,18 @@ def test_ds_config_with_zero_2_is_refused(tmp_path):
     assert proc.returncode != 0 and "ZeRO stage 2" in proc.stderr
 
 
+def test_ds_config_with_a_disk_tier_is_refused(tmp_path):
+    """offload_dir (the disk tier) is not modelled yet: refused, not planned without it."""
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({"zero_optimization": {"stage": 3}, "sequence_parallel_size": 2,
+                               "ulysses": {"activation_checkpointing": True,
+                                           "offload_activations": True,
+                                           "offload_dir": str(tmp_path)}}))
+    proc = _run("-m", "arctic.plan", "--model", "tiny-llama", "--gpus", "2", "--seq-len", "8K",
+                "--ds-config", str(cfg))
+    assert proc.returncode != 0 and "offload_dir" in proc.stderr, proc.stderr[-2000:]
+
+
 def test_sizes_parse():
     assert parse_bytes("80GiB") == 80 << 30 and parse_bytes("80GB") == 80 * 10**9
     assert parse_bytes("1.5TiB") == int(1.5 * 2**40) and parse_bytes("4096") == 4096

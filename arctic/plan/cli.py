@@ -131,6 +131,10 @@ def settings_from_args(args: argparse.Namespace) -> dict:
         if stage not in (0, 3):
             raise ValueError(f"--ds-config has ZeRO stage {stage}: the planner plans full "
                              f"sharding (ZeRO-3 or FSDP2); use stage 3")
+        if (ds.get("ulysses") or {}).get("offload_dir") is not None:
+            raise ValueError("--ds-config sets ulysses.offload_dir: the planner does not model "
+                             "the disk tier yet (issue 19); its host budget would refuse what "
+                             "the disk holds. Plan without offload_dir")
         fields = SequenceParallelConfig.from_ds_config(ds, world_size=world)
         fields = {k: getattr(fields, k) for k in PLANNED_FIELDS}
     else:
