@@ -142,6 +142,7 @@ def _synthetic(device, host, budget=(100.0, 100.0)):
         d, h = device(n), host(n)
         fits = d <= budget[0] and h <= budget[1]
         return SimpleNamespace(seq_len=n, fits=fits, limit=lambda: "x",
+                               loads=lambda: (d / budget[0], h / budget[1]),
                                peak=SimpleNamespace(total=d, host=h),
                                device_budget=budget[0], host_budget=budget[1])
     return plan_at
@@ -232,16 +233,45 @@ def test_ds_config_with_zero_2_is_refused(tmp_path):
     assert proc.returncode != 0 and "ZeRO stage 2" in proc.stderr
 
 
-def test_ds_config_with_a_disk_tier_is_refused(tmp_path):
-    """offload_dir (the disk tier) is not modelled yet: refused, not planned without it."""
+def test_disk_tier_holds_what_the_host_cannot(tmp_path):
+    """--disk plans the offload_dir tier: tiny Llama (2 layers) at 64K tokens offloads 19 MB
+    of layer inputs per rank, over a 13 MB host budget. Without a disk it does not fit; with
+    one it fits, the disk holding the overflow plus the rest of the layer where it began
+    (whole layers spill); with a disk smaller than that it does not fit, and says so."""
+    args = ["--model", "tiny-llama", "--gpus", "2", "--seq-len", "64K", "--gpu-memory", "1GiB",
+            "--host-memory", "32MiB"]
+    none = _plan(tmp_path, *args, name="none.json")["estimate"]
+    acts, host_limit = none["host_peak_bytes"], none["host_budget"]
+    assert not none["fits"] and acts > host_limit and none["disk_bytes"] == 0
+    disk = _plan(tmp_path, *args, "--disk", "64MiB", name="disk.json")["estimate"]
+    assert disk["fits"] and disk["disk_budget"] == (64 << 20) // 2
+    assert disk["disk_bytes"] == min(acts, acts - host_limit + -(-acts // 2)), disk
+    small = _plan(tmp_path, *args, "--disk", "16MiB", name="small.json")["estimate"]
+    assert not small["fits"] and "disk" in small["limit"], small
+
+
+def test_ds_config_with_a_disk_tier(tmp_path):
+    """A --ds-config with ulysses.offload_dir is planned with --disk (and --write-config keeps
+    the config's other 'ulysses' keys and writes --offload-dir), refused without it."""
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 3}, "sequence_parallel_size": 2,
                                "ulysses": {"activation_checkpointing": True,
                                            "offload_activations": True,
+                                           "attention_backend": "math",
                                            "offload_dir": str(tmp_path)}}))
-    proc = _run("-m", "arctic.plan", "--model", "tiny-llama", "--gpus", "2", "--seq-len", "8K",
-                "--ds-config", str(cfg))
-    assert proc.returncode != 0 and "offload_dir" in proc.stderr, proc.stderr[-2000:]
+    args = ["-m", "arctic.plan", "--model", "tiny-llama", "--gpus", "2", "--ds-config",
+            str(cfg)]
+    proc = _run(*args, "--seq-len", "8K")
+    assert proc.returncode != 0 and "give --disk" in proc.stderr, proc.stderr[-2000:]
+    out = tmp_path / "written.json"
+    proc = _run(*args, "--find-max", "--no-search", "--gpu-memory", "48MiB", "--disk", "1GiB",
+                "--offload-dir", str(tmp_path), "--write-config", str(out))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    written = json.loads(out.read_text())["ulysses"]
+    assert written["offload_dir"] == str(tmp_path) and written["attention_backend"] == "math"
+    proc = _run(*args, "--find-max", "--no-search", "--gpu-memory", "48MiB", "--disk", "1GiB",
+                "--write-config", str(out))
+    assert proc.returncode != 0 and "give --offload-dir" in proc.stderr, proc.stderr[-2000:]
 
 
 def test_sizes_parse():

@@ -56,6 +56,12 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="memory of one GPU (80GiB, 141GB)")
     p.add_argument("--host-memory", type=_arg(parse_bytes), default=parse_bytes("1.5TiB"),
                    help="host memory of one node")
+    p.add_argument("--disk", type=_arg(parse_bytes), default=0,
+                   help="disk (NVMe) of one node for the offloaded layer inputs that host "
+                        "memory cannot hold: the 'offload_dir' tier (default 0: none)")
+    p.add_argument("--offload-dir", default=None,
+                   help="with --disk: the directory the printed and written configs name as "
+                        "'offload_dir' (needed by --write-config)")
     p.add_argument("--reserve", type=float, default=0.05,
                    help="fraction of GPU memory kept for the CUDA context and NCCL "
                         "(default 0.05)")
@@ -131,10 +137,9 @@ def settings_from_args(args: argparse.Namespace) -> dict:
         if stage not in (0, 3):
             raise ValueError(f"--ds-config has ZeRO stage {stage}: the planner plans full "
                              f"sharding (ZeRO-3 or FSDP2); use stage 3")
-        if (ds.get("ulysses") or {}).get("offload_dir") is not None:
-            raise ValueError("--ds-config sets ulysses.offload_dir: the planner does not model "
-                             "the disk tier yet (issue 19); its host budget would refuse what "
-                             "the disk holds. Plan without offload_dir")
+        if (ds.get("ulysses") or {}).get("offload_dir") is not None and not args.disk:
+            raise ValueError("--ds-config sets ulysses.offload_dir: give --disk, its budget "
+                             "per node, to plan the disk tier")
         fields = SequenceParallelConfig.from_ds_config(ds, world_size=world)
         fields = {k: getattr(fields, k) for k in PLANNED_FIELDS}
     else:
@@ -164,6 +169,11 @@ def settings_from_args(args: argparse.Namespace) -> dict:
         if args.offload:
             fields["activation_checkpointing"] = True
     SequenceParallelConfig(**{"sequence_parallel_size": world, **fields}).dims(world)
+    if (args.disk or args.offload_dir) and not fields.get("offload_activations"):
+        raise ValueError("--disk and --offload-dir plan the disk tier of offloaded layer "
+                         "inputs: they need offload (the settings do not offload)")
+    if args.offload_dir is not None and not args.disk:
+        raise ValueError("--offload-dir needs --disk, the tier's budget per node")
     return fields
 
 
@@ -190,6 +200,10 @@ def report(e: Estimate) -> str:
                  f"(budget {format_gib(e.host_budget)} per "
                  f"rank: 80% of the node's memory / {e.gpus_per_node}; layer inputs"
                  f"{' and training state' if e.state_host else ''})")
+    if e.disk_budget:
+        lines.append(f"  of it on disk      {format_gib(e.disk)}  (budget "
+                     f"{format_gib(e.disk_budget)} per rank: --disk / {e.gpus_per_node}; "
+                     f"whole layers past the host limit)")
     verdict = "FITS" if e.fits else f"DOES NOT FIT (limit: {e.limit()})"
     lines.append(f"verdict: {verdict}   [traced in {e.trace_s:.0f} s]")
     return "\n".join(lines)
@@ -241,7 +255,8 @@ def _placement(args: argparse.Namespace) -> Placement:
 
 def ulysses_block(fields: dict) -> dict:
     """The settings as a DeepSpeed config's ``sequence_parallel_size`` and ``"ulysses"`` block."""
-    block = {k: v for k, v in fields.items() if k != "sequence_parallel_size"}
+    block = {k: v for k, v in fields.items() if k != "sequence_parallel_size" and
+             (k != "offload_dir" or v is not None)}
     return {"sequence_parallel_size": fields["sequence_parallel_size"], "ulysses": block}
 
 
@@ -277,7 +292,9 @@ def write_config(path: Path, args: argparse.Namespace, fields: dict,
         if placement.mode == "fsdp2":  # train_fsdp.py reads only the SP settings
             ds["zero_optimization"] = {"stage": 0}
     ds.pop("activation_checkpointing", None)  # the block below says it
-    ds.update(ulysses_block(fields))
+    block = ulysses_block(fields)  # over the config's own block: its other keys stay
+    ds["sequence_parallel_size"] = block["sequence_parallel_size"]
+    ds["ulysses"] = {**(ds.get("ulysses") or {}), **block["ulysses"]}
     path.write_text(json.dumps(ds, indent=2) + "\n")
 
 
@@ -294,7 +311,7 @@ def _main(args: argparse.Namespace) -> int:
                   host_memory=args.host_memory, reserve=args.reserve,
                   headroom=args.allocator_headroom, placement=placement, layers=args.layers,
                   full_trace=args.full_trace, quick=args.quick,
-                  line=not args.trace_length)
+                  line=not args.trace_length, disk_memory=args.disk)
 
     def plan_at(n: int, stack=fields) -> Estimate:
         return plan(args.model, n, stack=stack, **common)
@@ -332,16 +349,22 @@ def _main(args: argparse.Namespace) -> int:
             best, tried = find_max(plan_at, start=start, granule=1024 * sp)
             estimates += tried
         print(f"longest that fits: {best:,} tokens ({best / 1e6:.2f}M)")
+        shown = chosen  # the settings, with the disk tier's directory when it is planned
+        if args.disk and chosen.get("offload_activations"):
+            shown = dict(chosen, offload_dir=args.offload_dir or "<a directory on the NVMe>")
+            if args.write_config is not None and args.offload_dir is None:
+                raise ValueError("--write-config with --disk: give --offload-dir, the "
+                                 "directory the written config names as offload_dir")
         result["max_seq_len"] = best
-        result["settings"] = ulysses_block(chosen)
+        result["settings"] = ulysses_block(shown)
         result["tried"] = [e.as_dict() for e in estimates]
         print("settings, as a DeepSpeed config's SP keys:")
-        print(json.dumps(ulysses_block(chosen), indent=2))
+        print(json.dumps(ulysses_block(shown), indent=2))
         path = str(args.write_config or "plan.json")
         print("launch with:" + "".join(f"\n  {line}" for line in
                                       command_lines(args, chosen, best, path, placement)))
         if args.write_config is not None:
-            write_config(args.write_config, args, chosen, placement)
+            write_config(args.write_config, args, shown, placement)
             print(f"wrote {args.write_config}")
     if args.plot is not None:
         top = max(e.seq_len for e in estimates)

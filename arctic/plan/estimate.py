@@ -85,16 +85,33 @@ class Estimate:
     method: str = "traced"
     """How the figures were had: traced at this length, or read off the length line."""
     headroom: float = ALLOCATOR_HEADROOM
+    disk: int = 0
+    """Bytes of layer inputs spilled to the disk tier (``offload_dir``), of ``peak.host``."""
+    disk_budget: int = 0
+    """The disk tier's bytes per rank (0: no disk tier)."""
 
     @property
     def fits(self) -> bool:
         return (self.refused is None and self.peak.total <= self.device_budget and
-                self.peak.host <= self.host_budget)
+                (self.peak.host <= self.host_budget or 0 < self.disk <= self.disk_budget))
+
+    def loads(self) -> tuple[float, float]:
+        """The device and offload figures over their budgets (> 1: over), for the search.
+        With a disk tier the offload figure is the host's and the disk's bytes (with the
+        whole-layer rounding of the spill) over both budgets."""
+        device = self.peak.total / self.device_budget
+        if not self.disk:
+            return device, self.peak.host / max(1, self.host_budget)
+        layer = self.disk - (self.peak.host - self.host_budget)  # the spill's rounding
+        return device, max(self.state_host / max(1, self.host_budget),
+                           (self.peak.host + layer) / (self.host_budget + self.disk_budget))
 
     def limit(self) -> str:
         if self.refused is not None:
             return self.refused
-        if self.peak.host > self.host_budget:
+        if self.disk > self.disk_budget or (self.disk and self.state_host > self.host_budget):
+            return "host and disk for offloaded layer inputs"
+        if self.peak.host > self.host_budget and not self.disk:
             return ("host memory for offloaded layer inputs" +
                     (" and training state" if self.state_host else ""))
         return max(self.peak.by_kind, key=self.peak.by_kind.get)
@@ -105,7 +122,8 @@ class Estimate:
                 "limit": None if self.fits else self.limit(), **self.peak.summary(),
                 "device_budget": self.device_budget, "host_budget": self.host_budget,
                 "allocator_headroom": self.headroom, "state_offload": self.placement.mode,
-                "state_host_bytes": self.state_host, "method": self.method,
+                "state_host_bytes": self.state_host, "disk_bytes": self.disk,
+                "disk_budget": self.disk_budget, "method": self.method,
                 "trace_s": round(self.trace_s, 1)}
 
 
@@ -291,14 +309,17 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
          gpu_memory: int = 80 * GiB, host_memory: int = int(1.5 * 1024) * GiB,
          reserve: float = 0.05, headroom: float = ALLOCATOR_HEADROOM,
          placement: Placement | None = None, layers: int | None = None, shard: bool = True,
-         full_trace: bool = False, quick: bool = False, line: bool = True) -> Estimate:
+         full_trace: bool = False, quick: bool = False, line: bool = True,
+         disk_memory: int = 0) -> Estimate:
     """Trace one training step of ``model`` at ``seq_len`` tokens over ``gpus * nodes`` ranks
     (rank 0) and compare its peak with the budgets: ``gpu_memory * (1 - reserve) / headroom``
     of allocated bytes per rank on the device (``reserve``: CUDA context and NCCL;
     ``headroom``: the caching allocator, :data:`ALLOCATOR_HEADROOM`), and 80% of
     ``host_memory`` per node split among its ``gpus`` ranks on the host (what
     :class:`offload.HostBufferPool` allows itself), shared by the offloaded layer inputs and
-    the training state that ``placement`` offloads.
+    the training state that ``placement`` offloads. ``disk_memory`` (per node, split among
+    its ranks) is the disk tier's (``offload_dir``, :mod:`offload.disk`): the layer inputs the
+    host cannot hold spill there, whole layers at a time (:func:`_spill`).
 
     ``full_trace`` traces every layer at the length itself; otherwise the depth and length
     lines of the module docstring apply (``line=False``: the depth line only, the length
@@ -329,8 +350,16 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
     peak = replace(peaks[phase], host=host)
     state_host = placement.host_bytes(peak.shard_params) if placement.offloaded else 0
     host_limit = int(0.8 * host_memory) // gpus
+    disk_limit = disk_memory // gpus
+    disk = _spill(host - state_host, state_host, host_limit, config.num_hidden_layers) \
+        if disk_limit else 0
     refused = None
-    if host > host_limit:
+    if disk and (disk > disk_limit or state_host > host_limit):
+        refused = (f"the offloaded layer inputs and state need {host / GiB:.2f} GiB per rank, "
+                   f"{disk / GiB:.2f} GiB of it on disk (whole layers), more than the host "
+                   f"limit of {host_limit / GiB:.2f} GiB and the disk budget of "
+                   f"{disk_limit / GiB:.2f} GiB allow")
+    elif host > host_limit and not disk:
         refused = (f"the offloaded layer inputs and state need {host / GiB:.2f} GiB of host "
                    f"memory per rank, more than the offload limit of {host_limit / GiB:.2f} GiB")
     return Estimate(model=model, stack=stack if isinstance(stack, str) else "custom",
@@ -340,7 +369,18 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
                     host_budget=host_limit, refused=refused, peak_phase=phase,
                     phases={k: v.total for k, v in peaks.items()},
                     trace_s=time.perf_counter() - start, placement=placement,
-                    state_host=state_host, method=method, headroom=headroom)
+                    state_host=state_host, method=method, headroom=headroom, disk=disk,
+                    disk_budget=disk_limit)
+
+
+def _spill(inputs: int, state: int, host_limit: int, layers: int) -> int:
+    """Bytes of the offloaded layer inputs (``inputs`` on the host without a disk tier) that
+    the disk tier holds: at run time the pool's host limit is what the offloaded ``state``
+    leaves (:func:`arctic.placement.offload_pool_limit`); the tensor that does not fit, the
+    rest of its layer and every later layer go to disk, so up to one layer more than the
+    overflow (the layers' inputs being alike)."""
+    over = inputs - max(0, host_limit - state)
+    return 0 if over <= 0 else min(inputs, over + -(-inputs // max(1, layers)))
 
 
 def _offloaded(p: Peak, placement: Placement, *, phase: str) -> Peak:

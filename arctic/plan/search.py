@@ -39,7 +39,7 @@ def find_max(plan_at, *, start: int, granule: int, log=print,
         log(f"  {n:>12,} tokens: peak {format_gib(e.peak.total)}, "
             f"host {format_gib(e.peak.host)} -> "
             f"{'fits' if e.fits else 'does not fit (' + e.limit() + ')'}")
-        loads = (e.peak.total / e.device_budget, e.peak.host / max(1, e.host_budget))
+        loads = e.loads()
         if not e.fits and max(loads) <= 1:
             loads = (loads[0], 1.0 + 1e-9)  # refused at the budget itself
         return e.seq_len, loads
