@@ -9,9 +9,10 @@ planner's settings search over the ring x Ulysses factorizations,
 memory per node. Also records the table per factorization.
 
     python benchmarks/plan_headline.py --gpus 8 --nodes 1 [--stacks alst ours] \
-        [--offload-state none optimizer] [--model llama3-70b]
+        [--offload-state none optimizer] [--model llama3-70b] [--disk 30TB]
 
-Writes ``results/plan_headline_<G>x<K>[_<model>].json``; published anchors are in the JSON for
+``--disk`` plans the ``offload_dir`` tier (issue 19) with that much NVMe per node.
+Writes ``results/plan_headline_<G>x<K>[_<model>][_disk<size>].json``; published anchors are in the JSON for
 comparison (ALST 3.7M on 8 H100 and 15M on 32; UPipe 5M on 8 H100).
 """
 
@@ -48,15 +49,21 @@ def main() -> None:
     p.add_argument("--offload-state", nargs="+", default=["none", "optimizer"],
                    choices=["none", "optimizer", "optimizer+params"])
     p.add_argument("--start", default="4M")
+    p.add_argument("--disk", default="0",
+                   help="disk (NVMe) per node for the offload_dir tier (issue 19), e.g. 30TB; "
+                        "default 0: none")
     args = p.parse_args()
     from arctic.plan import parse_tokens
 
     world = args.gpus * args.nodes
     config = model_config(args.model)
     tag = "" if args.model == "llama3-8b" else f"_{args.model}"
+    disk = parse_bytes(args.disk)
+    tag += f"_disk{args.disk}" if disk else ""
     out = REPO / "benchmarks" / "results" / f"plan_headline_{args.gpus}x{args.nodes}{tag}.json"
     record = {"model": args.model, "gpus": args.gpus, "nodes": args.nodes,
               "gpu_memory": args.gpu_memory, "host_memory_per_node": args.host_memory,
+              "disk_per_node": args.disk,
               "anchors": ANCHORS, "runs": {}}
     for mode in args.offload_state:
         placement = Placement(mode, device_fixed=2 * 500_000_000 if mode != "none" else 0)
@@ -68,7 +75,7 @@ def main() -> None:
             def plan_with(n, fields):
                 return plan(args.model, n, gpus=args.gpus, nodes=args.nodes, stack=fields,
                             gpu_memory=parse_bytes(args.gpu_memory), placement=placement,
-                            host_memory=parse_bytes(args.host_memory))
+                            host_memory=parse_bytes(args.host_memory), disk_memory=disk)
 
             log = lambda line: print(line, flush=True)  # noqa: E731
             fields = dict(STACKS[stack], sequence_parallel_size=world)
