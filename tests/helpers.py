@@ -91,3 +91,19 @@ def count_collectives():
     finally:
         for name, fn in saved.items():
             setattr(dist, name, fn)
+
+
+def launch_path_sources() -> dict[str, str]:
+    """The source of each launch path (arctic.initialize, the Trainer's __init__,
+    examples/train_fsdp.py), for tests that each one calls what it must."""
+    import inspect
+    from pathlib import Path
+
+    import arctic.engine
+    import arctic.trainer
+
+    repo = Path(__file__).resolve().parent.parent
+    return {"arctic.initialize": inspect.getsource(arctic.engine.initialize),
+            "SequenceParallelTrainer": inspect.getsource(
+                arctic.trainer.SequenceParallelTrainer.__init__),
+            "train_fsdp.py": (repo / "examples" / "train_fsdp.py").read_text()}

@@ -67,16 +67,8 @@ def test_nothing_without_cuda(monkeypatch):
 def test_the_launch_paths_call_it():
     """arctic.initialize, the Trainer and examples/train_fsdp.py each call it before they
     build anything (checked in their source: a launch path that drops the call fails here)."""
-    import inspect
-    from pathlib import Path
+    from helpers import launch_path_sources
 
-    import arctic.engine
-    import arctic.trainer
-
-    repo = Path(__file__).resolve().parent.parent
-    sources = {"arctic.initialize": inspect.getsource(arctic.engine.initialize),
-               "SequenceParallelTrainer": inspect.getsource(
-                   arctic.trainer.SequenceParallelTrainer.__init__),
-               "train_fsdp.py": (repo / "examples" / "train_fsdp.py").read_text()}
+    sources = launch_path_sources()
     for where, source in sources.items():
         assert "allocator.use_expandable_segments()" in source, where

@@ -147,17 +147,9 @@ def test_every_launch_path_shares_the_host_budget():
     """arctic.initialize, the Trainer and examples/train_fsdp.py (CPUOffloadPolicy) each give
     the offload pool what the offloaded state leaves (checked in their source: a launch path
     that drops it fails here; the budget itself is tested above)."""
-    import inspect
-    from pathlib import Path
+    from helpers import launch_path_sources
 
-    import arctic.engine
-    import arctic.trainer
-
-    repo = Path(__file__).resolve().parent.parent
-    sources = {"arctic.initialize": inspect.getsource(arctic.engine.initialize),
-               "SequenceParallelTrainer": inspect.getsource(
-                   arctic.trainer.SequenceParallelTrainer.__init__),
-               "train_fsdp.py": (repo / "examples" / "train_fsdp.py").read_text()}
+    sources = launch_path_sources()
     for name, source in sources.items():
         assert ("host_memory_limit=host_limit_beside_state(" in source or
                 "offload_pool_limit(Placement(\"fsdp2\")" in source), name
