@@ -338,3 +338,21 @@ def test_cuda_spill_is_bit_identical_to_host_offload(tmp_path):
         assert pool.stats.bytes_spilled == 2 * (BLOCKS - 1) * HIDDEN
     finally:
         torch.use_deterministic_algorithms(False)
+
+
+@pytest.mark.parametrize("host_blocks", [0.5, 1.5, 2.0, 3.2])
+def test_the_planners_disk_figure_bounds_what_spills(tmp_path, host_blocks):
+    """The planner's disk bytes (``arctic.plan.estimate._spill``: the overflow past the host
+    limit plus one layer, for whole-layer spilling) against a real spill: never below what
+    the pool wrote to disk, and at most one layer above it."""
+    from arctic.plan.estimate import _spill
+
+    host_only = HostBufferPool(limit_bytes=1 << 30)
+    _step(_blocks(host_only))
+    inputs = host_only.stats.peak_host_bytes  # what host-only offload holds at once
+    limit = int(HIDDEN * host_blocks)
+    pool = HostBufferPool(limit_bytes=limit, disk_dir=tmp_path)
+    _step(_blocks(pool))
+    spilled, planned = pool.stats.peak_disk_bytes, _spill(inputs, 0, limit, BLOCKS)
+    assert spilled > 0 and pool.stats.peak_host_bytes <= limit
+    assert spilled <= planned <= spilled + -(-inputs // BLOCKS), (spilled, planned, inputs)
