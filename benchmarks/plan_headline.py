@@ -28,7 +28,8 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from arctic.plan import STACKS, find_max, parse_bytes, plan  # noqa: E402
-from arctic.plan.cli import search_table, ulysses_block  # noqa: E402
+from arctic.plan.cli import search_table  # noqa: E402
+from arctic.plan.launch import ulysses_block  # noqa: E402
 from arctic.plan.models import model_config  # noqa: E402
 from arctic.plan.search import search  # noqa: E402
 from arctic.placement import Placement  # noqa: E402

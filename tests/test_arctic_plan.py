@@ -251,14 +251,17 @@ def test_disk_tier_holds_what_the_host_cannot(tmp_path):
 
 
 def test_ds_config_with_a_disk_tier(tmp_path):
-    """A --ds-config with ulysses.offload_dir is planned with --disk (and --write-config keeps
-    the config's other 'ulysses' keys and writes --offload-dir), refused without it."""
+    """A --ds-config with ulysses.offload_dir (the training nodes' directory, which need not
+    exist here) is planned with --disk, refused without it; --write-config keeps the config's
+    other 'ulysses' keys, and writes --offload-dir, else the config's own directory (without
+    either it is refused)."""
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 3}, "sequence_parallel_size": 2,
                                "ulysses": {"activation_checkpointing": True,
                                            "offload_activations": True,
                                            "attention_backend": "math",
-                                           "offload_dir": str(tmp_path)}}))
+                                           # the training nodes' directory, not here
+                                           "offload_dir": "/nvme/not/on/this/machine"}}))
     args = ["-m", "arctic.plan", "--model", "tiny-llama", "--gpus", "2", "--ds-config",
             str(cfg)]
     proc = _run(*args, "--seq-len", "8K")
@@ -270,7 +273,12 @@ def test_ds_config_with_a_disk_tier(tmp_path):
     written = json.loads(out.read_text())["ulysses"]
     assert written["offload_dir"] == str(tmp_path) and written["attention_backend"] == "math"
     proc = _run(*args, "--find-max", "--no-search", "--gpu-memory", "48MiB", "--disk", "1GiB",
-                "--write-config", str(out))
+                "--write-config", str(out))  # the config's own directory is kept
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert json.loads(out.read_text())["ulysses"]["offload_dir"] == "/nvme/not/on/this/machine"
+    proc = _run("-m", "arctic.plan", "--model", "tiny-llama", "--gpus", "2", "--find-max",
+                "--no-search", "--gpu-memory", "48MiB", "--disk", "1GiB", "--write-config",
+                str(out))
     assert proc.returncode != 0 and "give --offload-dir" in proc.stderr, proc.stderr[-2000:]
 
 

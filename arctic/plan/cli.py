@@ -13,6 +13,7 @@ from pathlib import Path
 
 from arctic.config import SequenceParallelConfig, load_ds_config, zero_stage
 from arctic.plan.estimate import ALLOCATOR_HEADROOM, Estimate, plan, start_workers
+from arctic.plan.launch import command_lines, ulysses_block, write_config
 from arctic.plan.models import MODELS, model_config
 from arctic.plan.search import find_max, search
 from arctic.placement import MODES, Placement, placement_from_ds_config
@@ -137,9 +138,12 @@ def settings_from_args(args: argparse.Namespace) -> dict:
         if stage not in (0, 3):
             raise ValueError(f"--ds-config has ZeRO stage {stage}: the planner plans full "
                              f"sharding (ZeRO-3 or FSDP2); use stage 3")
-        if (ds.get("ulysses") or {}).get("offload_dir") is not None and not args.disk:
-            raise ValueError("--ds-config sets ulysses.offload_dir: give --disk, its budget "
-                             "per node, to plan the disk tier")
+        if (ds.get("ulysses") or {}).get("offload_dir") is not None:
+            if not args.disk:
+                raise ValueError("--ds-config sets ulysses.offload_dir: give --disk, its "
+                                 "budget per node, to plan the disk tier")
+            # The directory is the training nodes'; it need not exist where the plan is made.
+            ds = dict(ds, ulysses={k: v for k, v in ds["ulysses"].items() if k != "offload_dir"})
         fields = SequenceParallelConfig.from_ds_config(ds, world_size=world)
         fields = {k: getattr(fields, k) for k in PLANNED_FIELDS}
     else:
@@ -253,51 +257,6 @@ def _placement(args: argparse.Namespace) -> Placement:
     return Placement()
 
 
-def ulysses_block(fields: dict) -> dict:
-    """The settings as a DeepSpeed config's ``sequence_parallel_size`` and ``"ulysses"`` block."""
-    block = {k: v for k, v in fields.items() if k != "sequence_parallel_size" and
-             (k != "offload_dir" or v is not None)}
-    return {"sequence_parallel_size": fields["sequence_parallel_size"], "ulysses": block}
-
-
-def command_lines(args: argparse.Namespace, fields: dict, seq_len: int, config_path: str,
-                  placement: Placement) -> list[str]:
-    """How to launch the planned job: examples/train.py (DeepSpeed) and train_fsdp.py."""
-    nodes = f" --num_nodes {args.nodes}" if args.nodes > 1 else ""
-    model = f"--model {args.model} --seq-len {seq_len}"
-    lines = [f"deepspeed --num_gpus {args.gpus}{nodes} examples/train.py "
-             f"--deepspeed_config {config_path} {model}"]
-    if placement.mode in ("none", "fsdp2"):
-        nnodes = f" --nnodes {args.nodes}" if args.nodes > 1 else ""
-        off = " --offload-params" if placement.mode == "fsdp2" else ""
-        lines.append(f"torchrun --nproc-per-node {args.gpus}{nnodes} examples/train_fsdp.py "
-                     f"--config {config_path} {model}{off}")
-    return lines
-
-
-def write_config(path: Path, args: argparse.Namespace, fields: dict,
-                 placement: Placement) -> None:
-    """A DeepSpeed JSON with the settings: --ds-config's with its block replaced, or ZeRO-3."""
-    if args.ds_config is not None:
-        ds = load_ds_config(args.ds_config)
-    else:
-        zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
-        if placement.mode in ("optimizer", "optimizer+params"):
-            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-        if placement.mode == "optimizer+params":
-            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
-        ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "bf16": {"enabled": True}, "zero_optimization": zero,
-              "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}}
-        if placement.mode == "fsdp2":  # train_fsdp.py reads only the SP settings
-            ds["zero_optimization"] = {"stage": 0}
-    ds.pop("activation_checkpointing", None)  # the block below says it
-    block = ulysses_block(fields)  # over the config's own block: its other keys stay
-    ds["sequence_parallel_size"] = block["sequence_parallel_size"]
-    ds["ulysses"] = {**(ds.get("ulysses") or {}), **block["ulysses"]}
-    path.write_text(json.dumps(ds, indent=2) + "\n")
-
-
 def _main(args: argparse.Namespace) -> int:
     if args.seq_len is None and not args.find_max:
         raise SystemExit("give --seq-len, or --find-max")
@@ -351,10 +310,12 @@ def _main(args: argparse.Namespace) -> int:
         print(f"longest that fits: {best:,} tokens ({best / 1e6:.2f}M)")
         shown = chosen  # the settings, with the disk tier's directory when it is planned
         if args.disk and chosen.get("offload_activations"):
-            shown = dict(chosen, offload_dir=args.offload_dir or "<a directory on the NVMe>")
-            if args.write_config is not None and args.offload_dir is None:
+            where = args.offload_dir or (load_ds_config(args.ds_config).get("ulysses", {})
+                                         .get("offload_dir") if args.ds_config else None)
+            if args.write_config is not None and where is None:
                 raise ValueError("--write-config with --disk: give --offload-dir, the "
                                  "directory the written config names as offload_dir")
+            shown = dict(chosen, offload_dir=where or "<a directory on the NVMe>")
         result["max_seq_len"] = best
         result["settings"] = ulysses_block(shown)
         result["tried"] = [e.as_dict() for e in estimates]

@@ -1,0 +1,60 @@
+"""What the planner hands a user to launch the job it planned: the settings as a DeepSpeed
+config's ``"ulysses"`` block, the command lines of ``examples/train.py`` and
+``train_fsdp.py``, and the DeepSpeed JSON that ``--write-config`` writes."""
+
+from __future__ import annotations
+
+import argparse
+import json
+from pathlib import Path
+
+from arctic.config import load_ds_config
+from arctic.placement import Placement
+
+
+def ulysses_block(fields: dict) -> dict:
+    """The settings as a DeepSpeed config's ``sequence_parallel_size`` and ``"ulysses"`` block."""
+    block = {k: v for k, v in fields.items() if k != "sequence_parallel_size" and
+             (k != "offload_dir" or v is not None)}
+    return {"sequence_parallel_size": fields["sequence_parallel_size"], "ulysses": block}
+
+
+def command_lines(args: argparse.Namespace, fields: dict, seq_len: int, config_path: str,
+                  placement: Placement) -> list[str]:
+    """How to launch the planned job: examples/train.py (DeepSpeed) and train_fsdp.py."""
+    nodes = f" --num_nodes {args.nodes}" if args.nodes > 1 else ""
+    model = f"--model {args.model} --seq-len {seq_len}"
+    lines = [f"deepspeed --num_gpus {args.gpus}{nodes} examples/train.py "
+             f"--deepspeed_config {config_path} {model}"]
+    if placement.mode in ("none", "fsdp2"):
+        nnodes = f" --nnodes {args.nodes}" if args.nodes > 1 else ""
+        off = " --offload-params" if placement.mode == "fsdp2" else ""
+        lines.append(f"torchrun --nproc-per-node {args.gpus}{nnodes} examples/train_fsdp.py "
+                     f"--config {config_path} {model}{off}")
+    return lines
+
+
+def write_config(path: Path, args: argparse.Namespace, fields: dict,
+                 placement: Placement) -> None:
+    """A DeepSpeed JSON with the settings: --ds-config's with its block replaced, or ZeRO-3."""
+    if args.ds_config is not None:
+        ds = load_ds_config(args.ds_config)
+    else:
+        zero = {"stage": 3, "stage3_param_persistence_threshold": 0}
+        if placement.mode in ("optimizer", "optimizer+params"):
+            zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
+        if placement.mode == "optimizer+params":
+            zero["offload_param"] = {"device": "cpu", "pin_memory": True}
+        ds = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "bf16": {"enabled": True}, "zero_optimization": zero,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-5}}}
+        if placement.mode == "fsdp2":  # train_fsdp.py reads only the SP settings
+            ds["zero_optimization"] = {"stage": 0}
+    ds.pop("activation_checkpointing", None)  # the block below says it
+    block = ulysses_block(fields)  # over the config's own block: its other keys stay
+    ds["sequence_parallel_size"] = block["sequence_parallel_size"]
+    ds["ulysses"] = {**(ds.get("ulysses") or {}), **block["ulysses"]}
+    path.write_text(json.dumps(ds, indent=2) + "\n")
+
+
+__all__ = ["command_lines", "ulysses_block", "write_config"]
