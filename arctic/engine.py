@@ -28,7 +28,7 @@ from arctic.checkpointing import apply_activation_checkpointing
 from arctic.config import SequenceParallelConfig, load_ds_config, zero_stage
 from arctic.data import SequenceParallelDataLoader
 from arctic.loss import apply_sp_loss
-from arctic.placement import Placement, offload_pool_limit, placement_from_ds_config
+from arctic.placement import offload_pool_limit, placement_from_ds_config
 from arctic.tiling import apply_tiled_mlp, apply_tiled_norms
 from ulysses import DeepSpeedMPU, flat_mesh
 
@@ -112,10 +112,13 @@ def host_limit_beside_state(ds_config: dict, sp: SequenceParallelConfig, model: 
     (the budget is agreed over them), before DeepSpeed allocates the state."""
     if not (sp.activation_checkpointing and sp.offload_activations):
         return None
-    try:
-        placement = placement_from_ds_config(ds_config)
-    except ValueError:  # NVMe, or offload_param alone: not modelled; the pool's default
-        placement = Placement("none")
+    zero = ds_config.get("zero_optimization") or {}
+    blocks = [zero.get(k) for k in ("offload_optimizer", "offload_param")] \
+        if isinstance(zero, dict) else [None, None]  # not a dict: refused just below
+    devices = {b.get("device", "cpu") for b in blocks if isinstance(b, dict)}
+    if "nvme" in devices or (blocks[1] and not blocks[0]):
+        return None  # state on NVMe, or offload_param alone: not modelled; the pool's default
+    placement = placement_from_ds_config(ds_config)  # a bad value here is the user's to fix
     return offload_pool_limit(placement, sum(p.numel() for p in model.parameters()),
                               dist.get_world_size(), group=flat_mesh(mesh, "dp_sp").get_group())
 

@@ -153,3 +153,26 @@ def test_every_launch_path_shares_the_host_budget():
     for name, source in sources.items():
         assert ("host_memory_limit=host_limit_beside_state(" in source or
                 "offload_pool_limit(Placement(\"fsdp2\")" in source), name
+
+
+@pytest.mark.parametrize("zero,expect", [
+    ({"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/nvme"}}, None),
+    ({"stage": 3, "offload_param": {"device": "cpu"}}, None),
+    ({"stage": 3, "offload_optimizer": {"device": "cpu"}}, "grad_accum_dtype='int8'"),
+    ("stage 3", "zero_optimization must be a JSON object"),
+])
+def test_state_the_pool_cannot_model_keeps_its_default_and_bad_values_are_refused(zero, expect):
+    """ZeRO state on NVMe, or offload_param alone, is not on the host as modelled: the pool
+    keeps its default limit (None), with no collective. A bad value is refused, not
+    skipped."""
+    from arctic.config import SequenceParallelConfig
+    from arctic.engine import host_limit_beside_state
+
+    sp = SequenceParallelConfig(sequence_parallel_size=1, activation_checkpointing=True,
+                                offload_activations=True)
+    ds = {"zero_optimization": zero, "data_types": {"grad_accum_dtype": "int8"}}
+    if expect is None:
+        assert host_limit_beside_state(ds, sp, _model(), mesh=None) is None
+    else:
+        with pytest.raises(ValueError, match=expect):
+            host_limit_beside_state(ds, sp, _model(), mesh=None)

@@ -264,6 +264,12 @@ def _main(args: argparse.Namespace) -> int:
         raise ValueError("--search needs --find-max")
     fields = settings_from_args(args)
     placement = _placement(args)
+    # The disk tier's directory for the printed and written config, checked before any trace.
+    disk_dir = args.offload_dir or (load_ds_config(args.ds_config).get("ulysses", {})
+                                    .get("offload_dir") if args.ds_config else None)
+    if args.disk and args.find_max and args.write_config is not None and disk_dir is None:
+        raise ValueError("--write-config with --disk: give --offload-dir, the directory the "
+                         "written config names as offload_dir")
     config = model_config(args.model, layers=args.layers)  # an unknown model fails here
     world = args.gpus * args.nodes
     common = dict(gpus=args.gpus, nodes=args.nodes, gpu_memory=args.gpu_memory,
@@ -310,12 +316,7 @@ def _main(args: argparse.Namespace) -> int:
         print(f"longest that fits: {best:,} tokens ({best / 1e6:.2f}M)")
         shown = chosen  # the settings, with the disk tier's directory when it is planned
         if args.disk and chosen.get("offload_activations"):
-            where = args.offload_dir or (load_ds_config(args.ds_config).get("ulysses", {})
-                                         .get("offload_dir") if args.ds_config else None)
-            if args.write_config is not None and where is None:
-                raise ValueError("--write-config with --disk: give --offload-dir, the "
-                                 "directory the written config names as offload_dir")
-            shown = dict(chosen, offload_dir=where or "<a directory on the NVMe>")
+            shown = dict(chosen, offload_dir=disk_dir or "<a directory on the NVMe>")
         result["max_seq_len"] = best
         result["settings"] = ulysses_block(shown)
         result["tried"] = [e.as_dict() for e in estimates]
