@@ -11,6 +11,7 @@ from arctic.config import SequenceParallelConfig
 from arctic.data import SequenceParallelDataLoader, prepare_sp_batch
 from arctic.fsdp import apply_fsdp
 from arctic.loss import apply_sp_loss, sp_token_loss
+from arctic.tiled_layer import apply_tiled_layers
 from arctic.tiling import TiledMLP, apply_tiled_mlp, tiled_logits_loss
 
 __all__ = [
@@ -21,6 +22,7 @@ __all__ = [
     "apply_fsdp",
     "apply_sequence_parallel",
     "apply_sp_loss",
+    "apply_tiled_layers",
     "apply_tiled_mlp",
     "initialize",
     "prepare_sp_batch",

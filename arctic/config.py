@@ -68,6 +68,12 @@ class SequenceParallelConfig:
     tiled_norms: bool = True
     """With ``tiled_mlp``, also tile the RMSNorms over the sequence (their float32 backward
     temporaries are the next peak; :func:`arctic.tiling.apply_tiled_norms`)."""
+    tiled_layer: bool = False
+    """With ``tiled_mlp``, run all of each decoder layer after attention (residual add,
+    post-attention norm, MLP, residual add) as one unit over tiled_mlp's tiles: its backward
+    holds one hidden-sized gradient where the separately tiled norm and MLP hold three, and
+    it saves the attention output instead of the norm's and the MLP's inputs
+    (:mod:`arctic.tiled_layer`; Llama, Mistral, Qwen2 and Qwen3 decoder layers)."""
     loss_tiles: int | Literal["auto"] = "auto"
     """Sequence tiles of the logits + loss."""
     activation_checkpointing: bool = False
@@ -113,7 +119,7 @@ class SequenceParallelConfig:
         if self.attention_backend is not None and self.attention_backend not in BACKENDS:
             raise ValueError(f"ulysses.attention_backend must be null or one of {BACKENDS}, got "
                              f"{self.attention_backend!r}")
-        for name in ("fuse_projections", "tiled_norms", "activation_checkpointing",
+        for name in ("fuse_projections", "tiled_norms", "tiled_layer", "activation_checkpointing",
                      "offload_activations", "recompute_attention"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ulysses.{name} must be true or false, got "
@@ -121,6 +127,9 @@ class SequenceParallelConfig:
         if self.fuse_projections and self.head_chunk_size is None:
             raise ValueError("ulysses.fuse_projections needs ulysses.head_chunk_size (an int or "
                              "\"auto\"): the projections are fused into the head-chunk loop")
+        if self.tiled_layer and self.tiled_mlp is None:
+            raise ValueError("ulysses.tiled_layer needs ulysses.tiled_mlp (an int or \"auto\"): "
+                             "the layer's tail runs over the MLP's tiles")
         if self.offload_activations and not self.activation_checkpointing:
             raise ValueError("offload_activations needs activation_checkpointing: only "
                              "checkpointed layer inputs are offloaded")

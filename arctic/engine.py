@@ -29,6 +29,7 @@ from arctic.config import SequenceParallelConfig, load_ds_config, zero_stage
 from arctic.data import SequenceParallelDataLoader
 from arctic.loss import apply_sp_loss
 from arctic.placement import offload_pool_limit, placement_from_ds_config
+from arctic.tiled_layer import apply_tiled_layers
 from arctic.tiling import apply_tiled_mlp, apply_tiled_norms
 from ulysses import DeepSpeedMPU, flat_mesh
 
@@ -91,6 +92,9 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
             # With the MLP tiled, the RMSNorms' float32 temporaries set the step's peak (found
             # by the planner, arctic.plan); they are tiled with it, by their own byte budget.
             apply_tiled_norms(model)
+        if config.tiled_layer:
+            # The tail after attention as one tiled unit (its norm and MLP run untiled inside).
+            apply_tiled_layers(model, tiles=config.tiled_mlp)
     apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group(), loss_tiles=config.loss_tiles,
                   averaged_over_sp=averaged_over_sp)
     if config.activation_checkpointing:

@@ -132,6 +132,7 @@ def _rank_fingerprint(ds):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from arctic.engine import apply_sp_recipe
+    from arctic.tiled_layer import _tiled_layer_forward
     from arctic.tiling import _TiledForward
     from offload.checkpoint import _CheckpointedForward
 
@@ -152,6 +153,8 @@ def _rank_fingerprint(ds):
         "attn_implementation": sp.backend, "communication_dtype": sp.communication_dtype,
         "tiled_mlp": mlp.args[0] if isinstance(mlp, _TiledForward) else None,
         "tiled_norms": isinstance(norm, _TiledForward),
+        "tiled_layer": getattr(getattr(ckpt, "forward", ckpt), "__func__", None) is
+        _tiled_layer_forward,
         "loss_tiles": model.lm_head.forward.tiles,
         "activation_checkpointing": isinstance(ckpt, _CheckpointedForward),
         "offload_activations": isinstance(ckpt, _CheckpointedForward) and ckpt.session is not None,
@@ -171,6 +174,8 @@ KEY_EFFECTS = {
                          {"head_chunk_size": 1, "fuse_projections": True}),
     "tiled_mlp": ({"ulysses": {"tiled_mlp": 4}}, {"tiled_mlp": 4, "tiled_norms": True}),
     "tiled_norms": ({"ulysses": {"tiled_mlp": 4, "tiled_norms": False}}, {"tiled_mlp": 4}),
+    "tiled_layer": ({"ulysses": {"tiled_mlp": 4, "tiled_layer": True}},
+                    {"tiled_mlp": 4, "tiled_norms": True, "tiled_layer": True}),
     "loss_tiles": ({"ulysses": {"loss_tiles": 3}}, {"loss_tiles": 3}),
     "activation_checkpointing": ({"ulysses": {"activation_checkpointing": True}},
                                  {"activation_checkpointing": True}),

@@ -25,17 +25,18 @@ def _tokens():
     return torch.randint(0, VOCAB, (1, S), generator=torch.Generator().manual_seed(1))
 
 
-def _config(stage, extra=None):
+def _config(stage, extra=None, zero=None):
     cfg = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
            "steps_per_print": 10**6,
            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
            "zero_optimization": {"stage": stage}, "sequence_parallel_size": 2,
            "ulysses": {"tiled_mlp": 2, "loss_tiles": 3}}
     cfg["ulysses"].update(extra or {})
+    cfg["zero_optimization"].update(zero or {})
     return cfg
 
 
-def _rank_engine(stage, extra):
+def _rank_engine(stage, extra, zero=None):
     from deepspeed.utils import safe_get_full_grad
 
     import arctic.engine
@@ -44,7 +45,7 @@ def _rank_engine(stage, extra):
 
     init_deepspeed_comm()
     model = _model()
-    engine, _, _, _ = arctic.engine.initialize(model=model, config=_config(stage, extra))
+    engine, _, _, _ = arctic.engine.initialize(model=model, config=_config(stage, extra, zero))
     session = getattr(engine.module, "activation_offload", None)
     if session is not None:
         session.min_bytes = 0  # this model's activations are all below the default threshold
@@ -78,6 +79,24 @@ def test_zero_stages_match_single_device(stage):
         assert offloaded == (2 * 4096 + 256 + 2 * 1024 if stage == 3 else None)
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
         assert set(grads) == set(ref_grads)
+        for n, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[n], atol=2e-5, rtol=1e-4,
+                                       msg=lambda m: f"stage {stage} {n}: {m}")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_tiled_layer_under_zero_matches_single_device(stage):
+    """ulysses.tiled_layer: ZeRO-2 reduces the tail's gradients after its last tile
+    (ds_grad_is_ready); ZeRO-3 gathers the whole layer, a leaf module, for its tail."""
+    ref_loss, ref_grads = _reference()
+    extra = {"tiled_layer": True, "head_chunk_size": 1, "fuse_projections": True,
+             "activation_checkpointing": True, "offload_activations": stage == 3}
+    # No persistent parameters: every one is partitioned, so a tail that ran without
+    # gathering its layer's weights would fail.
+    zero = {"stage3_param_persistence_threshold": 0}
+    for loss, grads, _ in dist_pool.run(_rank_engine, stage, extra, zero, world_size=2,
+                                        timeout=240):
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss)
         for n, g in grads.items():
             torch.testing.assert_close(g, ref_grads[n], atol=2e-5, rtol=1e-4,
                                        msg=lambda m: f"stage {stage} {n}: {m}")

@@ -89,6 +89,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                        default=None, help="q/k/v/o projections inside the head-chunk loop")
     stack.add_argument("--tiled-norms", action=argparse.BooleanOptionalAction, default=None,
                        help="tile the RMSNorms with the MLP")
+    stack.add_argument("--tiled-layer", action=argparse.BooleanOptionalAction, default=None,
+                       help="run each decoder layer's tail after attention (residual add, norm, "
+                            "MLP, residual add) as one tiled unit (ulysses.tiled_layer)")
     stack.add_argument("--offload", action=argparse.BooleanOptionalAction, default=None,
                        help="checkpoint layers and offload their inputs to the host")
     stack.add_argument("--checkpointing", action=argparse.BooleanOptionalAction, default=None)
@@ -156,7 +159,7 @@ def settings_from_args(args: argparse.Namespace) -> dict:
                      ("loss_tiles", "loss_tiles")):
         if hasattr(args, arg):
             fields[key] = getattr(args, arg)
-    for arg in ("fuse_projections", "tiled_norms"):
+    for arg in ("fuse_projections", "tiled_norms", "tiled_layer"):
         if getattr(args, arg) is not None:
             fields[arg] = getattr(args, arg)
     if args.checkpointing is not None:

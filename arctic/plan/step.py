@@ -74,8 +74,8 @@ def train_step(model: nn.Module, optimizer, batch: dict, *, on_phase=None) -> to
 
 
 PLANNED_FIELDS = ("sequence_parallel_size", "ring_degree", "head_chunk_size", "fuse_projections",
-                  "tiled_mlp", "tiled_norms", "loss_tiles", "activation_checkpointing",
-                  "offload_activations", "recompute_attention")
+                  "tiled_mlp", "tiled_norms", "tiled_layer", "loss_tiles",
+                  "activation_checkpointing", "offload_activations", "recompute_attention")
 """The :class:`SequenceParallelConfig` fields that change what the planner traces (the rest,
 the attention kernel and the exchanges' dtype, do not change memory)."""
 
@@ -84,26 +84,30 @@ STACKS: dict[str, dict] = {
     "ulysses": dict(loss_tiles=1),
     "alst": dict(tiled_mlp="auto", tiled_norms=False, loss_tiles="auto",
                  activation_checkpointing=True, offload_activations=True),
-    "ours": dict(head_chunk_size=1, fuse_projections=True, tiled_mlp="auto", loss_tiles="auto",
-                 activation_checkpointing=True, offload_activations=True),
+    "ours": dict(head_chunk_size=1, fuse_projections=True, tiled_mlp="auto", tiled_layer=True,
+                 loss_tiles="auto", activation_checkpointing=True, offload_activations=True),
     "ours-unfused": dict(head_chunk_size=1, tiled_mlp="auto", loss_tiles="auto",
                          activation_checkpointing=True, offload_activations=True),
     "ours-no-offload": dict(head_chunk_size=1, tiled_mlp="auto", loss_tiles="auto",
                             activation_checkpointing=True),
     "ours-keep-attention": dict(head_chunk_size=1, fuse_projections=True, tiled_mlp="auto",
-                                loss_tiles="auto", activation_checkpointing=True,
+                                tiled_layer=True, loss_tiles="auto", activation_checkpointing=True,
                                 offload_activations=True, recompute_attention=False),
     "hybrid": dict(ring_degree=2, head_chunk_size=1, fuse_projections=True, tiled_mlp="auto",
-                   loss_tiles="auto", activation_checkpointing=True, offload_activations=True),
+                   tiled_layer=True, loss_tiles="auto", activation_checkpointing=True,
+                   offload_activations=True),
 }
 """Named stacks. ``ulysses``: SP attention alone (one loss tile: the full logits).
 ``alst``: DeepSpeed ALST's recipe (Ulysses without head chunking, tiled MLP and loss,
 checkpointing with the layer inputs offloaded), built from our code. ``ours``: the same with
 head chunking (one head per chunk) and the q/k/v/o projections fused into the chunk loop;
-``ours-unfused`` without that fusion; ``ours-keep-attention`` keeps each layer's attention
-output and lse on the host instead of recomputing attention in backward. ``hybrid``:
+``ours-unfused`` without that fusion (nor the tiled layer tail); ``ours-keep-attention``
+keeps each layer's attention output and lse on the host instead of recomputing attention in
+backward. ``hybrid``:
 ``ours`` over ring 2 x Ulysses W/2. Ours also tile the RMSNorms
-(:func:`arctic.tiling.apply_tiled_norms`); ALST does not."""
+(:func:`arctic.tiling.apply_tiled_norms`) and, all but ``ours-unfused`` and ``ours-no-offload``,
+run each layer's tail after attention as one tiled unit (:mod:`arctic.tiled_layer`); ALST
+does neither."""
 
 
 def stack_config(stack: str | dict, *, world: int) -> SequenceParallelConfig:

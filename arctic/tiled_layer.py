@@ -1,0 +1,215 @@
+"""``tiled_layer``: the half of each decoder layer after attention, run as one sequence tile.
+
+A Llama-family decoder layer computes, per token after attention,
+
+    h = x + a,   y = h + mlp(norm2(h))       (x the layer input, a the attention output)
+
+With only the MLP and the norms tiled (:mod:`arctic.tiling`), autograd still keeps ``h``
+(the norm's input) and ``norm2(h)`` (the MLP's input) whole for the backward, and the
+backward makes the MLP's input gradient, the norm's and their sum with ``dy`` one after the
+other, each ``[B, S_local, E]``. The memory planner (``python -m arctic.plan``) finds these
+hidden-sized tensors at the step's peak once attention is head-chunked and the layer inputs
+are offloaded.
+
+Here the whole tail is one autograd node over sequence tiles: the forward saves ``x`` and
+``a`` only (``x`` is the checkpointed layer input, kept anyway), and the backward recomputes
+each tile and produces one hidden-sized tensor, ``dh = dy + d(mlp(norm2(h)))/dh``, which is
+the gradient of both ``x`` and ``a`` (autograd's sum at ``h`` gives the same) and goes to
+both as the same tensor. Everything else of the tail (``h``, ``norm2(h)``, the MLP's
+intermediates and their gradients) lives one tile at a time.
+
+Only layer classes whose forward is exactly "norm1, attention, add, norm2, MLP, add"
+(:data:`TILABLE`) are accepted; the tail calls the norm's and the MLP's own ``forward`` (the
+untiled one when :func:`arctic.apply_tiled_mlp` already wrapped it), so forward hooks on
+those two modules would be skipped and are refused. Parameter sharding: FSDP2 unshards the
+decoder layer for its forward and backward; ZeRO-3 gathers parameters in each module's
+hooks, so the layer is marked a ZeRO-3 leaf (as :mod:`arctic.hf_fused` marks the attention
+module): ZeRO-3 gathers all of its parameters when the layer runs and reduces their
+gradients in a full backward hook on it, for which ``hidden_states`` is passed positionally,
+requiring grad.
+
+Shape legend: B batch, S this rank's sequence piece, E hidden size.
+"""
+
+from __future__ import annotations
+
+import types
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from arctic.anatomy import decoder_layers
+from arctic.hf_fused import _positional_input
+from arctic.order import record_apply
+from arctic.tiling import DEFAULT_TILE_BUDGET_BYTES, _tile_rows, _TiledForward, resolve_tiles
+
+TILABLE = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
+           "Qwen3DecoderLayer")
+"""Decoder layers whose stock forward is ``h = x + attn(norm1(x)); y = h + mlp(norm2(h))``
+(transformers 5: the four are line for line the same)."""
+_STOCK_ARGS = {"attention_mask": None, "position_ids": None, "past_key_values": None,
+               "use_cache": False, "position_embeddings": None}
+"""The stock forward's arguments after ``hidden_states``, in order, with their defaults; it
+passes each to the attention module by keyword."""
+_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def _own_forward(module: nn.Module):
+    """The module's forward without a tiling wrapper (tiles inside tiles would only add
+    copies)."""
+    forward = module.forward
+    return forward.inner if isinstance(forward, _TiledForward) else forward
+
+
+class _TiledTailFn(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x_BSE, a_BSE, tail, params, tiles):
+        ctx.tail, ctx.params, ctx.tiles = tail, params, tiles
+        ctx.save_for_backward(x_BSE, a_BSE)
+        return _tail_no_grad(x_BSE, a_BSE, tail, tiles)
+
+    @staticmethod
+    def backward(ctx, dy_BSE):
+        x_BSE, a_BSE = ctx.saved_tensors
+        dh = None
+        for i, start, n in _tile_rows(x_BSE, x_BSE.shape[1], ctx.tiles):
+            rows = slice(start, start + n)
+            # ZeRO-1/2 reduce a gradient when its hook fires; it is whole after the last tile.
+            for p in ctx.params:
+                p.ds_grad_is_ready = i == ctx.tiles - 1
+            with torch.no_grad():
+                h_t = x_BSE[:, rows] + a_BSE[:, rows]
+            with torch.enable_grad():
+                leaf = h_t.requires_grad_()
+                y_t = ctx.tail(leaf)
+            # Parameter gradients accumulate into .grad, tile by tile.
+            torch.autograd.backward(y_t, dy_BSE[:, rows])
+            if dh is None:
+                dh = torch.empty(x_BSE.shape, dtype=leaf.grad.dtype, device=x_BSE.device)
+            dh[:, rows] = leaf.grad
+            del y_t, leaf, h_t
+        return dh.to(x_BSE.dtype), dh.to(a_BSE.dtype), None, None, None
+
+
+def _tail_no_grad(x_BSE: Tensor, a_BSE: Tensor, tail, tiles: int) -> Tensor:
+    y = None
+    with torch.no_grad():
+        for _, start, n in _tile_rows(x_BSE, x_BSE.shape[1], tiles):
+            rows = slice(start, start + n)
+            y_t = tail(x_BSE[:, rows] + a_BSE[:, rows])
+            if y is None:
+                y = torch.empty(x_BSE.shape, dtype=y_t.dtype, device=x_BSE.device)
+            y[:, rows] = y_t
+            del y_t
+    return y
+
+
+class _Tail:
+    """``h -> h + mlp(norm2(h))`` of one layer, with the modules' own forwards."""
+
+    def __init__(self, layer: nn.Module) -> None:
+        self.norm = _own_forward(layer.post_attention_layernorm)
+        self.mlp = _own_forward(layer.mlp)
+
+    def __call__(self, h_BSE: Tensor) -> Tensor:
+        return h_BSE + self.mlp(self.norm(h_BSE))
+
+
+def _tiled_layer_forward(self, hidden_states, *args, **kwargs):
+    """The decoder layer's forward under ``tiled_layer``: the stock forward's first half, then
+    the tiled tail."""
+    if len(args) > len(_STOCK_ARGS):
+        raise TypeError(f"{type(self).__name__}.forward takes at most {len(_STOCK_ARGS) + 1} "
+                        f"positional arguments, got {len(args) + 1}")
+    call = dict(_STOCK_ARGS)
+    for name, value in zip(_STOCK_ARGS, args):
+        if name in kwargs:
+            raise TypeError(f"{type(self).__name__}.forward got multiple values for {name!r}")
+        call[name] = value
+    call.update(kwargs)
+    a, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **call)
+    tiles = self._sp_tiled_layer
+    x = hidden_states
+    row = 3 * x.shape[0] * tiles.intermediate_size * x.element_size()
+    n = resolve_tiles(tiles.tiles, x.shape[1], row, budget_bytes=tiles.budget_bytes,
+                      group=tiles.group)
+    tail = _Tail(self)
+    if not torch.is_grad_enabled():
+        return _tail_no_grad(x, a, tail, n)
+    params = [p for m in (self.post_attention_layernorm, self.mlp) for p in m.parameters()
+              if p.requires_grad]
+    return _TiledTailFn.apply(x, a, tail, params, n)
+
+
+class _TileSettings:
+    def __init__(self, tiles, intermediate_size: int, budget_bytes: int, group) -> None:
+        self.tiles, self.intermediate_size = tiles, intermediate_size
+        self.budget_bytes, self.group = budget_bytes, group
+
+
+def check_tilable(layer: nn.Module) -> None:
+    """``ValueError`` unless ``layer``'s forward is the one :func:`apply_tiled_layers`
+    reproduces, and the tail's modules have no hooks it would skip."""
+    name = type(layer).__name__
+    if name not in TILABLE:
+        raise ValueError(f"ulysses.tiled_layer supports the decoder layers {list(TILABLE)}; "
+                         f"{name} may compute something else: set tiled_layer to false")
+    if "forward" in vars(layer) and not isinstance(layer.forward, types.MethodType):
+        raise ValueError(f"{name}.forward is already replaced ({type(layer.forward).__name__}); "
+                         f"apply tiled_layer before activation checkpointing")
+    missing = [p for p in _PARTS if not isinstance(getattr(layer, p, None), nn.Module)]
+    if missing:
+        raise ValueError(f"{name} has no {missing}; tiled_layer needs {list(_PARTS)}")
+    extra = sorted(n for n, _ in layer.named_children() if n not in _PARTS)
+    if extra:
+        raise ValueError(f"{name} has modules the tiled forward would not run: {extra}; set "
+                         f"tiled_layer to false")
+    for part in ("post_attention_layernorm", "mlp"):
+        m = getattr(layer, part)
+        if m._forward_hooks or m._forward_pre_hooks:
+            raise ValueError(f"{name}.{part} has forward hooks, which the tiled tail would "
+                             f"skip (it calls the module's forward per tile); remove them or "
+                             f"set tiled_layer to false")
+
+
+def apply_tiled_layers(model: nn.Module, *, tiles: int | str = "auto",
+                       budget_bytes: int = DEFAULT_TILE_BUDGET_BYTES,
+                       group: dist.ProcessGroup | None = None) -> nn.Module:
+    """Run the part of every decoder layer after attention (residual add, post-attention
+    norm, MLP, residual add) as one unit over sequence tiles; see the module docstring.
+
+    Args:
+        model: a HF causal LM whose decoder layers are :data:`TILABLE`.
+        tiles: an int, or ``"auto"``: as :class:`arctic.tiling.TiledMLP` sizes them (about
+            three ``[B, s, F]`` intermediates per tile in ``budget_bytes``), agreed over
+            ``group`` (default: the world).
+
+    Each layer keeps its class, parameters and ``state_dict`` keys; only the instance's
+    ``forward`` changes. Apply after :func:`arctic.apply_sequence_parallel` and the tiled MLP
+    (whose tiling the tail replaces for these layers) and before activation checkpointing.
+    Returns ``model``; ``ValueError`` (model unchanged) if a layer is not tilable.
+    """
+    if tiles != "auto":
+        resolve_tiles(tiles, 1, 1)  # type check, before touching the model
+    layers = decoder_layers(model)
+    if not layers:
+        raise ValueError(f"{type(model).__name__} has no decoder layers to tile")
+    for layer in layers:
+        if not isinstance(getattr(layer, "_sp_tiled_layer", None), _TileSettings):
+            check_tilable(layer)
+    intermediate = getattr(model.config, "intermediate_size", None)
+    if not isinstance(intermediate, int):
+        raise ValueError(f"tiled_layer needs config.intermediate_size, got {intermediate!r}")
+    record_apply(model, "tiling")
+    settings = _TileSettings(tiles, intermediate, budget_bytes, group)
+    for layer in layers:
+        if not isinstance(getattr(layer, "_sp_tiled_layer", None), _TileSettings):
+            layer.forward = types.MethodType(_tiled_layer_forward, layer)
+            layer._z3_leaf = True
+            layer.register_forward_pre_hook(_positional_input, with_kwargs=True)
+        layer._sp_tiled_layer = settings
+    return model
+
+
+__all__ = ["TILABLE", "apply_tiled_layers", "check_tilable"]
