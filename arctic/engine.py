@@ -82,6 +82,7 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
     from arctic.hf_attention import apply_sequence_parallel
 
     apply_sequence_parallel(model, mesh=mesh, head_chunk_size=config.head_chunk_size,
+                            seq_chunk=config.seq_chunk,
                             attn_implementation=config.attn_implementation,
                             fuse_projections=config.fuse_projections,
                             communication_dtype=config.comm_dtype,

@@ -35,6 +35,7 @@ from ulysses.all_to_all import check_comm_dtype
 from ulysses.head_chunking import resolve_chunk_size
 from ulysses.kernels import check_supported
 from ulysses.mesh import axis_size, check_mesh
+from ulysses.seq_chunk import check_seq_chunk
 from ulysses.sharding import head_layout
 
 REGISTERED = "ulysses"
@@ -62,6 +63,8 @@ class SPAttentionSettings:
     """The module's forward is the fused one (:mod:`arctic.hf_fused`)."""
     communication_dtype: torch.dtype | None = None
     """What the exchanges carry; None: the activations' dtype."""
+    seq_chunk: int | str | None = None
+    """Sequence blocks per piece inside each head chunk (:mod:`ulysses.seq_chunk`)."""
     ran: bool = False
     """Set by each call of the SP attention, checked after the module's forward."""
 
@@ -95,7 +98,7 @@ def _sp_attention(module: nn.Module, query, key, value, attention_mask, **kwargs
                             head_chunk_size=sp.head_chunk_size, backend=sp.backend,
                             buffer_pool=sp.pool, segments=sp.batch.segments(),
                             window=call.window, sinks=call.sinks,
-                            comm_dtype=sp.communication_dtype)
+                            comm_dtype=sp.communication_dtype, seq_chunk=sp.seq_chunk)
     return out, None
 
 
@@ -119,6 +122,7 @@ def _after_attention(module, args, output):
 
 def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
                             head_chunk_size: int | str | None = None,
+                            seq_chunk: int | str | None = None,
                             attn_implementation: str = "ulysses_sdpa",
                             fuse_projections: bool = False,
                             communication_dtype: torch.dtype | None = None,
@@ -134,6 +138,9 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
         head_chunk_size: ``None``, an int or ``"auto"``; see ``ulysses_attention``. One
             :class:`ulysses.BufferPool` is shared by all layers when chunking, emptied after
             each attention forward and backward (nothing is held between layers).
+        seq_chunk: ``None``, an int or ``"auto"``: sequence blocks per rank's piece inside
+            each head chunk (:mod:`ulysses.seq_chunk`); needs ``head_chunk_size`` and a mesh
+            without a ring.
         attn_implementation: a name from :data:`IMPLEMENTATIONS` (the kernel).
         fuse_projections: compute q/k/v (with RoPE) per head chunk from the hidden states and
             apply o_proj to the chunks' output (:mod:`arctic.hf_fused`), so that no all-heads
@@ -184,6 +191,8 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
     if head_chunk_size is not None and head_chunk_size != "auto":
         resolve_chunk_size(head_chunk_size, layout, 1, 1, 1, torch.float32)
     check_comm_dtype(communication_dtype)
+    check_seq_chunk(seq_chunk, head_chunk_size=head_chunk_size, local_len=None,
+                    ring_degree=axis_size(mesh, "ring"))
     if not isinstance(fuse_projections, bool):
         raise ValueError(f"fuse_projections must be True or False, got {fuse_projections!r}")
     if fuse_projections:
@@ -202,7 +211,7 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
         m.sp_attention = SPAttentionSettings(
             mesh=mesh, num_heads=H, num_kv_heads=K, head_chunk_size=head_chunk_size,
             backend=backend, pool=pool, batch=batch, fuse_projections=fuse_projections,
-            communication_dtype=communication_dtype)
+            communication_dtype=communication_dtype, seq_chunk=seq_chunk)
         if fuse_projections:
             fuse(m)
         else:

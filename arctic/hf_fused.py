@@ -127,7 +127,7 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
         num_heads=sp.num_heads, num_kv_heads=sp.num_kv_heads, mesh=sp.mesh,
         head_chunk_size=sp.head_chunk_size, softmax_scale=call.scaling, backend=sp.backend,
         buffer_pool=sp.pool, segments=sp.batch.segments(), window=call.window,
-        comm_dtype=sp.communication_dtype)
+        comm_dtype=sp.communication_dtype, seq_chunk=sp.seq_chunk)
     return y, None
 
 

@@ -11,7 +11,9 @@ tiled norms and fused projections existed). The stacks:
 3. ``+tiling``: tiled MLP and RMSNorms, tiled logits + loss;
 4. ``+ckpt+offload``: per-layer checkpointing, layer inputs in the host buffer pool;
 
-then ``full, unchunked`` (stack 4 without chunking, to show what chunking is worth there)
+then ``full, unchunked`` (stack 4 without chunking, to show what chunking is worth there),
+``+seq-chunk`` (stack 4 with each head chunk's sequence cut into ``--seq-chunk`` blocks,
+FPDT-style, :mod:`ulysses.seq_chunk`: its kv blocks wait on the host, counted as host bytes)
 
 and, alternating with them in the same run, the peer ``deepspeed-alst``: DeepSpeed's ALST
 pieces (``UlyssesSPAttentionHF``, ``TiledMLP``, ``TiledFusedLogitsLoss``) with HF's
@@ -53,6 +55,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from arctic.data import prepare_sp_batch  # noqa: E402
+from arctic.plan import buffer_pools  # noqa: E402
 from arctic.hf_attention import apply_sequence_parallel  # noqa: E402
 from arctic.loss import apply_sp_loss, sp_token_loss  # noqa: E402
 from arctic.tiling import apply_tiled_mlp, apply_tiled_norms  # noqa: E402
@@ -65,6 +68,7 @@ MIB = 2**20
 STACKS = ("ulysses", "+chunking", "+tiling", "+ckpt+offload")
 PEER = "deepspeed-alst"
 UNCHUNKED = "full, unchunked"
+SEQ = "+seq-chunk"
 """Stack 4 without head chunking: what chunking is worth once checkpointing removed the saved
 activations (without checkpointing they hide the attention transient that chunking cuts)."""
 
@@ -82,7 +86,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--out", type=Path, default=None)
     p.add_argument("--stacks", nargs="+", default=None,
-                   help=f"a subset of {list(STACKS) + [UNCHUNKED, PEER]} (default: all)")
+                   help=f"a subset of {list(STACKS) + [UNCHUNKED, SEQ, PEER]} (default: all)")
+    p.add_argument("--seq-chunk", type=int, default=4,
+                   help="sequence blocks per rank's piece in the +seq-chunk stack")
     p.add_argument("--predict", action="store_true",
                    help="no ranks: trace rank 0 of --world ranks under FakeTensorMode with the "
                         "memory planner (arctic.plan) and write its predicted peaks")
@@ -106,11 +112,12 @@ def build(stack: str, args, mesh, device, seq_len: int):
         model.sp_loss_applied = True
         return _alst_peer.apply_alst(model, mesh=mesh, seq_len=seq_len,
                                      mlp_tiles=args.mlp_tiles, loss_tiles=args.loss_tiles)
-    level = 3 if stack == UNCHUNKED else STACKS.index(stack)
+    level = 3 if stack in (UNCHUNKED, SEQ) else STACKS.index(stack)
     model.sp_loss_applied = level >= 2
     chunked = 1 <= level and stack != UNCHUNKED
     apply_sequence_parallel(model, mesh=mesh, head_chunk_size=args.chunk if chunked else None,
-                            fuse_projections=chunked and args.fuse)
+                            fuse_projections=chunked and args.fuse,
+                            seq_chunk=args.seq_chunk if stack == SEQ else None)
     if level >= 2:
         apply_tiled_mlp(model, tiles=args.mlp_tiles)
         apply_tiled_norms(model, tiles=args.mlp_tiles)
@@ -159,11 +166,32 @@ def measure(model, batch, group, device) -> dict:
         with mt:
             loss = step(model, batch, group)
         peak = mt.get_tracker_snapshot("peak")[device]["Total"] - host_bytes
+    # The sequence-chunked attention's parked kv blocks and dk/dv sums: pinned host memory on
+    # a GPU, allocated out of the tracker's sight on CPU (_untracked_host_blocks).
+    blocks = max((p.stats.peak_host_bytes for p in buffer_pools(model)), default=0)
     grown = (pool.stats.reserved_bytes - reserved) if pool is not None else 0
     grads = {n: p.grad.clone() for n, p in model.named_parameters()}
     return {"peak": peak, "host_reserved": host_bytes, "pool_grew": grown,
-            "host_peak": pool.stats.peak_host_bytes if pool is not None else 0,
+            "host_peak": (pool.stats.peak_host_bytes if pool is not None else 0) + blocks,
             "loss": loss.item(), "grads": grads}
+
+
+def _untracked_host_blocks() -> None:
+    """On CPU the host is the device's memory: allocate the sequence-chunked attention's host
+    blocks (:class:`ulysses.host_blocks.HostBlocks`) outside the dispatch modes, so that
+    MemTracker's device peak leaves them out, as a GPU's allocator would (they are host
+    bytes, reported as such)."""
+    from torch.utils._python_dispatch import _disable_current_modes
+
+    from ulysses.host_blocks import HostBlocks
+
+    empty = HostBlocks.empty
+
+    def untracked(self, *args, **kwargs):
+        with _disable_current_modes():
+            return empty(self, *args, **kwargs)
+
+    HostBlocks.empty = untracked
 
 
 def max_over_ranks(value: float, device) -> float:
@@ -186,7 +214,7 @@ def predict(args) -> None:
     device = torch.device("cpu")
     record = {"config": {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()},
               "predicted": {}}
-    for s in args.stacks or STACKS + (UNCHUNKED,):
+    for s in args.stacks or STACKS + (UNCHUNKED, SEQ):
         if s == PEER:
             continue  # DeepSpeed's pieces are not ours to plan
         with FakeTensorMode(allow_non_fake_inputs=True):
@@ -216,6 +244,8 @@ def main() -> None:
     dist.init_process_group("nccl" if device.type == "cuda" else "gloo")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    else:
+        _untracked_host_blocks()
     world = dist.get_world_size()
     mesh = SequenceParallelDims(world_size=world, ulysses_degree=world).build_mesh(device.type)
     group = flat_mesh(mesh, "sp").get_group()
@@ -229,7 +259,7 @@ def main() -> None:
         raise SystemExit(f"--stacks must include the four stacks {list(STACKS)}; missing "
                          f"{sorted(missing)}")
     models = {s: build(s, args, mesh, device, seq_len)
-              for s in args.stacks or STACKS + (UNCHUNKED, PEER)}
+              for s in args.stacks or STACKS + (UNCHUNKED, SEQ, PEER)}
     for model in models.values():  # warm-up: kernels, the pool's buffers
         step(model, batch, group)
     mem = {s: measure(m, batch, group, device) for s, m in models.items()}
@@ -283,6 +313,11 @@ def main() -> None:
         st[UNCHUNKED]["device_peak_bytes"],
         "step_time_chunked_over_unchunked": st[STACKS[-1]]["median_step_s"] /
         st[UNCHUNKED]["median_step_s"]}
+    record["seq_chunk_in_full_stack"] = {} if SEQ not in st else {
+        "device_peak_seq_chunked_over_full": st[SEQ]["device_peak_bytes"] /
+        st[STACKS[-1]]["device_peak_bytes"],
+        "step_time_seq_chunked_over_full": st[SEQ]["median_step_s"] /
+        st[STACKS[-1]]["median_step_s"]}
     if dist.get_rank() == 0:
         report(args, world, record)
     dist.destroy_process_group()
@@ -307,7 +342,8 @@ def report(args, world: int, record: dict) -> None:
                                           f" = {[round(v, 3) for v in value]}")
         bar = f" (bar {check['bar']})" if "bar" in check else ""
         print(f"{'PASS' if check['pass'] else 'FAIL'}  {name}{shown}{bar}")
-    for name, value in (record["vs_peer"] | record["chunking_in_full_stack"]).items():
+    for name, value in (record["vs_peer"] | record["chunking_in_full_stack"] |
+                        record["seq_chunk_in_full_stack"]).items():
         print(f"INFO  {name} = {value:.3f}")
     out = args.out or (Path(__file__).parent / "results" /
                        f"memory_{record['device']}_w{world}_s{args.seq}_l{args.layers}.json")

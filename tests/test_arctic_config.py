@@ -150,6 +150,7 @@ def _rank_fingerprint(ds):
     return {
         "sequence_parallel_size": mesh.size(), "ring_degree": mesh["ring"].size(),
         "head_chunk_size": sp.head_chunk_size, "fuse_projections": sp.fuse_projections,
+        "seq_chunk": sp.seq_chunk,
         "attn_implementation": sp.backend, "communication_dtype": sp.communication_dtype,
         "tiled_mlp": mlp.args[0] if isinstance(mlp, _TiledForward) else None,
         "tiled_norms": isinstance(norm, _TiledForward),
@@ -172,6 +173,8 @@ KEY_EFFECTS = {
     "head_chunk_size": ({"ulysses": {"head_chunk_size": 1}}, {"head_chunk_size": 1}),
     "fuse_projections": ({"ulysses": {"head_chunk_size": 1, "fuse_projections": True}},
                          {"head_chunk_size": 1, "fuse_projections": True}),
+    "seq_chunk": ({"ulysses": {"head_chunk_size": 1, "seq_chunk": 2}},
+                  {"head_chunk_size": 1, "seq_chunk": 2}),
     "tiled_mlp": ({"ulysses": {"tiled_mlp": 4}}, {"tiled_mlp": 4, "tiled_norms": True}),
     "tiled_norms": ({"ulysses": {"tiled_mlp": 4, "tiled_norms": False}}, {"tiled_mlp": 4}),
     "tiled_layer": ({"ulysses": {"tiled_mlp": 4, "tiled_layer": True}},

@@ -24,6 +24,7 @@ from ulysses.hybrid import check_hybrid, inner_attention
 from ulysses.kernels import attention_with_lse, check_qkv, default_scale, select_backend
 from ulysses.mesh import axis_group, axis_rank, axis_size, check_mesh
 from ulysses.segments import SegmentedAttention, check_segments
+from ulysses.seq_chunk import check_seq_chunk, resolve_seq_chunk
 from ulysses.sharding import HeadLayout, head_layout
 from ulysses.sinks import check_sinks
 
@@ -47,7 +48,8 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, causal: bool,
 
 
 def between_exchanges(mesh: DeviceMesh, *, batch: int, local_len: int, causal: bool,
-                      scale: float, backend: str, unpadded_len: int | None, segments, window: int | None = None,
+                      scale: float, backend: str, unpadded_len: int | None, segments,
+                      window: int | None = None,
                       comm_dtype: torch.dtype | None = None):
     """The attention that runs between the two all-to-alls, on ``[B, S, h, D]`` tensors:
     within documents (``segments``), the ring (R > 1), or the local kernel; each with a
@@ -79,7 +81,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
                       chunk_budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES,
                       chunk_overlap: bool = True, segments=None, window: int | None = None,
                       sinks: Tensor | None = None,
-                      comm_dtype: torch.dtype | None = None) -> Tensor:
+                      comm_dtype: torch.dtype | None = None,
+                      seq_chunk: int | str | None = None) -> Tensor:
     """Sequence-parallel attention over the mesh's ``"ulysses"`` and ``"ring"`` axes.
 
     Args:
@@ -103,7 +106,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
             ``shard_sequence(..., pad=True)``; padded keys are then masked out (only needed
             for non-causal attention, where the padded tail would otherwise be visible).
         buffer_pool: chunk buffers to reuse across calls (layers); chunking only.
-        chunk_budget_bytes: the byte budget of ``head_chunk_size="auto"``.
+        chunk_budget_bytes: the byte budget of ``head_chunk_size="auto"`` (and of
+            ``seq_chunk="auto"``).
         chunk_overlap: exchange chunk i+1 while chunk i computes (chunking only).
         segments: packed documents: per batch row, the start offsets (in the full sequence,
             beginning with 0) of its documents; no token attends across a boundary. Needs
@@ -119,6 +123,14 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
             gradients of replicated kv heads, dk/dv over head chunks and ring hops) are taken
             in the wider of it and the inputs' dtype, so float32 for bf16 inputs rounds them
             once. None: the inputs' dtype (no casts).
+        seq_chunk: cut each rank's piece into this many sequence blocks inside every head
+            chunk (:mod:`ulysses.seq_chunk`, FPDT-style): each exchange moves one block and
+            device buffers are ``[B, U s / seq_chunk, c, D]`` instead of ``[B, S, c, D]``;
+            the kv chunk and its dk/dv sums wait in host memory. An int in ``[1, s]``, or
+            ``"auto"``: the fewest blocks whose buffers fit ``chunk_budget_bytes``. None: not
+            cut. Needs ``head_chunk_size`` (``"auto"`` picks c as without blocks); its
+            exchanges do not overlap compute (``chunk_overlap`` does not apply). Not
+            supported with a ring, ``segments`` or ``sinks`` (``ValueError``).
 
     Returns:
         ``out_BsHD``, sharded like ``q``.
@@ -129,6 +141,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     layout, backend = _validate(q, k, v, mesh, causal, backend, unpadded_len)
     check_sinks(sinks, q.shape[2], q.device)
     check_comm_dtype(comm_dtype)
+    check_seq_chunk(seq_chunk, head_chunk_size=head_chunk_size, local_len=q.shape[1],
+                    ring_degree=axis_size(mesh, "ring"), segments=segments, sinks=sinks)
     group = axis_group(mesh, "ulysses")
     rank = axis_rank(mesh, "ulysses")
     scale = default_scale(q.shape[-1], softmax_scale)
@@ -142,10 +156,12 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     if head_chunk_size is not None:
         c = resolve_chunk_size(head_chunk_size, layout, q.shape[0], q.shape[1] * len(
             layout.q_sizes), q.shape[3], q.dtype, chunk_budget_bytes)
+        blocks = resolve_seq_chunk(seq_chunk, layout, c, q.shape[0], q.shape[1], q.shape[3],
+                                   q.dtype, chunk_budget_bytes)
         return head_chunked_attention(q, k, v, group=group, rank=rank, layout=layout,
                                       head_chunk_size=c, attn=attn, pool=buffer_pool,
                                       overlap=chunk_overlap, sinks=sinks,
-                                      comm_dtype=comm_dtype)
+                                      comm_dtype=comm_dtype, seq_chunk=blocks)
     if len(layout.q_sizes) == 1:  # U = 1: nothing to exchange (pure ring, or one rank)
         out, _ = attention_with_lse(q, k, v, attn, sinks)
         return out

@@ -29,6 +29,11 @@ class PoolStats:
     """acquire() calls served from a free buffer."""
     freed: int = 0
     """Buffers dropped, by clear() or because the free list was full."""
+    host_bytes: int = 0
+    """Host bytes the calls using this pool hold now: the sequence-chunked loop's parked
+    blocks (:mod:`ulysses.host_blocks`)."""
+    peak_host_bytes: int = 0
+    """The most of :attr:`host_bytes` at any time (what the memory planner adds to the host)."""
 
 
 class BufferPool:

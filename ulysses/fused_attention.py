@@ -68,6 +68,9 @@ from ulysses.hybrid import check_hybrid
 from ulysses.keep import kept_or_computed
 from ulysses.kernels import default_scale, select_backend
 from ulysses.mesh import axis_group, axis_rank, axis_size, check_mesh
+from ulysses.seq_chunk import (SeqChunking, check_seq_chunk, resolve_seq_chunk, seq_chunking)
+from ulysses.seq_chunk import run_backward as run_seq_backward
+from ulysses.seq_chunk import run_forward as run_seq_forward
 from ulysses.sharding import head_layout
 
 
@@ -85,6 +88,8 @@ class FusedConfig:
     """Per step: the kv heads sent, where some rank needs a new kv chunk."""
     kv_done: tuple[HeadSet | None, ...]
     """Per step: the kv heads whose summed dk/dv come back."""
+    seq: SeqChunking | None = None
+    """Sequence blocks per piece (:mod:`ulysses.seq_chunk`), or None: the head-chunk loop."""
 
 
 @dataclass(slots=True)
@@ -149,7 +154,10 @@ class _FusedFn(torch.autograd.Function):
                                    _projections(wq, bq, wk, bk, wv, bv, q_norm, k_norm), cfg,
                                    (B, s, cfg.head_dim))
             out = x.new_empty(B, s, sum(cfg.chunks.layout.q_sizes), cfg.head_dim)
-            lse = run_forward(src, out, cfg.chunks, pool)
+            if cfg.seq is None:
+                lse = run_forward(src, out, cfg.chunks, pool)
+            else:
+                lse = run_seq_forward(src, out, cfg.chunks, pool, cfg.seq)
             pool.end_call()
             return out, lse
 
@@ -191,7 +199,10 @@ class _FusedFn(torch.autograd.Function):
                                _projections(wq, bq, wk, bk, wv, bv, q_norm, k_norm), ctx.cfg,
                                (B, s, D), dy_NE, wo, grads,
                                None if dx is None else dx.view(B * s, E))
-        run_backward(src, out, lse, ctx.cfg.chunks, ctx.pool)
+        if ctx.cfg.seq is None:
+            run_backward(src, out, lse, ctx.cfg.chunks, ctx.pool)
+        else:
+            run_seq_backward(src, out, lse, ctx.cfg.chunks, ctx.pool, ctx.cfg.seq)
         del src
         ctx.pool.end_call()
         norms = [None if g is None else g.to(w.dtype)
@@ -259,7 +270,8 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
                     chunk_budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES,
                     chunk_overlap: bool = True, segments=None,
                     window: int | None = None,
-                    comm_dtype: torch.dtype | None = None) -> Tensor:
+                    comm_dtype: torch.dtype | None = None,
+                    seq_chunk: int | str | None = None) -> Tensor:
     """A Llama-style attention block, ``o_proj(attn(rope(q_proj(x)), rope(k_proj(x)),
     v_proj(x)))``, sequence-parallel and head-chunked, with no all-heads q/k/v.
 
@@ -279,8 +291,10 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
         head_chunk_size: an int from :func:`ulysses.chunk_schedule.valid_chunk_sizes`, or
             ``"auto"`` (within ``chunk_budget_bytes``).
         causal, softmax_scale, backend, buffer_pool, chunk_overlap, segments, window,
-        comm_dtype:
-            as for :func:`ulysses.ulysses_attention`.
+        comm_dtype, seq_chunk:
+            as for :func:`ulysses.ulysses_attention`. With ``seq_chunk`` each step's projected
+            heads are still seq-local ``[B, s, n, D]`` tensors; only the exchanges and the
+            kernels run block by block.
 
     Returns:
         ``y_BsE``, sharded like ``x``. Gradients flow to ``x`` and every weight and bias.
@@ -299,7 +313,10 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
     if head_chunk_size is None:
         raise ValueError("fused_attention needs head_chunk_size (an int or 'auto'): the "
                          "projections are fused into the head-chunk loop")
+    check_seq_chunk(seq_chunk, head_chunk_size=head_chunk_size, local_len=s,
+                    ring_degree=axis_size(mesh, "ring"), segments=segments)
     c = resolve_chunk_size(head_chunk_size, layout, B, s * U, D, x.dtype, chunk_budget_bytes)
+    blocks = resolve_seq_chunk(seq_chunk, layout, c, B, s, D, x.dtype, chunk_budget_bytes)
     backend = select_backend(x.device, x.dtype, D, backend)
     attn = between_exchanges(mesh, batch=B, local_len=s, causal=causal,
                              scale=default_scale(D, softmax_scale), backend=backend,
@@ -317,7 +334,8 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
         chunks=chunks, head_dim=D, norm_eps=float(norm_eps),
         q_heads=tuple(plan(st.q) for st in schedule),
         kv_new=tuple(plan(st.kv_sent()) for st in schedule),
-        kv_done=tuple(plan(st.kv_returned()) for st in schedule))
+        kv_done=tuple(plan(st.kv_returned()) for st in schedule),
+        seq=None if blocks is None else seq_chunking(attn, blocks))
     pool = BufferPool(keep_between_calls=False) if buffer_pool is None else buffer_pool
     return _FusedFn.apply(x, cos, sin, wq, bq, wk, bk, wv, bv, wo, bo, q_norm_weight,
                           k_norm_weight, cfg, pool)

@@ -22,6 +22,9 @@ from ulysses.chunk_loop import ChunkConfig, place_blocks, run_backward, run_forw
 from ulysses.chunk_schedule import (DEFAULT_CHUNK_BUDGET_BYTES, Step, build_schedule,
                                     chunk_buffer_bytes, resolve_chunk_size, valid_chunk_sizes)
 from ulysses.keep import kept_or_computed
+from ulysses.seq_chunk import SeqChunking, seq_chunking
+from ulysses.seq_chunk import run_backward as run_seq_backward
+from ulysses.seq_chunk import run_forward as run_seq_forward
 from ulysses.sharding import HeadLayout
 
 __all__ = ["DEFAULT_CHUNK_BUDGET_BYTES", "build_schedule", "chunk_buffer_bytes",
@@ -55,13 +58,27 @@ class _SlicedChunks:
             place_blocks(self.dk if kind == "k" else self.dv, step.kv_returned(), blocks,
                          add=True)
 
+    def take_rows(self, kind: str, j: int, step: Step, blocks: list[Tensor],
+                  rows: slice) -> None:
+        """:meth:`take` for rows ``rows`` of the piece only (``blocks[r]`` is
+        ``[B, len(rows), n_r, D]``): the sequence-chunked loop returns gradients block by
+        block (:mod:`ulysses.seq_chunk`)."""
+        if kind == "q":
+            place_blocks(self.dq[:, rows], step.q, blocks, add=False)
+        else:
+            place_blocks((self.dk if kind == "k" else self.dv)[:, rows], step.kv_returned(),
+                         blocks, add=True)
+
 
 class _HeadChunkedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, q, k, v, cfg, pool, sinks):
+    def forward(ctx, q, k, v, cfg, pool, sinks, seq):
         def compute():
             out = torch.empty_like(q)
-            lse = run_forward(_SlicedChunks(q, k, v), out, cfg, pool, sinks)
+            if seq is None:
+                lse = run_forward(_SlicedChunks(q, k, v), out, cfg, pool, sinks)
+            else:
+                lse = run_seq_forward(_SlicedChunks(q, k, v), out, cfg, pool, seq)
             pool.end_call()
             return out, lse
 
@@ -70,7 +87,7 @@ class _HeadChunkedFn(torch.autograd.Function):
                                     compute)
         # Only seq-local tensors and the small fp32 lse are kept for backward.
         ctx.save_for_backward(q, k, v, out, lse, sinks)
-        ctx.cfg, ctx.pool = cfg, pool
+        ctx.cfg, ctx.pool, ctx.seq = cfg, pool, seq
         return out
 
     @staticmethod
@@ -82,19 +99,23 @@ class _HeadChunkedFn(torch.autograd.Function):
         acc = k.dtype if comm is None else torch.promote_types(k.dtype, comm)
         src = _SlicedChunks(q, k, v, dout.contiguous(), torch.empty_like(q),
                             torch.zeros_like(k, dtype=acc), torch.zeros_like(v, dtype=acc))
-        dsinks = run_backward(src, out, lse, ctx.cfg, ctx.pool, sinks)
+        if ctx.seq is None:
+            dsinks = run_backward(src, out, lse, ctx.cfg, ctx.pool, sinks)
+        else:
+            dsinks = run_seq_backward(src, out, lse, ctx.cfg, ctx.pool, ctx.seq)
         dq, dk, dv = src.dq, src.dk.to(k.dtype), src.dv.to(v.dtype)
         ctx.pool.end_call()
         if dsinks is not None:
             dsinks = dsinks.to(sinks.dtype)
-        return dq, dk, dv, None, None, dsinks
+        return dq, dk, dv, None, None, dsinks, None
 
 
 def head_chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, group, rank: int,
                            layout: HeadLayout, head_chunk_size: int, attn,
                            pool: BufferPool | None = None, overlap: bool = True,
                            sinks: Tensor | None = None,
-                           comm_dtype: torch.dtype | None = None) -> Tensor:
+                           comm_dtype: torch.dtype | None = None,
+                           seq_chunk: int | None = None) -> Tensor:
     """Head-chunked Ulysses on already-validated inputs; see ``ulysses_attention``.
 
     Args:
@@ -110,6 +131,9 @@ def head_chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, group, rank: int,
         overlap: exchange step j+1 while step j computes.
         sinks: ``[h]`` attention-sink logits of this rank's query heads (:mod:`ulysses.sinks`).
         comm_dtype: the dtype the exchanges carry (None: the inputs').
+        seq_chunk: blocks per rank's piece for the sequence-chunked loop
+            (:mod:`ulysses.seq_chunk`: every exchange one block, device buffers O(block));
+            None: the head-chunk loop. Not with ``sinks``, nor with a ring or documents.
 
     Returns:
         ``out_BsHD``.
@@ -117,6 +141,12 @@ def head_chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, group, rank: int,
     cfg = ChunkConfig(group=group, rank=rank, layout=layout,
                       schedule=tuple(build_schedule(layout, head_chunk_size)), attn=attn,
                       overlap=overlap, comm_dtype=comm_dtype)
+    seq: SeqChunking | None = None
+    if seq_chunk is not None:
+        if sinks is not None:
+            raise ValueError("seq_chunk with attention sinks is not supported yet; use "
+                             "seq_chunk=None")
+        seq = seq_chunking(attn, seq_chunk)
     if pool is None:
         pool = BufferPool(keep_between_calls=False)
-    return _HeadChunkedFn.apply(q, k, v, cfg, pool, sinks)
+    return _HeadChunkedFn.apply(q, k, v, cfg, pool, sinks, seq)

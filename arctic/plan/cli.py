@@ -83,6 +83,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                        help="query heads per chunk: an int, auto or none")
     stack.add_argument("--tiled-mlp", type=_int_auto_none, default=argparse.SUPPRESS,
                        help="MLP tiles: an int, auto or none")
+    stack.add_argument("--seq-chunk", type=_int_auto_none, default=argparse.SUPPRESS,
+                       help="sequence blocks per rank's piece inside each head chunk "
+                            "(ulysses.seq_chunk): an int, auto or none")
     stack.add_argument("--loss-tiles", type=_int_auto_none, default=argparse.SUPPRESS,
                        help="logits + loss tiles: an int or auto")
     stack.add_argument("--fuse-projections", action=argparse.BooleanOptionalAction,
@@ -155,7 +158,8 @@ def settings_from_args(args: argparse.Namespace) -> dict:
     if args.ulysses is not None:
         fields["sequence_parallel_size"] = args.ulysses * ring
     fields["ring_degree"] = ring
-    for arg, key in (("head_chunk", "head_chunk_size"), ("tiled_mlp", "tiled_mlp"),
+    for arg, key in (("head_chunk", "head_chunk_size"), ("seq_chunk", "seq_chunk"),
+                     ("tiled_mlp", "tiled_mlp"),
                      ("loss_tiles", "loss_tiles")):
         if hasattr(args, arg):
             fields[key] = getattr(args, arg)

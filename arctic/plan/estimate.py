@@ -142,7 +142,8 @@ def _along(a: Peak, b: Peak, xa: int, xb: int, x: int) -> Peak:
 
 def _trace(config, sp, world: int, seq_len: int, *, shard: bool,
            shortcuts: bool = True) -> dict[str, Peak]:
-    """One traced step: each phase's peak, with the offload pool's host peak in ``host``.
+    """One traced step: each phase's peak, with the offload pool's host peak (and that of the
+    sequence-chunked attention's host blocks) in ``host``.
     ``shortcuts``: skip the work that allocates nothing or repeats
     (:mod:`ulysses.trace_shortcuts`): the peaks are the same, the trace's cost no longer
     grows with the tile counts."""
@@ -161,6 +162,8 @@ def _trace(config, sp, world: int, seq_len: int, *, shard: bool,
                         pools=buffer_pools(model), state=(model, optimizer)) as tracker:
             train_step(model, optimizer, batch, on_phase=tracker.end_phase)
     host = session.pool.stats.peak_host_bytes if session is not None else 0
+    # The sequence-chunked attention's parked kv blocks and dk/dv sums (ulysses.seq_chunk).
+    host += sum(pool.stats.peak_host_bytes for pool in buffer_pools(model))
     return {k: replace(v, host=host) for k, v in tracker.phases.items()}
 
 

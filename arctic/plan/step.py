@@ -73,8 +73,8 @@ def train_step(model: nn.Module, optimizer, batch: dict, *, on_phase=None) -> to
     return loss.detach()
 
 
-PLANNED_FIELDS = ("sequence_parallel_size", "ring_degree", "head_chunk_size", "fuse_projections",
-                  "tiled_mlp", "tiled_norms", "tiled_layer", "loss_tiles",
+PLANNED_FIELDS = ("sequence_parallel_size", "ring_degree", "head_chunk_size", "seq_chunk",
+                  "fuse_projections", "tiled_mlp", "tiled_norms", "tiled_layer", "loss_tiles",
                   "activation_checkpointing", "offload_activations", "recompute_attention")
 """The :class:`SequenceParallelConfig` fields that change what the planner traces (the rest,
 the attention kernel and the exchanges' dtype, do not change memory)."""

@@ -1,0 +1,373 @@
+"""Sequence-chunked attention (ulysses.seq_chunk): equal to the head-chunked loop and to an
+fp64 reference, with O(block) exchange buffers; refused combinations raise before any
+collective.
+
+Tolerances: against the fp64 reference, :data:`helpers.TOL` of the input dtype. Against the
+unchunked head-chunked path in fp32, only the order of the softmax sums differs (the
+log-sum-exp merge of the key blocks, float32 accumulators): ``TIGHT`` below. Measured over
+the fp32 cases: out 9.5e-7, dq 1.3e-6, dk 1.9e-6, dv 2.5e-6 at most.
+"""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+import dist_pool
+from helpers import DTYPES, TOL, count_collectives, get_mesh, make_qkv
+from helpers import value_error_of as _error
+from ulysses import BufferPool, shard_sequence, ulysses_attention
+from ulysses.seq_chunk import (block_bounds, block_buffer_bytes, check_seq_chunk,
+                               resolve_seq_chunk)
+from ulysses.sharding import head_layout
+
+D = 8
+TIGHT = dict(atol=5e-6, rtol=1e-5)
+
+
+def _dense_reference(q, k, v, dout, *, causal, window=None, kv_len=None):
+    """float64 ``(out, dq, dk, dv, lse)`` of masked softmax attention on the whole sequence."""
+    q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
+    H, K, S = q.shape[2], k.shape[2], q.shape[1]
+    kx, vx = (t.repeat_interleave(H // K, dim=2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kx) / math.sqrt(q.shape[-1])
+    pos = torch.arange(S)
+    seen = torch.ones(S, S, dtype=torch.bool)
+    if causal:
+        seen &= pos[None, :] <= pos[:, None]
+    if window is not None:
+        seen &= pos[:, None] - pos[None, :] < window
+    if kv_len is not None:
+        seen &= pos[None, :] < kv_len
+    scores = scores.masked_fill(~seen, float("-inf"))
+    lse = torch.logsumexp(scores, dim=-1)                               # [B, H, S]
+    out = torch.einsum("bhqk,bkhd->bqhd", torch.exp(scores - lse[..., None]), vx)
+    out.backward(dout.double())
+    return out.detach(), q.grad, k.grad, v.grad, lse.detach()
+
+
+def _lse(mesh, q, k, v, *, causal, c, N, window, unpadded_len):
+    """This rank's ``lse_BhS`` from the sequence-chunked forward loop, called directly."""
+    from ulysses.attention import between_exchanges
+    from ulysses.chunk_loop import ChunkConfig
+    from ulysses.head_chunking import _SlicedChunks, build_schedule
+    from ulysses.mesh import axis_group, axis_rank
+    from ulysses.seq_chunk import run_forward, seq_chunking
+
+    U = mesh["ulysses"].size()
+    layout = head_layout(q.shape[2], k.shape[2], U)
+    attn = between_exchanges(mesh, batch=q.shape[0], local_len=q.shape[1], causal=causal,
+                             scale=D ** -0.5, backend="cpu_flash", unpadded_len=unpadded_len,
+                             segments=None, window=window)
+    cfg = ChunkConfig(group=axis_group(mesh, "ulysses"), rank=axis_rank(mesh, "ulysses"),
+                      layout=layout, schedule=tuple(build_schedule(layout, c)), attn=attn,
+                      overlap=False)
+    return run_forward(_SlicedChunks(q, k, v), torch.empty_like(q), cfg, BufferPool(),
+                       seq_chunking(attn, N))
+
+
+def _rank_parity(world, H, K, B, S, causal, c, N, dtype_name, window, pad, comm, seed):
+    """Sequence-chunked and unchunked (head-chunked) fwd+bwd on the same shards."""
+    mesh = get_mesh(world, world)
+    full = make_qkv(seed, B, S, H, K, D, DTYPES[dtype_name])
+    q, k, v, dout = (shard_sequence(t, mesh, pad=pad).contiguous() for t in full)
+    unpadded_len = S if pad else None
+    got = {}
+    for name, blocks in (("seq", N), ("plain", None)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ulysses_attention(*leaves, mesh=mesh, causal=causal, head_chunk_size=c,
+                                window=window, unpadded_len=unpadded_len, comm_dtype=comm,
+                                seq_chunk=blocks)
+        out.backward(dout)
+        got[name] = [out.detach()] + [t.grad for t in leaves]
+    lse = _lse(mesh, q, k, v, causal=causal, c=c, N=N, window=window,
+               unpadded_len=unpadded_len) if comm is None else None
+    rank = mesh["ulysses"].get_local_rank()
+    return rank, got, lse, sum(head_layout(H, K, world).q_sizes[:rank])
+
+
+CASES = {  # world, H, K, B, S, causal, c, N, window, pad
+    "u1-n3-causal": (1, 4, 2, 2, 12, True, 1, 3, None, False),
+    "u1-n4-full-c2": (1, 4, 2, 1, 12, False, 2, 4, None, False),
+    "u2-n1-causal": (2, 8, 2, 2, 32, True, 1, 1, None, False),
+    "u2-k2-uneven-blocks-causal": (2, 8, 2, 2, 36, True, 1, 4, None, False),
+    "u2-k8-c2-full": (2, 8, 8, 2, 32, False, 2, 3, None, False),
+    "u2-k4-c4-uneven-causal": (2, 8, 4, 1, 32, True, 4, 5, None, False),
+    "u2-padded-full": (2, 8, 4, 2, 29, False, 1, 4, None, True),
+    "u2-window5": (2, 8, 2, 2, 32, True, 1, 3, 5, False),
+    "u4-k2-replicated-causal": (4, 8, 2, 2, 32, True, 1, 3, None, False),
+    "u4-k2-replicated-padded-full": (4, 8, 2, 2, 30, False, 2, 3, None, True),
+    "u4-k4-full": (4, 8, 4, 1, 32, False, 1, 2, None, False),
+    "u4-uneven-heads-idle-ranks": (4, 12, 6, 1, 32, True, 1, 3, None, False),
+    "u4-k8-c2-window3": (4, 8, 8, 1, 32, True, 2, 4, 3, False),
+}
+MAX_DIFF: dict = {}
+
+
+def _check(results, S, ref, dtype, tight):
+    """Each rank's valid rows against the reference (at ``dtype``'s tolerance) and the
+    unchunked path (to ``TIGHT``, or that tolerance)."""
+    out_r, dq_r, dk_r, dv_r, lse_r = ref
+    for rank, got, lse, first in results:
+        n = got["seq"][0].shape[1]
+        valid = max(0, min(n, S - rank * n))
+        rows = slice(rank * n, rank * n + valid)
+        for name, a, b, r in zip(("out", "dq", "dk", "dv"), got["seq"], got["plain"],
+                                 (out_r, dq_r, dk_r, dv_r)):
+            a, b = a[:, :valid], b[:, :valid]
+            torch.testing.assert_close(a.double(), r[:, rows], **TOL[dtype],
+                                       msg=lambda m: f"{name} rank {rank} vs reference: {m}")
+            torch.testing.assert_close(a, b, **(TIGHT if tight else TOL[dtype]),
+                                       msg=lambda m: f"{name} rank {rank} vs unchunked: {m}")
+            MAX_DIFF[name] = max(MAX_DIFF.get(name, 0.0), (a - b).abs().max().item())
+        if lse is not None:
+            h = lse.shape[1]
+            torch.testing.assert_close(lse[:, :, :S].double(), lse_r[:, first:first + h, :S],
+                                       **TOL[torch.float32], msg=lambda m: f"lse: {m}")
+
+
+def _run_case(world, H, K, B, S, causal, c, N, window, pad, dtype_name="fp32", comm=None,
+              tight=True):
+    seed = world * 100 + H * 10 + N
+    results = dist_pool.run(_rank_parity, world, H, K, B, S, causal, c, N, dtype_name, window,
+                            pad, comm, seed, world_size=world)
+    full = make_qkv(seed, B, S, H, K, D, DTYPES[dtype_name])
+    ref = _dense_reference(*full, causal=causal, window=window,
+                           kv_len=S if pad and not causal else None)
+    # bf16 exchanges round like bf16 inputs
+    _check(results, S, ref, DTYPES[dtype_name] if comm is None else comm, tight)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_matches_unchunked_and_reference(case):
+    """out, dq, dk, dv (and lse) in fp32 against the fp64 reference and, to ``TIGHT``, the
+    head-chunked path without sequence blocks."""
+    world, H, K, B, S, causal, c, N, window, pad = CASES[case]
+    _run_case(world, H, K, B, S, causal, c, N, window, pad)
+    print(f"max |seq - unchunked| so far: {MAX_DIFF}")
+
+
+def test_bf16_and_comm_dtype():
+    """bf16 inputs (float32 merge and gradient sums) and bf16 exchanges of fp32 inputs: the
+    reference at bf16's tolerance."""
+    _run_case(2, 8, 2, 2, 32, True, 1, 3, None, False, dtype_name="bf16", tight=False)
+    _run_case(2, 8, 4, 2, 32, False, 2, 3, None, False, comm=torch.bfloat16, tight=False)
+
+
+def _rank_wrong_merge():
+    """The parity check can fail: a merge that forgets the running lse's weight."""
+    import ulysses.seq_chunk as sc
+
+    def wrong(out, lse, out_b, lse_b):
+        out.add_(out_b)
+        lse.copy_(torch.logaddexp(lse, lse_b))
+
+    mesh = get_mesh(1, 1)
+    q, k, v, _ = make_qkv(2, 1, 12, 4, 2, D, torch.float32)
+    right = ulysses_attention(q, k, v, mesh=mesh, causal=True, head_chunk_size=1, seq_chunk=3)
+    saved, sc.merge_into = sc.merge_into, wrong
+    try:
+        bad = ulysses_attention(q, k, v, mesh=mesh, causal=True, head_chunk_size=1, seq_chunk=3)
+    finally:
+        sc.merge_into = saved
+    plain = ulysses_attention(q, k, v, mesh=mesh, causal=True, head_chunk_size=1)
+    return (right - plain).abs().max().item(), (bad - plain).abs().max().item()
+
+
+def test_a_wrong_merge_is_caught():
+    right, bad = dist_pool.run(_rank_wrong_merge, world_size=1)[0]
+    assert right <= TIGHT["atol"] and bad > 100 * TOL[torch.float32]["atol"], (right, bad)
+
+
+def test_fused_attention_with_seq_chunk():
+    """The fused block (projections in the loop) with sequence blocks: y, dx and every weight
+    gradient equal the fused head-chunk loop's (fp32, ``TIGHT``) and its float64 run's."""
+    for got in dist_pool.run(_rank_fused, world_size=2):
+        for name in got["seq"]:
+            a, b, r = got["seq"][name], got["plain"][name], got["fp64"][name]
+            torch.testing.assert_close(a, b, **TIGHT, msg=lambda m: f"{name}: {m}")
+            torch.testing.assert_close(a.double(), r, **TOL[torch.float32],
+                                       msg=lambda m: f"{name} vs fp64: {m}")
+
+
+def _rank_fused():
+    from ulysses.fused_attention import fused_attention
+
+    mesh = get_mesh(2, 2)
+    H, K, E, B, S = 8, 2, 32, 2, 32
+    g = torch.Generator().manual_seed(5)
+    p = dict(wq=torch.randn(H * D, E, generator=g) / E ** 0.5,
+             wk=torch.randn(K * D, E, generator=g) / E ** 0.5,
+             wv=torch.randn(K * D, E, generator=g) / E ** 0.5,
+             wo=torch.randn(E, H * D, generator=g) / (H * D) ** 0.5,
+             bq=torch.randn(H * D, generator=g))
+    x, dy = (shard_sequence(torch.randn(B, S, E, generator=g), mesh) for _ in range(2))
+    freqs = torch.arange(S)[:, None].float() / 100 ** (torch.arange(0, D, 2).float() / D)
+    emb = shard_sequence(torch.cat((freqs, freqs), dim=-1)[None], mesh)
+    got = {}
+    for name, blocks, dtype in (("seq", 3, torch.float32), ("plain", None, torch.float32),
+                                ("fp64", None, torch.float64)):
+        backend = "math" if dtype == torch.float64 else None
+        xs = x.to(dtype).clone().requires_grad_()
+        ws = {n: t.to(dtype).clone().requires_grad_() for n, t in p.items()}
+        y = fused_attention(xs, emb.cos().to(dtype), emb.sin().to(dtype), **ws, num_heads=H,
+                            num_kv_heads=K, mesh=mesh, head_chunk_size=2, seq_chunk=blocks,
+                            backend=backend)
+        y.backward(dy.to(dtype))
+        got[name] = {"y": y.detach(), "x": xs.grad, **{n: t.grad for n, t in ws.items()}}
+    return got
+
+
+# --- memory -----------------------------------------------------------------------------------
+
+def _rank_buffers(N):
+    """Largest buffer the pool creates, and the largest tensor any op makes besides the
+    outputs and seq-local gradients, over one fwd+bwd at c=1."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    mesh = get_mesh(2, 2)
+    B, S, H, K = 1, 512, 8, 2
+    q, k, v, dout = (shard_sequence(t, mesh).contiguous()
+                     for t in make_qkv(7, B, S, H, K, 16, torch.float32))
+    largest = {"pool": 0, "op": 0}
+    seq_local = {tuple(q.shape), tuple(k.shape)}
+
+    class Largest(TorchDispatchMode):
+        """The largest 4-d tensor an op allocates (not a view of, or a write into, an input)."""
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves(
+                (args, kwargs)) if isinstance(a, torch.Tensor)}
+            for t in torch.utils._pytree.tree_leaves(result):
+                if isinstance(t, torch.Tensor) and t.dim() == 4 and \
+                        tuple(t.shape) not in seq_local and \
+                        t.untyped_storage().data_ptr() not in inputs:
+                    largest["op"] = max(largest["op"], t.numel())
+            return result
+
+    def seen(buf):
+        largest["pool"] = max(largest["pool"], buf.numel())
+
+    pool = BufferPool(on_allocate=seen)
+    leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+    with Largest():
+        out = ulysses_attention(*leaves, mesh=mesh, causal=True, head_chunk_size=1,
+                                buffer_pool=pool, seq_chunk=N)
+        out.backward(dout)
+    return largest
+
+
+def test_device_buffers_shrink_with_the_blocks():
+    """U=2, S=512, c=1: with 4 blocks the largest exchange buffer (the pool's) and the
+    largest intermediate tensor are a quarter of the unchunked loop's (full-sequence chunk
+    buffers), give or take a block's rounding."""
+    plain = dist_pool.run(_rank_buffers, None, world_size=2)
+    four = dist_pool.run(_rank_buffers, 4, world_size=2)
+    for p, f in zip(plain, four):
+        print(f"largest buffers: unchunked {p}, 4 blocks {f}")
+        for kind in ("pool", "op"):
+            assert 0.2 <= f[kind] / p[kind] <= 0.3, (kind, p, f)
+
+
+def _rank_trace(N, shortcuts, window):
+    """Peak memory (MemTracker) and kernel calls of one fwd+bwd traced with fake tensors, as
+    the memory planner traces a step, with or without its shortcuts."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    import ulysses.seq_chunk as sc
+    from ulysses.trace_shortcuts import memory_trace
+
+    mesh = get_mesh(1, 1)
+    calls = [0]
+    saved = sc.piece_forward
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return saved(*args, **kwargs)
+
+    sc.piece_forward = counting
+    try:
+        with FakeTensorMode(), memory_trace() if shortcuts else contextlib.nullcontext():
+            q, k, v, dout = (torch.randn(1, 64, h, D) for h in (4, 2, 2, 4))
+            q.requires_grad_()
+            tracker = MemTracker()
+            tracker.track_external(q, k, v, dout)
+            with tracker:
+                ulysses_attention(q, k, v, mesh=mesh, causal=True, head_chunk_size=1,
+                                  seq_chunk=N, window=window).backward(dout)
+            peak = tracker.get_tracker_snapshot("peak")[q.device]["Total"]
+    finally:
+        sc.piece_forward = saved
+    return peak, calls[0]
+
+
+@pytest.mark.parametrize("window", [None, 20], ids=["causal", "window20"])
+def test_memory_trace_shortcuts(window):
+    """The planner's shortcut trace keeps only block iterations whose shapes differ from the
+    two before: the same peak as the full trace, byte for byte (left-out blocks still hold
+    their host copies), and, causal, as many kernel calls at 16 blocks as at 8."""
+    run = lambda n, cut: dist_pool.run(_rank_trace, n, cut, window, world_size=1)[0]  # noqa
+    full, cut = run(8, False), run(8, True)
+    assert full[0] == cut[0] and cut[1] < full[1], (full, cut)
+    if window is None:
+        assert run(16, True)[1] == cut[1], (cut, run(16, True))
+
+
+# --- sizes and refusals ---------------------------------------------------------------------
+
+def test_blocks_and_auto():
+    assert block_bounds(10, 4) == ((0, 3), (3, 3), (6, 2), (8, 2))
+    assert [len(c) for c in torch.arange(10).tensor_split(4)] == [3, 3, 2, 2]
+    layout = head_layout(32, 8, 2)
+    args = (layout, 1, 1, 16384, 64, torch.bfloat16)
+    per_block = [block_buffer_bytes(layout, 1, n, 1, 16384, 64, torch.bfloat16) for n in (1, 4)]
+    assert per_block[1] * 4 == per_block[0]
+    assert resolve_seq_chunk("auto", *args, budget_bytes=1 << 40) == 1
+    assert resolve_seq_chunk("auto", *args, budget_bytes=1) == 16384
+    budget = per_block[0] // 5
+    n = resolve_seq_chunk("auto", *args, budget_bytes=budget)
+    assert block_buffer_bytes(layout, 1, n, 1, 16384, 64, torch.bfloat16) <= budget
+    assert block_buffer_bytes(layout, 1, n - 1, 1, 16384, 64, torch.bfloat16) > budget
+    assert resolve_seq_chunk(3, *args) == 3
+    assert check_seq_chunk(None, head_chunk_size=None, local_len=4, ring_degree=2) is None
+
+
+def _rank_refusals():
+    mesh, ring = get_mesh(2, 2), get_mesh(2, 1, 2)
+    q, k, v, _ = (shard_sequence(t, mesh) for t in make_qkv(1, 1, 16, 4, 2, D, torch.float32))
+    call = lambda m=mesh, **kw: ulysses_attention(  # noqa: E731
+        q, k, v, **{"mesh": m, "causal": True, "head_chunk_size": 1, "seq_chunk": 2, **kw})
+    with count_collectives() as counts:
+        errors = {
+            "no_chunking": _error(lambda: call(head_chunk_size=None)),
+            "ring": _error(lambda: call(m=ring)),
+            "segments": _error(lambda: call(segments=((0, 5),))),
+            "sinks": _error(lambda: call(sinks=torch.zeros(4))),
+            "too_many": _error(lambda: call(seq_chunk=9)),
+            "zero": _error(lambda: call(seq_chunk=0)),
+            "float": _error(lambda: call(seq_chunk=2.0)),
+            "bool": _error(lambda: call(seq_chunk=True)),
+            "word": _error(lambda: call(seq_chunk="max")),
+        }
+    return errors, dict(counts)
+
+
+def test_refusals_raise_before_any_collective():
+    errors, counts = dist_pool.run(_rank_refusals, world_size=2)[0]
+    assert counts == {}, counts
+    assert "seq_chunk needs head_chunk_size" in errors["no_chunking"]
+    assert "seq_chunk with a ring is not supported yet (ring_degree=2)" in errors["ring"]
+    assert "seq_chunk with packed documents (segments) is not supported yet" in \
+        errors["segments"]
+    assert "seq_chunk with attention sinks is not supported yet" in errors["sinks"]
+    assert "seq_chunk=9 is more blocks than this rank's 8 rows; use at most 8" in \
+        errors["too_many"]
+    for name, bad in (("zero", "0"), ("float", "2.0"), ("bool", "True"), ("word", "'max'")):
+        assert errors[name] == ("seq_chunk must be None, a positive int (blocks per rank's "
+                                f"piece) or 'auto', got {bad}"), errors[name]

@@ -1,0 +1,421 @@
+"""Sequence-chunked attention inside a head chunk (FPDT-style): O(block) device buffers.
+
+Head chunking (:mod:`ulysses.chunk_loop`) still exchanges full-sequence buffers per chunk:
+q, k, v, out (and dout, dq, dk, dv) of ``[B, S, c, D]``. Here each rank's piece of s rows is
+cut into N blocks, the same on every rank (as ``torch.tensor_split`` cuts: the first
+``s % N`` one row longer), and every exchange moves one block: block t of every rank's piece,
+for the chunk's heads, goes seq -> head, so the receiver holds the *exchange block* ``E_t``:
+U runs of ``b_t`` rows, global positions ``r s + [a_t, a_t + b_t)`` for r in 0..U-1. Device
+buffers are then ``[B, U b, c, D]``.
+
+Attention is exact, block by block, merged by log-sum-exp in float32 for half inputs
+(:func:`ulysses.band.merge_into`). Between ``E_t`` and a key block ``E_u`` the kernel calls
+are :func:`ulysses.band.band_pieces` of their runs (causal, with or without a sliding
+window: under a causal mask ``E_t`` sees keys of every ``E_u``, whose runs of earlier ranks
+come first), or one ``full`` piece without a mask, cut at ``kv_len`` (padded keys).
+
+Forward, per step of the head-chunk schedule (kv chunks sent once and shared by their GQA
+group's q chunks, replicated kv, idle ranks: :mod:`ulysses.chunk_schedule`):
+
+1. a new kv chunk is exchanged block by block and parked in host memory;
+2. per query block t: exchange q_t; for every key block u that t sees, bring ``k_u, v_u``
+   back (``u + 1`` is copied while u computes, :mod:`ulysses.host_blocks`) and merge; send
+   ``out_t`` back head -> seq into rows ``[a_t, a_t + b_t)`` of ``out``; the block's lse goes
+   to its global positions of the ``[B, h, S]`` lse, laid out as the unchunked loop's.
+
+Backward: the kv chunk is parked again, with zeroed float32 dk/dv sums per block on the host;
+per query block: exchange q_t, out_t, dout_t, run each piece's kernel backward with the final
+``out_t``/lse, sum dq_t on the device and dk_u/dv_u (brought in, added to, written back);
+send dq_t back. When the kv chunk is done its summed dk/dv go back head -> seq block by
+block. Exchanges are synchronous (no overlap with compute) in this version.
+
+Gradients reach the :class:`ulysses.chunk_loop.ChunkSource` per block through an optional
+``take_rows(kind, j, step, blocks, rows)``; a source without it gets seq-local tensors
+assembled from the blocks, through its ``take``, once per kind and step.
+
+Shape legend: B batch, s this rank's piece, S = U s, U Ulysses ranks, N blocks per piece,
+b rows of one block, L = U b rows of an exchange block, n / ck this rank's q / kv heads of a
+chunk, X any head count, D head dim.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+from ulysses import trace_shortcuts
+from ulysses.band import Piece, WindowAttention, acc_dtype, band_pieces, merge_into
+from ulysses.band import piece_backward, piece_forward
+from ulysses.buffer_pool import BufferPool
+from ulysses.chunk_loop import ChunkConfig, ChunkSource, _steps_run, as_BSnD, to_heads, to_seq
+from ulysses.chunk_schedule import DEFAULT_CHUNK_BUDGET_BYTES
+from ulysses.host_blocks import HostBlocks
+from ulysses.kernels import LocalAttention
+from ulysses.sharding import HeadLayout
+
+__all__ = ["SeqChunking", "block_bounds", "block_buffer_bytes", "check_seq_chunk",
+           "resolve_seq_chunk", "run_backward", "run_forward", "seq_chunking"]
+
+
+# --- validation and sizes (no tensors, no process group) ------------------------------------
+
+def check_seq_chunk(seq_chunk, *, head_chunk_size, local_len: int | None, ring_degree: int,
+                    segments=None, sinks=None) -> None:
+    """``ValueError`` unless ``seq_chunk`` is None, ``"auto"`` or an int in ``[1, local_len]``
+    (``local_len`` None: not known yet) used with head chunking, without a ring, packed
+    documents or sinks."""
+    if seq_chunk is None:
+        return
+    if seq_chunk != "auto" and (isinstance(seq_chunk, bool) or not isinstance(seq_chunk, int)
+                                or seq_chunk < 1):
+        raise ValueError(f"seq_chunk must be None, a positive int (blocks per rank's piece) or "
+                         f"'auto', got {seq_chunk!r}")
+    if head_chunk_size is None:
+        raise ValueError("seq_chunk needs head_chunk_size (an int or 'auto'): sequence blocks "
+                         "are cut inside a head chunk")
+    if ring_degree > 1:
+        raise ValueError(f"seq_chunk with a ring is not supported yet (ring_degree="
+                         f"{ring_degree}); use ring_degree=1 or seq_chunk=None")
+    if segments is not None:
+        raise ValueError("seq_chunk with packed documents (segments) is not supported yet; "
+                         "use seq_chunk=None")
+    if sinks is not None:
+        raise ValueError("seq_chunk with attention sinks is not supported yet; use "
+                         "seq_chunk=None")
+    if seq_chunk != "auto" and local_len is not None and seq_chunk > local_len:
+        raise ValueError(f"seq_chunk={seq_chunk} is more blocks than this rank's {local_len} "
+                         f"rows; use at most {local_len}")
+
+
+def block_bounds(local_len: int, num_blocks: int) -> tuple[tuple[int, int], ...]:
+    """``(first row, rows)`` of each block of a piece, as ``torch.tensor_split`` cuts it."""
+    size, extra = divmod(local_len, num_blocks)
+    bounds, start = [], 0
+    for t in range(num_blocks):
+        n = size + (t < extra)
+        bounds.append((start, n))
+        start += n
+    return tuple(bounds)
+
+
+def block_buffer_bytes(layout: HeadLayout, c: int, num_blocks: int, batch: int, local_len: int,
+                       head_dim: int, dtype: torch.dtype) -> int:
+    """Estimated device bytes of the block buffers alive at the backward peak.
+
+    Per row of the largest exchange block: q, out, dout and their send buffers, dq's
+    exchange (about 5c heads in the input dtype), k and v with the next block's in flight and
+    the kernels' dk, dv (6ck); the dq sum and dk/dv sums with the next block's (c + 4ck, in
+    float32 for half inputs)."""
+    groups = min(h // k for h, k in zip(layout.q_sizes, layout.kv_sizes))
+    ck = max(1, -(-c // groups))
+    rows = len(layout.q_sizes) * -(-local_len // num_blocks)
+    wide = torch.empty((), dtype=acc_dtype(dtype)).element_size()
+    per_head = torch.empty((), dtype=dtype).element_size()
+    return batch * rows * head_dim * ((5 * c + 6 * ck) * per_head + (c + 4 * ck) * wide)
+
+
+def resolve_seq_chunk(seq_chunk, layout: HeadLayout, c: int, batch: int, local_len: int,
+                      head_dim: int, dtype: torch.dtype,
+                      budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES) -> int | None:
+    """The number of blocks: ``seq_chunk`` itself (checked by :func:`check_seq_chunk`), or
+    for ``"auto"`` the fewest whose :func:`block_buffer_bytes` fit ``budget_bytes`` (one row
+    per block if none does). Pure arithmetic on shapes: every rank gets the same answer."""
+    if seq_chunk != "auto":
+        return seq_chunk
+    one_row = block_buffer_bytes(layout, c, local_len, batch, local_len, head_dim, dtype)
+    rows = budget_bytes // one_row  # rows per block that fit
+    return local_len if rows < 1 else min(local_len, -(-local_len // rows))
+
+
+@dataclass(frozen=True, slots=True)
+class SeqChunking:
+    """What the sequence-chunked loop needs besides a :class:`ChunkConfig`: blocks per piece,
+    and the mask of the attention between the exchanges."""
+
+    num_blocks: int
+    causal: bool
+    scale: float
+    backend: str
+    kv_len: int | None = None
+    """Keys at global positions from ``kv_len`` on are padding (non-causal only)."""
+    window: int | None = None
+    """A causal sliding window (:mod:`ulysses.band`), or None."""
+
+
+def seq_chunking(attn, num_blocks: int) -> SeqChunking:
+    """The :class:`SeqChunking` of ``num_blocks`` blocks for the inner attention ``attn`` of
+    :func:`ulysses.attention.between_exchanges`; ValueError for one it cannot cut (a ring, or
+    documents)."""
+    if isinstance(attn, WindowAttention):
+        return SeqChunking(num_blocks, True, attn.scale, attn.backend, None, attn.window)
+    if isinstance(attn, LocalAttention):
+        return SeqChunking(num_blocks, attn.causal, attn.scale, attn.backend, attn.kv_len)
+    raise ValueError(f"seq_chunk needs the local kernel between the exchanges, got "
+                     f"{type(attn).__name__} (a ring or packed documents)")
+
+
+# --- block geometry -------------------------------------------------------------------------
+
+def _kept(sigs: list, x: Tensor) -> list[int]:
+    """Indices of a loop's iterations that run: all; in a memory trace, those that do not
+    repeat the two before them, and the last (:func:`ulysses.trace_shortcuts.kept`)."""
+    return [i for i in range(len(sigs)) if trace_shortcuts.kept(
+        i, len(sigs), i >= 2 and sigs[i] == sigs[i - 1] == sigs[i - 2], x)]
+
+
+class _Blocks:
+    """The blocks of one call: bounds, the pieces between exchange blocks, and which loop
+    iterations run (all of them, except in a memory trace)."""
+
+    def __init__(self, seq: SeqChunking, U: int, s: int, x: Tensor) -> None:
+        self.seq, self.U, self.s = seq, U, s
+        self.bounds = block_bounds(s, seq.num_blocks)
+        N = seq.num_blocks
+        self._pieces = {(t, u): self._cut(t, u) for t in range(N) for u in range(N)}
+        sizes = [b for _, b in self.bounds]
+        self.staged = _kept(sizes, x)
+        """Key blocks a loop over all of them runs; a left-out one has the shapes of the
+        last kept one before it (:meth:`fill`)."""
+        self.keys, sigs = {}, []
+        for t in range(N):
+            seen = [u for u in range(N) if self._pieces[t, u]]
+            shapes = [(sizes[u], tuple((p.q1 - p.q0, p.k1 - p.k0, p.kind)
+                                       for p in self._pieces[t, u])) for u in seen]
+            self.keys[t] = [seen[i] for i in _kept(shapes, x)]
+            sigs.append((sizes[t], tuple(shapes[seen.index(u)] for u in self.keys[t])))
+        self.queries = _kept(sigs, x)
+        """Query blocks the loop runs."""
+
+    def rows(self, t: int) -> slice:
+        a, b = self.bounds[t]
+        return slice(a, a + b)
+
+    def _cut(self, t: int, u: int) -> list[Piece]:
+        (a_t, b_t), (a_u, b_u) = self.bounds[t], self.bounds[u]
+        U, s, seq = self.U, self.s, self.seq
+        if not seq.causal:  # padded keys are a suffix of the sequence: a prefix of each block
+            keys = U * b_u if seq.kv_len is None else sum(
+                min(b_u, max(0, seq.kv_len - (r * s + a_u))) for r in range(U))
+            return [Piece(0, U * b_t, 0, keys, "full")] if keys else []
+        return band_pieces([(r * s + a_t, b_t, r * b_t) for r in range(U)],
+                           [(r * s + a_u, b_u, r * b_u) for r in range(U)], seq.window)
+
+    def pieces(self, t: int, u: int) -> list[Piece]:
+        return self._pieces[t, u]
+
+    def fill(self, kept: dict, host: HostBlocks) -> list:
+        """Per block, its host tensors in ``kept`` (indexed by :attr:`staged`); a block a
+        memory trace left out gets new ones shaped like the block's before it, so the trace
+        holds the host memory a run does."""
+        out = []
+        for u in range(len(self.bounds)):
+            out.append(kept[u] if u in kept else [host.empty(h) for h in out[u - 1]])
+        return out
+
+
+class _Rows:
+    """One kind's gradient blocks at one step, handed to the source: per block through its
+    ``take_rows``, or assembled into seq-local ``[B, s, n_r, D]`` tensors for its ``take``."""
+
+    def __init__(self, src: ChunkSource, kind: str, j: int, st, s: int) -> None:
+        self.src, self.kind, self.j, self.st, self.s = src, kind, j, st, s
+        self.full: list[Tensor] | None = None
+
+    def add(self, rows: slice, blocks: list[Tensor]) -> None:
+        if hasattr(self.src, "take_rows"):
+            self.src.take_rows(self.kind, self.j, self.st, blocks, rows)
+            return
+        if self.full is None:  # [B, b, n_r, D] -> [B, s, n_r, D]
+            self.full = [x.new_empty(x.shape[0], self.s, *x.shape[2:]) for x in blocks]
+        if not trace_shortcuts.skip(blocks[0]):  # in place: a memory trace sees nothing
+            for dst, x in zip(self.full, blocks):
+                dst[:, rows].copy_(x)
+
+    def finish(self) -> None:
+        if self.full is not None:
+            self.src.take(self.kind, self.j, self.st, self.full)
+            self.full = None
+
+
+# --- the loops ------------------------------------------------------------------------------
+
+def _park_kv(src: ChunkSource, j: int, st, cfg: ChunkConfig, pool, blocks: _Blocks,
+             host: HostBlocks, out: Tensor) -> list | None:
+    """Step ``st``'s kv exchange, block by block, if any rank needs a new kv chunk. Returns,
+    per block, ``[k_LkD, v_LkD]`` host tensors of this rank's new chunk, or None if it keeps
+    its current one (or there was no exchange)."""
+    if st.kv_sent() is None:
+        return None
+    me, U, (B, _, _, D) = cfg.rank, blocks.U, out.shape
+    mine = st.kv[me][1] if st.kv_new[me] else 0
+    parked: dict[int, list[Tensor]] = {}
+    for kind in ("k", "v"):
+        x_BsXD, ranges = src.send(kind, j, st)
+        for u in blocks.staged:
+            b = blocks.bounds[u][1]
+            p = to_heads(x_BsXD[:, blocks.rows(u)], ranges, mine, cfg.group, pool,
+                         cfg.comm_dtype)
+            if mine:
+                parked.setdefault(u, []).append(host.park(as_BSnD(p, (b, B, mine, D), U)
+                                                          .to(out.dtype)))
+            p.arrive()
+            p.release()
+        del x_BsXD
+    return blocks.fill(parked, host) if mine else None
+
+
+def _attend(q_LnD: Tensor, kv: list, t: int, blocks: _Blocks, host: HostBlocks,
+            dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """``(out_LnD, lse_BnL)`` of query block t against every key block it sees."""
+    B, L, n, D = q_LnD.shape
+    seq = blocks.seq
+    o_acc = torch.zeros(B, L, n, D, dtype=acc_dtype(dtype), device=q_LnD.device)
+    l_acc = torch.full((B, n, L), float("-inf"), dtype=torch.float32, device=q_LnD.device)
+    keys = blocks.keys[t]
+    nxt = [host.fetch(h) for h in kv[keys[0]]] if keys else None
+    for i, u in enumerate(keys):
+        k_u, v_u = (f.get() for f in nxt)
+        nxt = [host.fetch(h) for h in kv[keys[i + 1]]] if i + 1 < len(keys) else None
+        for p in blocks.pieces(t, u):
+            o_p, l_p = piece_forward(q_LnD, k_u, v_u, p, scale=seq.scale, backend=seq.backend)
+            merge_into(o_acc[:, p.q0:p.q1], l_acc[:, :, p.q0:p.q1], o_p, l_p)
+            del o_p, l_p
+        del k_u, v_u
+    return o_acc.to(dtype), l_acc
+
+
+def run_forward(src: ChunkSource, out: Tensor, cfg: ChunkConfig, pool: BufferPool,
+                seq: SeqChunking) -> Tensor:
+    """Fill ``out_BsHD`` block by block; returns ``lse_BhS`` (fp32, this rank's h query
+    heads), as :func:`ulysses.chunk_loop.run_forward` does (without sinks)."""
+    U, me, steps = len(cfg.layout.q_sizes), cfg.rank, cfg.schedule
+    B, s, _, D = out.shape
+    blocks, host = _Blocks(seq, U, s, out), HostBlocks(out, pool.stats)
+    lse = torch.empty(B, cfg.layout.q_sizes[me], s * U, dtype=torch.float32, device=out.device)
+    kv = None
+    for j in _steps_run(steps, out):
+        st = steps[j]
+        kv = _park_kv(src, j, st, cfg, pool, blocks, host, out) or kv
+        n = st.q[me][1]
+        q_BsXD, ranges = src.send("q", j, st)
+        for t in blocks.queries:
+            b = blocks.bounds[t][1]
+            p = to_heads(q_BsXD[:, blocks.rows(t)], ranges, n, cfg.group, pool, cfg.comm_dtype)
+            q_t = as_BSnD(p, (b, B, n, D), U).to(out.dtype)
+            o_t = out.new_empty(B, U * b, 0, D)
+            if n:
+                o_t, l_t = _attend(q_t, kv, t, blocks, host, out.dtype)
+                # [B, n, U b] -> rows r s + [a_t, a_t + b) of the [B, n, S] lse
+                lse[:, j * n:(j + 1) * n].unflatten(-1, (U, s))[..., blocks.rows(t)] = \
+                    l_t.unflatten(-1, (U, b))
+                del l_t
+            del q_t
+            p.release()
+            back = to_seq(o_t, st.q, cfg.group, pool, cfg.comm_dtype)
+            del o_t
+            _place(out[:, blocks.rows(t)], st.q, back.wait())
+            back.release()
+        del q_BsXD
+        if st.kv_done[me]:
+            kv = None
+    host.close()
+    return lse
+
+
+def _place(dest_BbXD: Tensor, ranges, blocks: list[Tensor]) -> None:
+    """Copy rank r's received block into heads ``ranges[r]`` of ``dest``."""
+    if trace_shortcuts.skip(dest_BbXD):
+        return
+    for (start, n), block in zip(ranges, blocks):
+        if n:
+            dest_BbXD[:, :, start:start + n].copy_(block)
+
+
+def _grad_block(dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, kv: list, dkv: list,
+                t: int, blocks: _Blocks, host: HostBlocks, acc: torch.dtype) -> Tensor:
+    """dq of query block t (``[B, L, n, D]`` in ``acc``); adds into the host dk/dv sums of
+    every key block it sees."""
+    seq = blocks.seq
+    dq = torch.zeros(q.shape, dtype=acc, device=q.device)
+    keys = blocks.keys[t]
+
+    def fetch(u):
+        return [host.fetch(h) for h in (*kv[u], *dkv[u])]
+
+    nxt = fetch(keys[0]) if keys else None
+    for i, u in enumerate(keys):
+        k_u, v_u, dk_u, dv_u = (f.get() for f in nxt)
+        nxt = fetch(keys[i + 1]) if i + 1 < len(keys) else None
+        for p in blocks.pieces(t, u):
+            dq_p, dk_p, dv_p = piece_backward(dout, q, k_u, v_u, out, lse, p, scale=seq.scale,
+                                              backend=seq.backend)
+            dq[:, p.q0:p.q1] += dq_p
+            dk_u[:, p.k0:p.k1] += dk_p
+            dv_u[:, p.k0:p.k1] += dv_p
+            del dq_p, dk_p, dv_p
+        host.store(dkv[u][0], dk_u)
+        host.store(dkv[u][1], dv_u)
+        del k_u, v_u, dk_u, dv_u
+    return dq
+
+
+def run_backward(src: ChunkSource, out: Tensor, lse: Tensor, cfg: ChunkConfig,
+                 pool: BufferPool, seq: SeqChunking) -> None:
+    """Per chunk and query block: redo the exchanges of q, out and dout, run the pieces'
+    kernel backward with the saved lse, and hand dq (and, once per kv chunk, the summed dk/dv)
+    back to the source, as :func:`ulysses.chunk_loop.run_backward` does (without sinks)."""
+    U, me, steps = len(cfg.layout.q_sizes), cfg.rank, cfg.schedule
+    B, s, _, D = out.shape
+    blocks, host = _Blocks(seq, U, s, out), HostBlocks(out, pool.stats)
+    # dq and the dk/dv sums in float32 for half inputs (and at least the exchange's width);
+    # they travel in the exchange's dtype.
+    wire = out.dtype if cfg.comm_dtype is None else cfg.comm_dtype
+    acc = torch.promote_types(acc_dtype(out.dtype), wire)
+    kv = dkv = None
+    for j in _steps_run(steps, out):
+        st = steps[j]
+        new = _park_kv(src, j, st, cfg, pool, blocks, host, out)
+        if new is not None:
+            kv = new
+            dkv = blocks.fill({u: [host.empty(h, acc, zero=True) for h in kv[u]]
+                               for u in blocks.staged}, host)
+        n = st.q[me][1]
+        sent = [src.send(kind, j, st) for kind in ("q", "dout")] + [(out, st.q)]
+        dq_rows = _Rows(src, "q", j, st, s)
+        for t in blocks.queries:
+            b, rows = blocks.bounds[t][1], blocks.rows(t)
+            pend = [to_heads(x[:, rows], r, n, cfg.group, pool, cfg.comm_dtype) for x, r in sent]
+            q_t, dout_t, out_t = (as_BSnD(p, (b, B, n, D), U).to(out.dtype) for p in pend)
+            dq_t = out.new_empty(B, U * b, 0, D)
+            if n:
+                # rows r s + [a_t, a_t + b) of the [B, n, S] lse -> [B, n, U b]
+                lse_t = lse[:, j * n:(j + 1) * n].unflatten(-1, (U, s))[..., rows].flatten(-2)
+                dq_t = _grad_block(dout_t, q_t, out_t, lse_t, kv, dkv, t, blocks, host, acc)
+                del lse_t
+            del q_t, dout_t, out_t
+            for p in pend:
+                p.release()
+            back = to_seq(dq_t, st.q, cfg.group, pool, wire)
+            del dq_t
+            dq_rows.add(rows, back.wait())
+            back.release()
+        dq_rows.finish()
+        del sent
+        ranges = st.kv_returned()
+        if ranges is not None:
+            for i, kind in enumerate(("k", "v")):
+                grads = _Rows(src, kind, j, st, s)
+                for u in blocks.staged:
+                    b = blocks.bounds[u][1]
+                    d = (host.fetch(dkv[u][i]).get() if st.kv_done[me] else
+                         out.new_empty(B, U * b, 0, D))
+                    back = to_seq(d, ranges, cfg.group, pool, wire)
+                    del d
+                    grads.add(blocks.rows(u), back.wait())
+                    back.release()
+                grads.finish()
+        if st.kv_done[me]:
+            kv = dkv = None
+    host.close()
