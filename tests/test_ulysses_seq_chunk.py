@@ -272,6 +272,55 @@ def test_device_buffers_shrink_with_the_blocks():
             assert 0.2 <= f[kind] / p[kind] <= 0.3, (kind, p, f)
 
 
+def _rank_fused_largest(N):
+    """The largest tensor of a chunk's heads (4-d, fewer heads than all H; not a view) that
+    any op makes in one fwd+bwd of the fused block at c=1: projected heads, exchange blocks,
+    gradients."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from ulysses.fused_attention import fused_attention
+
+    mesh = get_mesh(2, 2)
+    H, K, E, B, S = 4, 2, 32, 1, 256
+    g = torch.Generator().manual_seed(5)
+    w = dict(wq=torch.randn(H * D, E, generator=g), wk=torch.randn(K * D, E, generator=g),
+             wv=torch.randn(K * D, E, generator=g), wo=torch.randn(E, H * D, generator=g))
+    w = {n: (t / t.shape[1] ** 0.5).requires_grad_() for n, t in w.items()}
+    x, dy = (shard_sequence(torch.randn(B, S, E, generator=g), mesh) for _ in range(2))
+    x.requires_grad_()
+    emb = shard_sequence(torch.randn(1, S, D, generator=g), mesh)
+    largest = [0]
+
+    class Largest(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            result = func(*args, **(kwargs or {}))
+            inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves(
+                (args, kwargs)) if isinstance(a, torch.Tensor)}
+            for t in torch.utils._pytree.tree_leaves(result):
+                if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[2] < H and \
+                        t.untyped_storage().data_ptr() not in inputs:  # not a view
+                    largest[0] = max(largest[0], t.numel())
+            return result
+
+    with Largest():
+        y = fused_attention(x, emb.cos(), emb.sin(), **w, num_heads=H, num_kv_heads=K,
+                            mesh=mesh, head_chunk_size=1, seq_chunk=N)
+        y.backward(dy)
+    return largest[0]
+
+
+def test_fused_chunk_tensors_shrink_with_the_blocks():
+    """The fused block projects a step's heads (and takes their gradients back) one sequence
+    block at a time: with 4 blocks no tensor of a chunk's heads is more than a quarter of the
+    unchunked loop's largest (a full-sequence chunk buffer, or the seq-local projection of
+    the heads every rank gets)."""
+    plain = dist_pool.run(_rank_fused_largest, None, world_size=2)
+    four = dist_pool.run(_rank_fused_largest, 4, world_size=2)
+    for p, f in zip(plain, four):
+        print(f"largest chunk tensor: unchunked {p}, 4 blocks {f}")
+        assert 0.2 <= f / p <= 0.3, (p, f)
+
+
 def _rank_trace(N, shortcuts, window):
     """Peak memory (MemTracker) and kernel calls of one fwd+bwd traced with fake tensors, as
     the memory planner traces a step, with or without its shortcuts."""

@@ -127,11 +127,45 @@ class _ProjectedChunks:
 
     def take(self, kind: str, j: int, step: Step, blocks: list[Tensor]) -> None:
         heads = self._heads(kind, j, sending=False)
+        project_backward(self.x_NE, self.proj[kind], heads, self.shape, self.rotary,
+                         self.cfg.norm_eps, self._gathered(blocks, heads), self.grads[kind],
+                         self.dx_NE)
+
+    def _gathered(self, blocks: list[Tensor], heads: HeadSet) -> Tensor:
         blocks = [b for b, (_, n) in zip(blocks, heads.ranges) if n]
         g = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)  # [B, s, n, D]
-        g = g.to(self.x_NE.dtype)  # arrived in the exchange's dtype
-        project_backward(self.x_NE, self.proj[kind], heads, self.shape, self.rotary,
-                         self.cfg.norm_eps, g, self.grads[kind], self.dx_NE)
+        return g.to(self.x_NE.dtype)  # arrived in the exchange's dtype
+
+    # Rows of the piece only, for the sequence-chunked loop (ulysses.seq_chunk): the step's
+    # heads are projected, and their gradients taken back, one sequence block at a time.
+
+    def _rows(self, t_NX: Tensor, rows: slice) -> Tensor:
+        """Rows ``rows`` of each batch row of a ``[B s, X]`` tensor, as ``[B b, X]``."""
+        B, s, _ = self.shape
+        return t_NX.view(B, s, -1)[:, rows].reshape(-1, t_NX.shape[-1])
+
+    def send_rows(self, kind: str, j: int, step: Step, rows: slice):
+        heads = self._heads(kind, j, sending=True)
+        B, _, D = self.shape
+        shape = (B, rows.stop - rows.start, D)
+        if kind == "dout":
+            g = self._rows(self.dy_NE, rows) @ self.wo.index_select(1, heads.rows)
+            return g.view(*shape[:2], heads.count, D), heads.local
+        rotary = tuple(r[:, rows] for r in self.rotary)
+        return project(self._rows(self.x_NE, rows), self.proj[kind], heads, shape, rotary,
+                       self.cfg.norm_eps), heads.local
+
+    def take_rows(self, kind: str, j: int, step: Step, blocks: list[Tensor],
+                  rows: slice) -> None:
+        heads = self._heads(kind, j, sending=False)
+        B, _, D = self.shape
+        b = rows.stop - rows.start
+        dx = None if self.dx_NE is None else self.dx_NE.new_zeros(B * b, self.dx_NE.shape[-1])
+        project_backward(self._rows(self.x_NE, rows), self.proj[kind], heads, (B, b, D),
+                         tuple(r[:, rows] for r in self.rotary), self.cfg.norm_eps,
+                         self._gathered(blocks, heads), self.grads[kind], dx)
+        if dx is not None:
+            self.dx_NE.view(B, self.shape[1], -1)[:, rows] += dx.view(B, b, -1)
 
 
 def _projections(wq, bq, wk, bk, wv, bv, q_norm, k_norm) -> dict[str, Projection]:
@@ -292,9 +326,10 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
             ``"auto"`` (within ``chunk_budget_bytes``).
         causal, softmax_scale, backend, buffer_pool, chunk_overlap, segments, window,
         comm_dtype, seq_chunk:
-            as for :func:`ulysses.ulysses_attention`. With ``seq_chunk`` each step's projected
-            heads are still seq-local ``[B, s, n, D]`` tensors; only the exchanges and the
-            kernels run block by block.
+            as for :func:`ulysses.ulysses_attention`. With ``seq_chunk`` each step's heads are
+            projected, and their gradients taken back, one sequence block at a time
+            (``_ProjectedChunks.send_rows``/``take_rows``): no seq-local tensor of a step's
+            heads exists either.
 
     Returns:
         ``y_BsE``, sharded like ``x``. Gradients flow to ``x`` and every weight and bias.

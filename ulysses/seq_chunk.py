@@ -29,9 +29,11 @@ per query block: exchange q_t, out_t, dout_t, run each piece's kernel backward w
 send dq_t back. When the kv chunk is done its summed dk/dv go back head -> seq block by
 block. Exchanges are synchronous (no overlap with compute) in this version.
 
-Gradients reach the :class:`ulysses.chunk_loop.ChunkSource` per block through an optional
-``take_rows(kind, j, step, blocks, rows)``; a source without it gets seq-local tensors
-assembled from the blocks, through its ``take``, once per kind and step.
+A :class:`ulysses.chunk_loop.ChunkSource` may make each block's rows itself, through an
+optional ``send_rows(kind, j, step, rows)`` (the fused projections do: no seq-local tensor of
+a step's heads), and take gradients per block through an optional
+``take_rows(kind, j, step, blocks, rows)``; a source without them is sliced, and gets
+seq-local tensors assembled from the blocks through its ``take``, once per kind and step.
 
 Shape legend: B batch, s this rank's piece, S = U s, U Ulysses ranks, N blocks per piece,
 b rows of one block, L = U b rows of an exchange block, n / ck this rank's q / kv heads of a
@@ -241,6 +243,16 @@ class _Rows:
 
 # --- the loops ------------------------------------------------------------------------------
 
+def _sender(src: ChunkSource, kind: str, j: int, st):
+    """``rows -> (x_BbXD, ranges)``: what step ``j`` sends for ``kind``, rows ``rows`` of the
+    piece. A source with ``send_rows`` makes only those rows (the fused projections: no
+    seq-local tensor of the step's heads); otherwise rows of its seq-local tensor."""
+    if hasattr(src, "send_rows"):
+        return lambda rows: src.send_rows(kind, j, st, rows)
+    x_BsXD, ranges = src.send(kind, j, st)
+    return lambda rows: (x_BsXD[:, rows], ranges)
+
+
 def _park_kv(src: ChunkSource, j: int, st, cfg: ChunkConfig, pool, blocks: _Blocks,
              host: HostBlocks, out: Tensor) -> list | None:
     """Step ``st``'s kv exchange, block by block, if any rank needs a new kv chunk. Returns,
@@ -252,17 +264,18 @@ def _park_kv(src: ChunkSource, j: int, st, cfg: ChunkConfig, pool, blocks: _Bloc
     mine = st.kv[me][1] if st.kv_new[me] else 0
     parked: dict[int, list[Tensor]] = {}
     for kind in ("k", "v"):
-        x_BsXD, ranges = src.send(kind, j, st)
+        part = _sender(src, kind, j, st)
         for u in blocks.staged:
             b = blocks.bounds[u][1]
-            p = to_heads(x_BsXD[:, blocks.rows(u)], ranges, mine, cfg.group, pool,
-                         cfg.comm_dtype)
+            x_BbXD, ranges = part(blocks.rows(u))
+            p = to_heads(x_BbXD, ranges, mine, cfg.group, pool, cfg.comm_dtype)
+            del x_BbXD
             if mine:
                 parked.setdefault(u, []).append(host.park(as_BSnD(p, (b, B, mine, D), U)
                                                           .to(out.dtype)))
             p.arrive()
             p.release()
-        del x_BsXD
+        del part
     return blocks.fill(parked, host) if mine else None
 
 
@@ -299,10 +312,12 @@ def run_forward(src: ChunkSource, out: Tensor, cfg: ChunkConfig, pool: BufferPoo
         st = steps[j]
         kv = _park_kv(src, j, st, cfg, pool, blocks, host, out) or kv
         n = st.q[me][1]
-        q_BsXD, ranges = src.send("q", j, st)
+        part = _sender(src, "q", j, st)
         for t in blocks.queries:
             b = blocks.bounds[t][1]
-            p = to_heads(q_BsXD[:, blocks.rows(t)], ranges, n, cfg.group, pool, cfg.comm_dtype)
+            q_BbXD, ranges = part(blocks.rows(t))
+            p = to_heads(q_BbXD, ranges, n, cfg.group, pool, cfg.comm_dtype)
+            del q_BbXD
             q_t = as_BSnD(p, (b, B, n, D), U).to(out.dtype)
             o_t = out.new_empty(B, U * b, 0, D)
             if n:
@@ -317,7 +332,7 @@ def run_forward(src: ChunkSource, out: Tensor, cfg: ChunkConfig, pool: BufferPoo
             del o_t
             _place(out[:, blocks.rows(t)], st.q, back.wait())
             back.release()
-        del q_BsXD
+        del part
         if st.kv_done[me]:
             kv = None
     host.close()
@@ -382,11 +397,12 @@ def run_backward(src: ChunkSource, out: Tensor, lse: Tensor, cfg: ChunkConfig,
             dkv = blocks.fill({u: [host.empty(h, acc, zero=True) for h in kv[u]]
                                for u in blocks.staged}, host)
         n = st.q[me][1]
-        sent = [src.send(kind, j, st) for kind in ("q", "dout")] + [(out, st.q)]
+        sent = [_sender(src, kind, j, st) for kind in ("q", "dout")] + [
+            lambda rows, st=st: (out[:, rows], st.q)]
         dq_rows = _Rows(src, "q", j, st, s)
         for t in blocks.queries:
             b, rows = blocks.bounds[t][1], blocks.rows(t)
-            pend = [to_heads(x[:, rows], r, n, cfg.group, pool, cfg.comm_dtype) for x, r in sent]
+            pend = [to_heads(*part(rows), n, cfg.group, pool, cfg.comm_dtype) for part in sent]
             q_t, dout_t, out_t = (as_BSnD(p, (b, B, n, D), U).to(out.dtype) for p in pend)
             dq_t = out.new_empty(B, U * b, 0, D)
             if n:
