@@ -331,20 +331,21 @@ def test_length_line_matches_a_traced_length_within_1_percent(tmp_path):
     assert quick["device_peak_bytes"] == line["device_peak_bytes"]
 
 
-@pytest.mark.parametrize("ring,layers", [(1, 2), (8, 1)])
-def test_trace_shortcuts_change_no_byte(ring, layers):
+@pytest.mark.parametrize("ring,layers,seq_chunk", [(1, 2, None), (8, 1, None), (1, 1, 6)])
+def test_trace_shortcuts_change_no_byte(ring, layers, seq_chunk):
     """The trace's shortcuts (ulysses.trace_shortcuts: repeated tiles, head-chunk periods and
     ring hops run once, in-place packing and exchanges left out) give each phase the same
     peaks and breakdown, byte for byte, as the full trace, where most repeats are skipped: 47
-    loss tiles; with ring 8 x Ulysses 1, 32 head-chunk steps and 8 ring hops."""
+    loss tiles; with ring 8 x Ulysses 1, 32 head-chunk steps and 8 ring hops; with 6
+    sequence blocks (ulysses.seq_chunk), repeated blocks and a pair's repeated pieces."""
     from arctic.plan.estimate import _trace
     from arctic.plan.models import model_config
     from arctic.plan.step import STACKS, stack_config
 
     world = 8
     config = model_config("llama3-8b", layers=layers)
-    sp = stack_config(dict(STACKS["ours"], ring_degree=ring), world=world)
-    seq_len = 12 * 1024 * world + 3 * world  # uneven tiles
+    sp = stack_config(dict(STACKS["ours"], ring_degree=ring, seq_chunk=seq_chunk), world=world)
+    seq_len = 12 * 1024 * world + 3 * world  # uneven tiles (and blocks)
     full = _trace(config, sp, world, seq_len, shard=True, shortcuts=False)
     fast = _trace(config, sp, world, seq_len, shard=True, shortcuts=True)
     assert set(full) == {"forward", "backward", "optimizer"}

@@ -167,6 +167,21 @@ def _kept(sigs: list, x: Tensor) -> list[int]:
         i, len(sigs), i >= 2 and sigs[i] == sigs[i - 1] == sigs[i - 2], x)]
 
 
+def _two_of_each(pieces: list[Piece]) -> list[Piece]:
+    """A memory trace's pieces of one block pair: at most two of each shape. Each piece's
+    kernel output and merge temporaries are freed before the next piece runs, and it adds
+    into the block's accumulators in place, so a third piece of a shape allocates and frees
+    what the second did (with U runs per block a pair has up to 2U pieces)."""
+    count: dict = {}
+    kept = []
+    for p in pieces:
+        shape = (p.q1 - p.q0, p.k1 - p.k0, p.kind)
+        count[shape] = count.get(shape, 0) + 1
+        if count[shape] <= 2:
+            kept.append(p)
+    return kept
+
+
 class _Blocks:
     """The blocks of one call: bounds, the pieces between exchange blocks, and which loop
     iterations run (all of them, except in a memory trace)."""
@@ -175,7 +190,8 @@ class _Blocks:
         self.seq, self.U, self.s = seq, U, s
         self.bounds = block_bounds(s, seq.num_blocks)
         N = seq.num_blocks
-        self._pieces = {(t, u): self._cut(t, u) for t in range(N) for u in range(N)}
+        cut = _two_of_each if trace_shortcuts.skip(x) else list
+        self._pieces = {(t, u): cut(self._cut(t, u)) for t in range(N) for u in range(N)}
         sizes = [b for _, b in self.bounds]
         self.staged = _kept(sizes, x)
         """Key blocks a loop over all of them runs; a left-out one has the shapes of the
