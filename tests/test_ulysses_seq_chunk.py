@@ -14,6 +14,7 @@ import math
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 import dist_pool
 from helpers import DTYPES, TOL, count_collectives, get_mesh, make_qkv
@@ -225,39 +226,42 @@ def _rank_fused():
 def _rank_buffers(N):
     """Largest buffer the pool creates, and the largest tensor any op makes besides the
     outputs and seq-local gradients, over one fwd+bwd at c=1."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     mesh = get_mesh(2, 2)
     B, S, H, K = 1, 512, 8, 2
     q, k, v, dout = (shard_sequence(t, mesh).contiguous()
                      for t in make_qkv(7, B, S, H, K, 16, torch.float32))
-    largest = {"pool": 0, "op": 0}
+    largest = {"pool": 0}
     seq_local = {tuple(q.shape), tuple(k.shape)}
-
-    class Largest(TorchDispatchMode):
-        """The largest 4-d tensor an op allocates (not a view of, or a write into, an input)."""
-
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            result = func(*args, **(kwargs or {}))
-            inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves(
-                (args, kwargs)) if isinstance(a, torch.Tensor)}
-            for t in torch.utils._pytree.tree_leaves(result):
-                if isinstance(t, torch.Tensor) and t.dim() == 4 and \
-                        tuple(t.shape) not in seq_local and \
-                        t.untyped_storage().data_ptr() not in inputs:
-                    largest["op"] = max(largest["op"], t.numel())
-            return result
 
     def seen(buf):
         largest["pool"] = max(largest["pool"], buf.numel())
 
     pool = BufferPool(on_allocate=seen)
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    with Largest():
+    with _Largest(lambda t: tuple(t.shape) not in seq_local) as op:
         out = ulysses_attention(*leaves, mesh=mesh, causal=True, head_chunk_size=1,
                                 buffer_pool=pool, seq_chunk=N)
         out.backward(dout)
-    return largest
+    return {**largest, "op": op.numel}
+
+
+class _Largest(TorchDispatchMode):
+    """The largest 4-d tensor an op allocates (not a view of, or a write into, an input) among
+    those ``counted`` accepts."""
+
+    def __init__(self, counted) -> None:
+        super().__init__()
+        self.counted, self.numel = counted, 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        result = func(*args, **(kwargs or {}))
+        inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves(
+            (args, kwargs)) if isinstance(a, torch.Tensor)}
+        for t in torch.utils._pytree.tree_leaves(result):
+            if isinstance(t, torch.Tensor) and t.dim() == 4 and self.counted(t) and \
+                    t.untyped_storage().data_ptr() not in inputs:
+                self.numel = max(self.numel, t.numel())
+        return result
 
 
 def test_device_buffers_shrink_with_the_blocks():
@@ -276,8 +280,6 @@ def _rank_fused_largest(N):
     """The largest tensor of a chunk's heads (4-d, fewer heads than all H; not a view) that
     any op makes in one fwd+bwd of the fused block at c=1: projected heads, exchange blocks,
     gradients."""
-    from torch.utils._python_dispatch import TorchDispatchMode
-
     from ulysses.fused_attention import fused_attention
 
     mesh = get_mesh(2, 2)
@@ -289,24 +291,11 @@ def _rank_fused_largest(N):
     x, dy = (shard_sequence(torch.randn(B, S, E, generator=g), mesh) for _ in range(2))
     x.requires_grad_()
     emb = shard_sequence(torch.randn(1, S, D, generator=g), mesh)
-    largest = [0]
-
-    class Largest(TorchDispatchMode):
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
-            result = func(*args, **(kwargs or {}))
-            inputs = {a.untyped_storage().data_ptr() for a in torch.utils._pytree.tree_leaves(
-                (args, kwargs)) if isinstance(a, torch.Tensor)}
-            for t in torch.utils._pytree.tree_leaves(result):
-                if isinstance(t, torch.Tensor) and t.dim() == 4 and t.shape[2] < H and \
-                        t.untyped_storage().data_ptr() not in inputs:  # not a view
-                    largest[0] = max(largest[0], t.numel())
-            return result
-
-    with Largest():
+    with _Largest(lambda t: t.shape[2] < H) as op:
         y = fused_attention(x, emb.cos(), emb.sin(), **w, num_heads=H, num_kv_heads=K,
                             mesh=mesh, head_chunk_size=1, seq_chunk=N)
         y.backward(dy)
-    return largest[0]
+    return op.numel
 
 
 def test_fused_chunk_tensors_shrink_with_the_blocks():
