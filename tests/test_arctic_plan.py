@@ -331,7 +331,10 @@ def test_length_line_matches_a_traced_length_within_1_percent(tmp_path):
     assert quick["device_peak_bytes"] == line["device_peak_bytes"]
 
 
-@pytest.mark.parametrize("ring,layers,seq_chunk", [(1, 2, None), (8, 1, None), (1, 1, 6)])
+@pytest.mark.parametrize("ring,layers,seq_chunk", [
+    (1, 2, None), (8, 1, None),
+    # 45 s; test_ulysses_seq_chunk.py checks the block shortcuts byte for byte in the default run
+    pytest.param(1, 1, 6, marks=pytest.mark.slow)])
 def test_trace_shortcuts_change_no_byte(ring, layers, seq_chunk):
     """The trace's shortcuts (ulysses.trace_shortcuts: repeated tiles, head-chunk periods and
     ring hops run once, in-place packing and exchanges left out) give each phase the same
