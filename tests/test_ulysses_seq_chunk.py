@@ -392,6 +392,8 @@ def _rank_refusals():
             "float": _error(lambda: call(seq_chunk=2.0)),
             "bool": _error(lambda: call(seq_chunk=True)),
             "word": _error(lambda: call(seq_chunk="max")),
+            "overlap": _error(lambda: call(chunk_overlap=True)),
+            "overlap_type": _error(lambda: call(chunk_overlap="yes")),
         }
     return errors, dict(counts)
 
@@ -406,6 +408,9 @@ def test_refusals_raise_before_any_collective():
     assert "seq_chunk with attention sinks is not supported yet" in errors["sinks"]
     assert "seq_chunk=9 is more blocks than this rank's 8 rows; use at most 8" in \
         errors["too_many"]
+    assert "chunk_overlap=True with seq_chunk: the sequence-chunked loop does not overlap" in \
+        errors["overlap"]
+    assert "chunk_overlap must be None, True or False, got 'yes'" in errors["overlap_type"]
     for name, bad in (("zero", "0"), ("float", "2.0"), ("bool", "True"), ("word", "'max'")):
         assert errors[name] == ("seq_chunk must be None, a positive int (blocks per rank's "
                                 f"piece) or 'auto', got {bad}"), errors[name]

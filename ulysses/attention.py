@@ -79,7 +79,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
                       backend: str | None = None, unpadded_len: int | None = None,
                       buffer_pool: BufferPool | None = None,
                       chunk_budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES,
-                      chunk_overlap: bool = True, segments=None, window: int | None = None,
+                      chunk_overlap: bool | None = None, segments=None,
+                      window: int | None = None,
                       sinks: Tensor | None = None,
                       comm_dtype: torch.dtype | None = None,
                       seq_chunk: int | str | None = None) -> Tensor:
@@ -108,7 +109,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
         buffer_pool: chunk buffers to reuse across calls (layers); chunking only.
         chunk_budget_bytes: the byte budget of ``head_chunk_size="auto"`` (and of
             ``seq_chunk="auto"``).
-        chunk_overlap: exchange chunk i+1 while chunk i computes (chunking only).
+        chunk_overlap: exchange chunk i+1 while chunk i computes (chunking only). None: yes
+            for head chunks; with ``seq_chunk``, whose block exchanges do not overlap compute
+            yet, only None or False are accepted.
         segments: packed documents: per batch row, the start offsets (in the full sequence,
             beginning with 0) of its documents; no token attends across a boundary. Needs
             R = 1 (``NotImplementedError`` otherwise) and no ``unpadded_len``.
@@ -129,7 +132,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
             the kv chunk and its dk/dv sums wait in host memory. An int in ``[1, s]``, or
             ``"auto"``: the fewest blocks whose buffers fit ``chunk_budget_bytes``. None: not
             cut. Needs ``head_chunk_size`` (``"auto"`` picks c as without blocks); its
-            exchanges do not overlap compute (``chunk_overlap`` does not apply). Not
+            exchanges do not overlap compute (``chunk_overlap=True`` is refused). Not
             supported with a ring, ``segments`` or ``sinks`` (``ValueError``).
 
     Returns:
@@ -142,7 +145,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     check_sinks(sinks, q.shape[2], q.device)
     check_comm_dtype(comm_dtype)
     check_seq_chunk(seq_chunk, head_chunk_size=head_chunk_size, local_len=q.shape[1],
-                    ring_degree=axis_size(mesh, "ring"), segments=segments, sinks=sinks)
+                    ring_degree=axis_size(mesh, "ring"), segments=segments, sinks=sinks,
+                    chunk_overlap=chunk_overlap)
     group = axis_group(mesh, "ulysses")
     rank = axis_rank(mesh, "ulysses")
     scale = default_scale(q.shape[-1], softmax_scale)
@@ -160,7 +164,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
                                    q.dtype, chunk_budget_bytes)
         return head_chunked_attention(q, k, v, group=group, rank=rank, layout=layout,
                                       head_chunk_size=c, attn=attn, pool=buffer_pool,
-                                      overlap=chunk_overlap, sinks=sinks,
+                                      overlap=chunk_overlap is not False, sinks=sinks,
                                       comm_dtype=comm_dtype, seq_chunk=blocks)
     if len(layout.q_sizes) == 1:  # U = 1: nothing to exchange (pure ring, or one rank)
         out, _ = attention_with_lse(q, k, v, attn, sinks)

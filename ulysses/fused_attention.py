@@ -302,7 +302,7 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
                     softmax_scale: float | None = None, backend: str | None = None,
                     buffer_pool: BufferPool | None = None,
                     chunk_budget_bytes: int = DEFAULT_CHUNK_BUDGET_BYTES,
-                    chunk_overlap: bool = True, segments=None,
+                    chunk_overlap: bool | None = None, segments=None,
                     window: int | None = None,
                     comm_dtype: torch.dtype | None = None,
                     seq_chunk: int | str | None = None) -> Tensor:
@@ -349,7 +349,8 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
         raise ValueError("fused_attention needs head_chunk_size (an int or 'auto'): the "
                          "projections are fused into the head-chunk loop")
     check_seq_chunk(seq_chunk, head_chunk_size=head_chunk_size, local_len=s,
-                    ring_degree=axis_size(mesh, "ring"), segments=segments)
+                    ring_degree=axis_size(mesh, "ring"), segments=segments,
+                    chunk_overlap=chunk_overlap)
     c = resolve_chunk_size(head_chunk_size, layout, B, s * U, D, x.dtype, chunk_budget_bytes)
     blocks = resolve_seq_chunk(seq_chunk, layout, c, B, s, D, x.dtype, chunk_budget_bytes)
     backend = select_backend(x.device, x.dtype, D, backend)
@@ -359,7 +360,8 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
                              window=window, comm_dtype=comm_dtype)
     schedule = tuple(build_schedule(layout, c))
     chunks = ChunkConfig(group=axis_group(mesh, "ulysses"), rank=axis_rank(mesh, "ulysses"),
-                         layout=layout, schedule=schedule, attn=attn, overlap=chunk_overlap,
+                         layout=layout, schedule=schedule, attn=attn,
+                         overlap=chunk_overlap is not False,
                          comm_dtype=comm_dtype)
 
     def plan(ranges):

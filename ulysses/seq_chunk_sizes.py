@@ -23,12 +23,19 @@ __all__ = ["SeqChunking", "block_bounds", "block_buffer_bytes", "check_seq_chunk
 
 
 def check_seq_chunk(seq_chunk, *, head_chunk_size, local_len: int | None, ring_degree: int,
-                    segments=None, sinks=None) -> None:
+                    segments=None, sinks=None, chunk_overlap: bool | None = None) -> None:
     """``ValueError`` unless ``seq_chunk`` is None, ``"auto"`` or an int in ``[1, local_len]``
     (``local_len`` None: not known yet) used with head chunking, without a ring, packed
-    documents or sinks."""
+    documents, sinks or ``chunk_overlap=True``; and unless ``chunk_overlap`` is None or a
+    bool."""
+    if chunk_overlap is not None and not isinstance(chunk_overlap, bool):
+        raise ValueError(f"chunk_overlap must be None, True or False, got {chunk_overlap!r}")
     if seq_chunk is None:
         return
+    if chunk_overlap:
+        raise ValueError("chunk_overlap=True with seq_chunk: the sequence-chunked loop does "
+                         "not overlap its block exchanges with compute yet; leave "
+                         "chunk_overlap unset (None) or False")
     if seq_chunk != "auto" and (isinstance(seq_chunk, bool) or not isinstance(seq_chunk, int)
                                 or seq_chunk < 1):
         raise ValueError(f"seq_chunk must be None, a positive int (blocks per rank's piece) or "
