@@ -156,6 +156,20 @@ def test_matches_single_device(tmp_path, nproc, extra, seq_len, stages):
     _check_parity(records, torch.load(tmp_path / "grads.pt"), dp=nproc // 2, seq_len=seq_len)
 
 
+def test_tiled_layer_and_seq_chunk_under_fsdp2_match_single_device(tmp_path):
+    """The ulysses block's tiled_layer (each layer's tail as one tiled unit) and seq_chunk
+    (sequence blocks inside each head chunk, fused projections) under FSDP2, dp=1 x sp=2,
+    with checkpointing: the single-device losses and gradients."""
+    config = tmp_path / "ds.json"
+    config.write_text(json.dumps({"sequence_parallel_size": 2, "ulysses": {
+        "head_chunk_size": 1, "fuse_projections": True, "seq_chunk": 2, "tiled_mlp": 2,
+        "tiled_layer": True, "activation_checkpointing": True}}))
+    records, out = _train(tmp_path, 2, ["--config", str(config), "--max-steps", str(STEPS),
+                                        "--dump-grads", str(tmp_path / "grads.pt")])
+    assert f"applied: {AC} (dp=1, sp=2)" in out
+    _check_parity(records, torch.load(tmp_path / "grads.pt"), dp=1)
+
+
 def test_offload_params_job_matches_run_without_it(dp1_sp2_run, tmp_path):
     records, out = _train(tmp_path, 2, ["--sequence-parallel-size", "2", "--max-steps", "3",
                                         "--offload-params"])
