@@ -58,7 +58,7 @@ class SequenceParallelConfig:
     """Sequence blocks per rank's piece inside each head chunk (FPDT-style,
     :mod:`ulysses.seq_chunk`): the exchanges and kernels run block by block, the kv chunk
     and its dk/dv sums wait in host memory. An int, or ``"auto"`` (the fewest blocks whose
-    buffers fit 1 GiB); None: not cut. Needs head_chunk_size and ring_degree 1."""
+    buffers fit 1 GiB); None: not cut. Needs head_chunk_size."""
     fuse_projections: bool = False
     """Compute q/k/v, RoPE and o_proj inside the head-chunk loop (no all-heads q/k/v;
     :mod:`arctic.hf_fused`); needs head_chunk_size."""
@@ -119,9 +119,6 @@ class SequenceParallelConfig:
         if self.seq_chunk is not None and self.head_chunk_size is None:
             raise ValueError("ulysses.seq_chunk needs ulysses.head_chunk_size (an int or "
                              "\"auto\"): sequence blocks are cut inside a head chunk")
-        if self.seq_chunk is not None and self.ring_degree > 1:
-            raise ValueError(f"ulysses.seq_chunk with ring_degree {self.ring_degree} is not "
-                             f"supported yet: use ring_degree 1 or seq_chunk null")
         if self.loss_tiles is None:
             raise ValueError("ulysses.loss_tiles must be a positive int or \"auto\", got null")
         _tiles_or_none("loss_tiles", self.loss_tiles)

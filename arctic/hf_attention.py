@@ -191,8 +191,7 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
     if head_chunk_size is not None and head_chunk_size != "auto":
         resolve_chunk_size(head_chunk_size, layout, 1, 1, 1, torch.float32)
     check_comm_dtype(communication_dtype)
-    check_seq_chunk(seq_chunk, head_chunk_size=head_chunk_size, local_len=None,
-                    ring_degree=axis_size(mesh, "ring"))
+    check_seq_chunk(seq_chunk, head_chunk_size=head_chunk_size, local_len=None)
     if not isinstance(fuse_projections, bool):
         raise ValueError(f"fuse_projections must be True or False, got {fuse_projections!r}")
     if fuse_projections:

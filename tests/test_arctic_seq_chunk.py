@@ -15,7 +15,7 @@ pytest.importorskip("transformers", reason="arctic needs transformers ([hf])")
 S, VOCAB = 96, 256
 
 
-def _rank_train(seq_chunk, fuse):
+def _rank_train(seq_chunk, fuse, ring):
     import torch.distributed as dist
     from transformers import AutoModelForCausalLM, LlamaConfig
 
@@ -24,7 +24,8 @@ def _rank_train(seq_chunk, fuse):
     from arctic.engine import apply_sp_recipe
     from arctic.plan import buffer_pools
 
-    sp = SequenceParallelConfig(sequence_parallel_size=2, head_chunk_size=1, seq_chunk=seq_chunk,
+    sp = SequenceParallelConfig(sequence_parallel_size=2, ring_degree=ring, head_chunk_size=1,
+                                seq_chunk=seq_chunk,
                                 fuse_projections=fuse, tiled_mlp=2, tiled_layer=True,
                                 activation_checkpointing=True, offload_activations=True)
     mesh = sp.dims(dist.get_world_size()).build_mesh("cpu")
@@ -45,13 +46,14 @@ def _rank_train(seq_chunk, fuse):
     return loss.item(), {n: p.grad for n, p in model.named_parameters()}, largest[0]
 
 
-@pytest.mark.parametrize("fuse", [False, True])
-def test_seq_chunked_model_matches_unchunked(fuse):
-    """U=2, one head per chunk, 4 blocks of the 48 rows per rank: the same loss and gradients
-    (to float32 rounding: the blocks change the order of the softmax sums), and the largest
-    chunk buffer is a quarter of the unchunked one's."""
-    base = dist_pool.run(_rank_train, None, fuse, world_size=2)
-    chunked = dist_pool.run(_rank_train, 4, fuse, world_size=2)
+@pytest.mark.parametrize("fuse,ring", [(False, 1), (True, 1), (True, 2)],
+                         ids=["unfused", "fused", "fused-ring2"])
+def test_seq_chunked_model_matches_unchunked(fuse, ring):
+    """Ulysses 2 (or a ring of 2), one head per chunk, 4 blocks of the 48 rows per rank: the
+    same loss and gradients (to float32 rounding: the blocks change the order of the softmax
+    sums), and the largest chunk buffer is a quarter of the unchunked one's."""
+    base = dist_pool.run(_rank_train, None, fuse, ring, world_size=2)
+    chunked = dist_pool.run(_rank_train, 4, fuse, ring, world_size=2)
     for (l0, g0, big0), (l1, g1, big1) in zip(base, chunked):
         assert abs(l1 - l0) <= 1e-6 * abs(l0)
         for n, g in g0.items():
@@ -64,8 +66,5 @@ def test_config_refuses_seq_chunk_it_cannot_run():
 
     assert "needs ulysses.head_chunk_size" in value_error_of(
         lambda: SequenceParallelConfig(seq_chunk=2))
-    assert "with ring_degree 2 is not supported yet" in value_error_of(
-        lambda: SequenceParallelConfig(sequence_parallel_size=4, ring_degree=2,
-                                       head_chunk_size=1, seq_chunk=2))
     assert "ulysses.seq_chunk must be null" in value_error_of(
         lambda: SequenceParallelConfig(head_chunk_size=1, seq_chunk=0))

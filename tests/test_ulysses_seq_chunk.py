@@ -150,6 +150,52 @@ def test_matches_unchunked_and_reference(case):
     print(f"max |seq - unchunked| so far: {MAX_DIFF}")
 
 
+def _rank_ring(world, U, R, zigzag, H, K, S, causal, N, window, pad, comm):
+    """Sequence-chunked and unchunked fwd+bwd on a ring (hybrid when U > 1), and the fp64
+    reference sharded as the mesh shards the inputs."""
+    mesh = get_mesh(world, U, R, zigzag)
+    full = make_qkv(world + S + N, 2, S, H, K, D, torch.float32)
+    q, k, v, dout = (shard_sequence(t, mesh, pad=pad).contiguous() for t in full)
+    got = {}
+    for name, blocks in (("seq", N), ("plain", None)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ulysses_attention(*leaves, mesh=mesh, causal=causal, head_chunk_size=1,
+                                window=window, unpadded_len=S if pad else None,
+                                comm_dtype=comm, seq_chunk=blocks)
+        out.backward(dout)
+        got[name] = [out.detach()] + [t.grad for t in leaves]
+    ref = _dense_reference(*full, causal=causal, window=window,
+                           kv_len=S if pad and not causal else None)
+    return got, [shard_sequence(t, mesh, pad=pad) for t in ref[:4]]
+
+
+RING_CASES = {  # world, U, R, zigzag, H, K, S, causal, N, window, pad
+    # U=1: a block's run crosses the zigzag chunk boundary (6 of 12 rows)
+    "r2-u1-zigzag-causal": (2, 1, 2, True, 4, 2, 24, True, 3, None, False),
+    "r2-u2-zigzag-causal": (4, 2, 2, True, 8, 2, 48, True, 3, None, False),
+    "r2-u2-contiguous-causal": (4, 2, 2, False, 8, 4, 32, True, 2, None, False),
+    "r2-u2-window7": (4, 2, 2, True, 8, 2, 48, True, 3, 7, False),
+    "r2-u2-padded-full": (4, 2, 2, True, 8, 2, 45, False, 3, None, True),
+}
+
+
+@pytest.mark.parametrize("case", list(RING_CASES))
+def test_ring_and_hybrid(case):
+    """seq_chunk composed with the ring (pure, and hybrid U=2 x R=2; zigzag and contiguous;
+    a window; padding): out, dq, dk, dv equal the unchunked ring's to ``TIGHT`` and the fp64
+    reference. Every ring rank's kv blocks are gathered to the host along the ring and the
+    dk/dv sums go back to their owners."""
+    world, U, R, zigzag, H, K, S, causal, N, window, pad = RING_CASES[case]
+    for got, ref in dist_pool.run(_rank_ring, world, U, R, zigzag, H, K, S, causal, N, window,
+                                  pad, None, world_size=world):
+        n = ref[0].shape[1] if not pad else got["seq"][0].shape[1]
+        for name, a, b, r in zip(("out", "dq", "dk", "dv"), got["seq"], got["plain"], ref):
+            torch.testing.assert_close(a, b, **TIGHT, msg=lambda m: f"{name} vs unchunked: {m}")
+            if not pad:  # padded rows have no reference
+                torch.testing.assert_close(a[:, :n].double(), r[:, :n], **TOL[torch.float32],
+                                           msg=lambda m: f"{name} vs reference: {m}")
+
+
 def test_bf16_and_comm_dtype():
     """bf16 inputs (float32 merge and gradient sums) and bf16 exchanges of fp32 inputs: the
     reference at bf16's tolerance."""
@@ -182,10 +228,12 @@ def test_a_wrong_merge_is_caught():
     assert right <= TIGHT["atol"] and bad > 100 * TOL[torch.float32]["atol"], (right, bad)
 
 
-def test_fused_attention_with_seq_chunk():
-    """The fused block (projections in the loop) with sequence blocks: y, dx and every weight
-    gradient equal the fused head-chunk loop's (fp32, ``TIGHT``) and its float64 run's."""
-    for got in dist_pool.run(_rank_fused, world_size=2):
+@pytest.mark.parametrize("world,U,R", [(2, 2, 1), (4, 2, 2)], ids=["u2", "u2-r2"])
+def test_fused_attention_with_seq_chunk(world, U, R):
+    """The fused block (projections in the loop) with sequence blocks, on Ulysses 2 and on
+    Ulysses 2 x ring 2: y, dx and every weight gradient equal the fused head-chunk loop's
+    (fp32, ``TIGHT``) and its float64 run's."""
+    for got in dist_pool.run(_rank_fused, world, U, R, world_size=world):
         for name in got["seq"]:
             a, b, r = got["seq"][name], got["plain"][name], got["fp64"][name]
             torch.testing.assert_close(a, b, **TIGHT, msg=lambda m: f"{name}: {m}")
@@ -193,10 +241,10 @@ def test_fused_attention_with_seq_chunk():
                                        msg=lambda m: f"{name} vs fp64: {m}")
 
 
-def _rank_fused():
+def _rank_fused(world, U, R):
     from ulysses.fused_attention import fused_attention
 
-    mesh = get_mesh(2, 2)
+    mesh = get_mesh(world, U, R)
     H, K, E, B, S = 8, 2, 32, 2, 32
     g = torch.Generator().manual_seed(5)
     p = dict(wq=torch.randn(H * D, E, generator=g) / E ** 0.5,
@@ -373,18 +421,17 @@ def test_blocks_and_auto():
     assert block_buffer_bytes(layout, 1, n, 1, 16384, 64, torch.bfloat16) <= budget
     assert block_buffer_bytes(layout, 1, n - 1, 1, 16384, 64, torch.bfloat16) > budget
     assert resolve_seq_chunk(3, *args) == 3
-    assert check_seq_chunk(None, head_chunk_size=None, local_len=4, ring_degree=2) is None
+    assert check_seq_chunk(None, head_chunk_size=None, local_len=4) is None
 
 
 def _rank_refusals():
-    mesh, ring = get_mesh(2, 2), get_mesh(2, 1, 2)
+    mesh = get_mesh(2, 2)
     q, k, v, _ = (shard_sequence(t, mesh) for t in make_qkv(1, 1, 16, 4, 2, D, torch.float32))
     call = lambda m=mesh, **kw: ulysses_attention(  # noqa: E731
         q, k, v, **{"mesh": m, "causal": True, "head_chunk_size": 1, "seq_chunk": 2, **kw})
     with count_collectives() as counts:
         errors = {
             "no_chunking": _error(lambda: call(head_chunk_size=None)),
-            "ring": _error(lambda: call(m=ring)),
             "segments": _error(lambda: call(segments=((0, 5),))),
             "sinks": _error(lambda: call(sinks=torch.zeros(4))),
             "too_many": _error(lambda: call(seq_chunk=9)),
@@ -402,7 +449,6 @@ def test_refusals_raise_before_any_collective():
     errors, counts = dist_pool.run(_rank_refusals, world_size=2)[0]
     assert counts == {}, counts
     assert "seq_chunk needs head_chunk_size" in errors["no_chunking"]
-    assert "seq_chunk with a ring is not supported yet (ring_degree=2)" in errors["ring"]
     assert "seq_chunk with packed documents (segments) is not supported yet" in \
         errors["segments"]
     assert "seq_chunk with attention sinks is not supported yet" in errors["sinks"]

@@ -132,8 +132,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
             the kv chunk and its dk/dv sums wait in host memory. An int in ``[1, s]``, or
             ``"auto"``: the fewest blocks whose buffers fit ``chunk_budget_bytes``. None: not
             cut. Needs ``head_chunk_size`` (``"auto"`` picks c as without blocks); its
-            exchanges do not overlap compute (``chunk_overlap=True`` is refused). Not
-            supported with a ring, ``segments`` or ``sinks`` (``ValueError``).
+            exchanges do not overlap compute (``chunk_overlap=True`` is refused). With a
+            ring every ring rank's kv blocks of a chunk are gathered to the host. Not
+            supported with ``segments`` or ``sinks`` (``ValueError``).
 
     Returns:
         ``out_BsHD``, sharded like ``q``.
@@ -145,8 +146,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     check_sinks(sinks, q.shape[2], q.device)
     check_comm_dtype(comm_dtype)
     check_seq_chunk(seq_chunk, head_chunk_size=head_chunk_size, local_len=q.shape[1],
-                    ring_degree=axis_size(mesh, "ring"), segments=segments, sinks=sinks,
-                    chunk_overlap=chunk_overlap)
+                    segments=segments, sinks=sinks, chunk_overlap=chunk_overlap)
     group = axis_group(mesh, "ulysses")
     rank = axis_rank(mesh, "ulysses")
     scale = default_scale(q.shape[-1], softmax_scale)

@@ -29,6 +29,15 @@ per query block: exchange q_t, out_t, dout_t, run each piece's kernel backward w
 send dq_t back. When the kv chunk is done its summed dk/dv go back head -> seq block by
 block. Exchanges are synchronous (no overlap with compute) in this version.
 
+With a ring (hybrid Ulysses x Ring, R > 1) the same runs on each ring rank's ``U s`` rows,
+whose positions follow the mesh's layout (zigzag chunks rho and 2R-1-rho, split where a run
+crosses from one to the other, or block rho). A new kv chunk's blocks are gathered from every
+ring rank to the host in ``R - 1`` hops along the ring, as the ring's own kv blocks travel;
+query blocks then see the key blocks of every ring rank (``band_pieces`` of their runs'
+positions). In backward each rank sums dk/dv for every ring rank's blocks on the host and,
+when the chunk is done, exchanges the sums with each other ring rank, so each owner gets the
+total of its blocks. The host then holds the chunk's kv for the ring's ``R U s`` rows.
+
 A :class:`ulysses.chunk_loop.ChunkSource` may make each block's rows itself, through an
 optional ``send_rows(kind, j, step, rows)`` (the fused projections do: no seq-local tensor of
 a step's heads), and take gradients per block through an optional
@@ -43,95 +52,22 @@ chunk, X any head count, D head dim.
 from __future__ import annotations
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 
 from ulysses import trace_shortcuts
-from ulysses.band import Piece, acc_dtype, band_pieces, merge_into
+from ulysses.band import acc_dtype, merge_into
 from ulysses.band import piece_backward, piece_forward
 from ulysses.buffer_pool import BufferPool
 from ulysses.chunk_loop import ChunkConfig, ChunkSource, _steps_run, as_BSnD, to_heads, to_seq
 from ulysses.host_blocks import HostBlocks
-from ulysses.seq_chunk_sizes import (SeqChunking, block_bounds, block_buffer_bytes,
+from ulysses.ring import _Hop
+from ulysses.seq_chunk_sizes import (SeqChunking, Blocks, block_bounds, block_buffer_bytes,
                                      check_seq_chunk, resolve_seq_chunk, seq_chunking)
 
 __all__ = ["SeqChunking", "block_bounds", "block_buffer_bytes", "check_seq_chunk",
            "resolve_seq_chunk", "run_backward", "run_forward", "seq_chunking"]
 """The loops, and (re-exported) the checks and sizes of :mod:`ulysses.seq_chunk_sizes`."""
-
-
-# --- block geometry -------------------------------------------------------------------------
-
-def _kept(sigs: list, x: Tensor) -> list[int]:
-    """Indices of a loop's iterations that run: all; in a memory trace, those that do not
-    repeat the two before them, and the last (:func:`ulysses.trace_shortcuts.kept`)."""
-    return [i for i in range(len(sigs)) if trace_shortcuts.kept(
-        i, len(sigs), i >= 2 and sigs[i] == sigs[i - 1] == sigs[i - 2], x)]
-
-
-def _two_of_each(pieces: list[Piece]) -> list[Piece]:
-    """A memory trace's pieces of one block pair: at most two of each shape. Each piece's
-    kernel output and merge temporaries are freed before the next piece runs, and it adds
-    into the block's accumulators in place, so a third piece of a shape allocates and frees
-    what the second did (with U runs per block a pair has up to 2U pieces)."""
-    count: dict = {}
-    kept = []
-    for p in pieces:
-        shape = (p.q1 - p.q0, p.k1 - p.k0, p.kind)
-        count[shape] = count.get(shape, 0) + 1
-        if count[shape] <= 2:
-            kept.append(p)
-    return kept
-
-
-class _Blocks:
-    """The blocks of one call: bounds, the pieces between exchange blocks, and which loop
-    iterations run (all of them, except in a memory trace)."""
-
-    def __init__(self, seq: SeqChunking, U: int, s: int, x: Tensor) -> None:
-        self.seq, self.U, self.s = seq, U, s
-        self.bounds = block_bounds(s, seq.num_blocks)
-        N = seq.num_blocks
-        cut = _two_of_each if trace_shortcuts.skip(x) else list
-        self._pieces = {(t, u): cut(self._cut(t, u)) for t in range(N) for u in range(N)}
-        sizes = [b for _, b in self.bounds]
-        self.staged = _kept(sizes, x)
-        """Key blocks a loop over all of them runs; a left-out one has the shapes of the
-        last kept one before it (:meth:`fill`)."""
-        self.keys, sigs = {}, []
-        for t in range(N):
-            seen = [u for u in range(N) if self._pieces[t, u]]
-            shapes = [(sizes[u], tuple((p.q1 - p.q0, p.k1 - p.k0, p.kind)
-                                       for p in self._pieces[t, u])) for u in seen]
-            self.keys[t] = [seen[i] for i in _kept(shapes, x)]
-            sigs.append((sizes[t], tuple(shapes[seen.index(u)] for u in self.keys[t])))
-        self.queries = _kept(sigs, x)
-        """Query blocks the loop runs."""
-
-    def rows(self, t: int) -> slice:
-        a, b = self.bounds[t]
-        return slice(a, a + b)
-
-    def _cut(self, t: int, u: int) -> list[Piece]:
-        (a_t, b_t), (a_u, b_u) = self.bounds[t], self.bounds[u]
-        U, s, seq = self.U, self.s, self.seq
-        if not seq.causal:  # padded keys are a suffix of the sequence: a prefix of each block
-            keys = U * b_u if seq.kv_len is None else sum(
-                min(b_u, max(0, seq.kv_len - (r * s + a_u))) for r in range(U))
-            return [Piece(0, U * b_t, 0, keys, "full")] if keys else []
-        return band_pieces([(r * s + a_t, b_t, r * b_t) for r in range(U)],
-                           [(r * s + a_u, b_u, r * b_u) for r in range(U)], seq.window)
-
-    def pieces(self, t: int, u: int) -> list[Piece]:
-        return self._pieces[t, u]
-
-    def fill(self, kept: dict, host: HostBlocks) -> list:
-        """Per block, its host tensors in ``kept`` (indexed by :attr:`staged`); a block a
-        memory trace left out gets new ones shaped like the block's before it, so the trace
-        holds the host memory a run does."""
-        out = []
-        for u in range(len(self.bounds)):
-            out.append(kept[u] if u in kept else [host.empty(h) for h in out[u - 1]])
-        return out
 
 
 class _Rows:
@@ -170,11 +106,12 @@ def _sender(src: ChunkSource, kind: str, j: int, st):
     return lambda rows: (x_BsXD[:, rows], ranges)
 
 
-def _park_kv(src: ChunkSource, j: int, st, cfg: ChunkConfig, pool, blocks: _Blocks,
-             host: HostBlocks, out: Tensor) -> list | None:
+def _park_kv(src: ChunkSource, j: int, st, cfg: ChunkConfig, pool, blocks: Blocks,
+             host: HostBlocks, out: Tensor) -> dict | None:
     """Step ``st``'s kv exchange, block by block, if any rank needs a new kv chunk. Returns,
-    per block, ``[k_LkD, v_LkD]`` host tensors of this rank's new chunk, or None if it keeps
-    its current one (or there was no exchange)."""
+    per ring rank (this one alone without a ring) and per block, ``[k_LkD, v_LkD]`` host
+    tensors of this rank's new chunk, or None if it keeps its current one (or there was no
+    exchange)."""
     if st.kv_sent() is None:
         return None
     me, U, (B, _, _, D) = cfg.rank, blocks.U, out.shape
@@ -193,22 +130,64 @@ def _park_kv(src: ChunkSource, j: int, st, cfg: ChunkConfig, pool, blocks: _Bloc
             p.arrive()
             p.release()
         del part
-    return blocks.fill(parked, host) if mine else None
+    if not mine:
+        return None
+    return _ring_gather(blocks.fill(parked, host), blocks, host, out.dtype)
 
 
-def _attend(q_LnD: Tensor, kv: list, t: int, blocks: _Blocks, host: HostBlocks,
+def _ring_gather(own: list, blocks: Blocks, host: HostBlocks, dtype: torch.dtype) -> dict:
+    """Every ring rank's kv blocks of the chunk, parked here: ``R - 1`` hops along the ring
+    (as the ring's own kv blocks travel), one block at a time. The ring ranks that hold these
+    heads run the same schedule, so they all take part."""
+    got, ring = {blocks.me: own}, blocks.seq.ring
+    comm = dtype if ring is None or ring.comm_dtype is None else ring.comm_dtype
+    cur = own
+    for h in range(1, blocks.R):
+        nxt = []
+        for pair in cur:
+            sent = tuple(host.fetch(x).get() for x in pair)
+            nxt.append([host.park(r.to(dtype)) for r in _Hop(sent, None, ring, comm).wait()])
+            del sent
+        got[(blocks.me - h) % blocks.R] = cur = nxt
+    return got
+
+
+def _ring_sum(dkv: dict, u: int, i: int, blocks: Blocks, host: HostBlocks,
+              wire: torch.dtype) -> Tensor:
+    """This rank's block u of dk (``i`` 0) or dv (1), summed over the ring: its own sum plus
+    what every other ring rank added for it (one exchange of block sums with each)."""
+    total = host.fetch(dkv[blocks.me][u][i]).get()
+    ring = blocks.seq.ring
+    others = blocks.ring_order()[1:]
+    if not others:
+        return total
+    sent = [host.fetch(dkv[rho][u][i]).get().to(wire).contiguous() for rho in others]
+    recv = [torch.empty(total.shape, dtype=wire, device=total.device) for _ in others]
+    peer = [dist.get_global_rank(ring.group, rho) for rho in others]
+    ops = [dist.P2POp(dist.isend, x, g, ring.group) for x, g in zip(sent, peer)]
+    ops += [dist.P2POp(dist.irecv, x, g, ring.group) for x, g in zip(recv, peer)]
+    for work in dist.batch_isend_irecv(ops):
+        work.wait()
+    for x in recv:
+        total += x.to(total.dtype)
+    return total
+
+
+def _attend(q_LnD: Tensor, kv: dict, t: int, blocks: Blocks, host: HostBlocks,
             dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """``(out_LnD, lse_BnL)`` of query block t against every key block it sees."""
     B, L, n, D = q_LnD.shape
     seq = blocks.seq
     o_acc = torch.zeros(B, L, n, D, dtype=acc_dtype(dtype), device=q_LnD.device)
     l_acc = torch.full((B, n, L), float("-inf"), dtype=torch.float32, device=q_LnD.device)
-    keys = blocks.keys[t]
-    nxt = [host.fetch(h) for h in kv[keys[0]]] if keys else None
-    for i, u in enumerate(keys):
+    keys = blocks.keys[t]  # (ring rank, block) pairs
+    nxt = [host.fetch(h) for h in kv[keys[0][0]][keys[0][1]]] if keys else None
+    for i, key in enumerate(keys):
         k_u, v_u = (f.get() for f in nxt)
-        nxt = [host.fetch(h) for h in kv[keys[i + 1]]] if i + 1 < len(keys) else None
-        for p in blocks.pieces(t, u):
+        if i + 1 < len(keys):
+            rho, u = keys[i + 1]
+            nxt = [host.fetch(h) for h in kv[rho][u]]
+        for p in blocks.pieces(t, key):
             o_p, l_p = piece_forward(q_LnD, k_u, v_u, p, scale=seq.scale, backend=seq.backend)
             merge_into(o_acc[:, p.q0:p.q1], l_acc[:, :, p.q0:p.q1], o_p, l_p)
             del o_p, l_p
@@ -222,7 +201,7 @@ def run_forward(src: ChunkSource, out: Tensor, cfg: ChunkConfig, pool: BufferPoo
     heads), as :func:`ulysses.chunk_loop.run_forward` does (without sinks)."""
     U, me, steps = len(cfg.layout.q_sizes), cfg.rank, cfg.schedule
     B, s, _, D = out.shape
-    blocks, host = _Blocks(seq, U, s, out), HostBlocks(out, pool.stats)
+    blocks, host = Blocks(seq, U, s, out), HostBlocks(out, pool.stats)
     lse = torch.empty(B, cfg.layout.q_sizes[me], s * U, dtype=torch.float32, device=out.device)
     kv = None
     for j in _steps_run(steps, out):
@@ -265,30 +244,31 @@ def _place(dest_BbXD: Tensor, ranges, blocks: list[Tensor]) -> None:
             dest_BbXD[:, :, start:start + n].copy_(block)
 
 
-def _grad_block(dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, kv: list, dkv: list,
-                t: int, blocks: _Blocks, host: HostBlocks, acc: torch.dtype) -> Tensor:
+def _grad_block(dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, kv: dict, dkv: dict,
+                t: int, blocks: Blocks, host: HostBlocks, acc: torch.dtype) -> Tensor:
     """dq of query block t (``[B, L, n, D]`` in ``acc``); adds into the host dk/dv sums of
     every key block it sees."""
     seq = blocks.seq
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     keys = blocks.keys[t]
 
-    def fetch(u):
-        return [host.fetch(h) for h in (*kv[u], *dkv[u])]
+    def fetch(key):
+        rho, u = key
+        return [host.fetch(h) for h in (*kv[rho][u], *dkv[rho][u])]
 
     nxt = fetch(keys[0]) if keys else None
-    for i, u in enumerate(keys):
+    for i, key in enumerate(keys):
         k_u, v_u, dk_u, dv_u = (f.get() for f in nxt)
         nxt = fetch(keys[i + 1]) if i + 1 < len(keys) else None
-        for p in blocks.pieces(t, u):
+        for p in blocks.pieces(t, key):
             dq_p, dk_p, dv_p = piece_backward(dout, q, k_u, v_u, out, lse, p, scale=seq.scale,
                                               backend=seq.backend)
             dq[:, p.q0:p.q1] += dq_p
             dk_u[:, p.k0:p.k1] += dk_p
             dv_u[:, p.k0:p.k1] += dv_p
             del dq_p, dk_p, dv_p
-        host.store(dkv[u][0], dk_u)
-        host.store(dkv[u][1], dv_u)
+        host.store(dkv[key[0]][key[1]][0], dk_u)
+        host.store(dkv[key[0]][key[1]][1], dv_u)
         del k_u, v_u, dk_u, dv_u
     return dq
 
@@ -300,19 +280,22 @@ def run_backward(src: ChunkSource, out: Tensor, lse: Tensor, cfg: ChunkConfig,
     back to the source, as :func:`ulysses.chunk_loop.run_backward` does (without sinks)."""
     U, me, steps = len(cfg.layout.q_sizes), cfg.rank, cfg.schedule
     B, s, _, D = out.shape
-    blocks, host = _Blocks(seq, U, s, out), HostBlocks(out, pool.stats)
+    blocks, host = Blocks(seq, U, s, out), HostBlocks(out, pool.stats)
     # dq and the dk/dv sums in float32 for half inputs (and at least the exchange's width);
     # they travel in the exchange's dtype.
     wire = out.dtype if cfg.comm_dtype is None else cfg.comm_dtype
     acc = torch.promote_types(acc_dtype(out.dtype), wire)
+    # What a ring carries of the dk/dv sums: its comm dtype, else the sums' own.
+    hop = acc if seq.ring is None or seq.ring.comm_dtype is None else seq.ring.comm_dtype
     kv = dkv = None
     for j in _steps_run(steps, out):
         st = steps[j]
         new = _park_kv(src, j, st, cfg, pool, blocks, host, out)
         if new is not None:
             kv = new
-            dkv = blocks.fill({u: [host.empty(h, acc, zero=True) for h in kv[u]]
-                               for u in blocks.staged}, host)
+            dkv = {rho: blocks.fill({u: [host.empty(h, acc, zero=True) for h in mine[u]]
+                                     for u in blocks.staged}, host)
+                   for rho, mine in kv.items()}
         n = st.q[me][1]
         sent = [_sender(src, kind, j, st) for kind in ("q", "dout")] + [
             lambda rows, st=st: (out[:, rows], st.q)]
@@ -342,7 +325,7 @@ def run_backward(src: ChunkSource, out: Tensor, lse: Tensor, cfg: ChunkConfig,
                 grads = _Rows(src, kind, j, st, s)
                 for u in blocks.staged:
                     b = blocks.bounds[u][1]
-                    d = (host.fetch(dkv[u][i]).get() if st.kv_done[me] else
+                    d = (_ring_sum(dkv, u, i, blocks, host, hop) if st.kv_done[me] else
                          out.new_empty(B, U * b, 0, D))
                     back = to_seq(d, ranges, cfg.group, pool, wire)
                     del d

@@ -1,6 +1,7 @@
-"""Sizes and settings of the sequence-chunked loop (:mod:`ulysses.seq_chunk`): the checks of
-``seq_chunk``, how a piece is cut into blocks, the ``"auto"`` block count, and the mask of the
-attention the blocks run. Pure arithmetic on shapes (no tensors, no process group), identical
+"""Sizes, settings and geometry of the sequence-chunked loop (:mod:`ulysses.seq_chunk`): the
+checks of ``seq_chunk``, how a piece is cut into blocks, the ``"auto"`` block count, the mask
+of the attention the blocks run, where each block's rows sit in the sequence (over a ring
+too) and the kernel calls between blocks. Arithmetic on shapes (no process group), identical
 on every rank.
 
 Shape legend: B batch, s this rank's piece, U Ulysses ranks, N blocks per piece, c / ck query
@@ -12,22 +13,25 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+from torch import Tensor
 
-from ulysses.band import WindowAttention, acc_dtype
+from ulysses import trace_shortcuts
+from ulysses.band import Piece, WindowAttention, acc_dtype, band_pieces
 from ulysses.chunk_schedule import DEFAULT_CHUNK_BUDGET_BYTES
+from ulysses.host_blocks import HostBlocks
 from ulysses.kernels import LocalAttention
+from ulysses.ring import RingAttention
 from ulysses.sharding import HeadLayout
 
-__all__ = ["SeqChunking", "block_bounds", "block_buffer_bytes", "check_seq_chunk",
+__all__ = ["Blocks", "SeqChunking", "block_bounds", "block_buffer_bytes", "check_seq_chunk",
            "resolve_seq_chunk", "seq_chunking"]
 
 
-def check_seq_chunk(seq_chunk, *, head_chunk_size, local_len: int | None, ring_degree: int,
-                    segments=None, sinks=None, chunk_overlap: bool | None = None) -> None:
+def check_seq_chunk(seq_chunk, *, head_chunk_size, local_len: int | None, segments=None,
+                    sinks=None, chunk_overlap: bool | None = None) -> None:
     """``ValueError`` unless ``seq_chunk`` is None, ``"auto"`` or an int in ``[1, local_len]``
-    (``local_len`` None: not known yet) used with head chunking, without a ring, packed
-    documents, sinks or ``chunk_overlap=True``; and unless ``chunk_overlap`` is None or a
-    bool."""
+    (``local_len`` None: not known yet) used with head chunking, without packed documents,
+    sinks or ``chunk_overlap=True``; and unless ``chunk_overlap`` is None or a bool."""
     if chunk_overlap is not None and not isinstance(chunk_overlap, bool):
         raise ValueError(f"chunk_overlap must be None, True or False, got {chunk_overlap!r}")
     if seq_chunk is None:
@@ -43,9 +47,6 @@ def check_seq_chunk(seq_chunk, *, head_chunk_size, local_len: int | None, ring_d
     if head_chunk_size is None:
         raise ValueError("seq_chunk needs head_chunk_size (an int or 'auto'): sequence blocks "
                          "are cut inside a head chunk")
-    if ring_degree > 1:
-        raise ValueError(f"seq_chunk with a ring is not supported yet (ring_degree="
-                         f"{ring_degree}); use ring_degree=1 or seq_chunk=None")
     if segments is not None:
         raise ValueError("seq_chunk with packed documents (segments) is not supported yet; "
                          "use seq_chunk=None")
@@ -110,17 +111,131 @@ class SeqChunking:
     """Keys at global positions from ``kv_len`` on are padding (non-causal only)."""
     window: int | None = None
     """A causal sliding window (:mod:`ulysses.band`), or None."""
+    ring: RingAttention | None = None
+    """The ring (hybrid Ulysses x Ring) whose ranks' kv blocks this rank also attends to:
+    its group, this rank's index, its size, the row layout (zigzag or contiguous) and the
+    dtype its hops carry; None: no ring."""
 
 
 def seq_chunking(attn, num_blocks: int) -> SeqChunking:
     """The :class:`SeqChunking` of ``num_blocks`` blocks for the inner attention ``attn`` of
-    :func:`ulysses.attention.between_exchanges`; ValueError for one it cannot cut (a ring, or
+    :func:`ulysses.attention.between_exchanges`; ValueError for one it cannot cut (packed
     documents)."""
     if isinstance(attn, WindowAttention):
         return SeqChunking(num_blocks, True, attn.scale, attn.backend, None, attn.window)
     if isinstance(attn, LocalAttention):
         return SeqChunking(num_blocks, attn.causal, attn.scale, attn.backend, attn.kv_len)
-    raise ValueError(f"seq_chunk needs the local kernel between the exchanges, got "
-                     f"{type(attn).__name__} (a ring or packed documents)")
+    if isinstance(attn, RingAttention):
+        return SeqChunking(num_blocks, attn.causal, attn.scale, attn.backend, attn.kv_len,
+                           attn.window, ring=attn)
+    raise ValueError(f"seq_chunk needs the local kernel or a ring between the exchanges, got "
+                     f"{type(attn).__name__} (packed documents)")
 
 
+# --- block geometry -------------------------------------------------------------------------
+
+def _kept(sigs: list, x: Tensor) -> list[int]:
+    """Indices of a loop's iterations that run: all; in a memory trace, those that do not
+    repeat the two before them, and the last (:func:`ulysses.trace_shortcuts.kept`)."""
+    return [i for i in range(len(sigs)) if trace_shortcuts.kept(
+        i, len(sigs), i >= 2 and sigs[i] == sigs[i - 1] == sigs[i - 2], x)]
+
+
+def _two_of_each(pieces: list[Piece]) -> list[Piece]:
+    """A memory trace's pieces of one block pair: at most two of each shape. Each piece's
+    kernel output and merge temporaries are freed before the next piece runs, and it adds
+    into the block's accumulators in place, so a third piece of a shape allocates and frees
+    what the second did (with U runs per block a pair has up to 2U pieces)."""
+    count: dict = {}
+    kept = []
+    for p in pieces:
+        shape = (p.q1 - p.q0, p.k1 - p.k0, p.kind)
+        count[shape] = count.get(shape, 0) + 1
+        if count[shape] <= 2:
+            kept.append(p)
+    return kept
+
+
+class Blocks:
+    """The blocks of one call: bounds, where their rows sit in the sequence, the pieces
+    between a query block of this rank and a key block of any ring rank, and which loop
+    iterations run (all of them, except in a memory trace)."""
+
+    def __init__(self, seq: SeqChunking, U: int, s: int, x: Tensor) -> None:
+        self.seq, self.U, self.s = seq, U, s
+        ring = seq.ring
+        self.R, self.me = (1, 0) if ring is None else (ring.size, ring.rank)
+        self.zigzag = ring is not None and ring.zigzag
+        self.bounds = block_bounds(s, seq.num_blocks)
+        N = seq.num_blocks
+        cut = _two_of_each if trace_shortcuts.skip(x) else list
+        pairs = [(rho, u) for rho in self.ring_order() for u in range(N)]
+        self._pieces = {(t, k): cut(self._cut(t, *k)) for t in range(N) for k in pairs}
+        sizes = [b for _, b in self.bounds]
+        self.staged = _kept(sizes, x)
+        """Key blocks a loop over all of them runs; a left-out one has the shapes of the
+        last kept one before it (:meth:`fill`)."""
+        self.keys, sigs = {}, []
+        for t in range(N):
+            seen = [k for k in pairs if self._pieces[t, k]]
+            shapes = [(sizes[k[1]], tuple((p.q1 - p.q0, p.k1 - p.k0, p.kind)
+                                          for p in self._pieces[t, k])) for k in seen]
+            self.keys[t] = [seen[i] for i in _kept(shapes, x)]
+            """``(ring rank, key block)`` pairs that query block t sees."""
+            sigs.append((sizes[t], tuple(shapes[seen.index(k)] for k in self.keys[t])))
+        self.queries = _kept(sigs, x)
+        """Query blocks the loop runs."""
+
+    def ring_order(self) -> list[int]:
+        """This rank first, then the ring ranks in the order their blocks arrive."""
+        return [(self.me - h) % self.R for h in range(self.R)]
+
+    def rows(self, t: int) -> slice:
+        a, b = self.bounds[t]
+        return slice(a, a + b)
+
+    def _position(self, rho: int, i: int) -> int:
+        """The sequence position of row ``i`` of ring rank ``rho``'s ``U s`` rows (the
+        mesh's layout: zigzag chunks rho and 2R-1-rho, or block rho)."""
+        L = self.U * self.s
+        if self.R == 1:
+            return i
+        if not self.zigzag:
+            return rho * L + i
+        c = L // 2
+        return rho * c + i if i < c else (2 * self.R - 1 - rho) * c + i - c
+
+    def segments(self, rho: int, t: int) -> list[tuple[int, int, int]]:
+        """Exchange block t of ring rank ``rho`` as ``(position, length, row)`` runs: U runs
+        of ``b_t`` rows, each split where a zigzag chunk ends."""
+        a, b = self.bounds[t]
+        c = self.U * self.s // 2
+        out = []
+        for r in range(self.U):
+            start, row = r * self.s + a, r * b
+            cuts = [start, start + b]
+            if self.zigzag and start < c < start + b:
+                cuts.insert(1, c)
+            for lo, hi in zip(cuts, cuts[1:]):
+                out.append((self._position(rho, lo), hi - lo, row + lo - start))
+        return out
+
+    def _cut(self, t: int, rho: int, u: int) -> list[Piece]:
+        seq, keys = self.seq, self.segments(rho, u)
+        if not seq.causal:  # padding is the sequence's tail: a suffix of each block's rows
+            n = sum(length if seq.kv_len is None else min(length, max(0, seq.kv_len - pos))
+                    for pos, length, _ in keys)
+            return [Piece(0, self.U * self.bounds[t][1], 0, n, "full")] if n else []
+        return band_pieces(self.segments(self.me, t), keys, seq.window)
+
+    def pieces(self, t: int, key: tuple[int, int]) -> list[Piece]:
+        return self._pieces[t, key]
+
+    def fill(self, kept: dict, host: HostBlocks) -> list:
+        """Per block, its host tensors in ``kept`` (indexed by :attr:`staged`); a block a
+        memory trace left out gets new ones shaped like the block's before it, so the trace
+        holds the host memory a run does."""
+        out = []
+        for u in range(len(self.bounds)):
+            out.append(kept[u] if u in kept else [host.empty(h) for h in out[u - 1]])
+        return out
