@@ -11,6 +11,12 @@ memory and the kernels are real. The code is the planner's own: ``arctic.plan.bu
     python benchmarks/scale_gpu.py --model llama3-8b --layers 2 --world 8 \\
         --tokens-per-rank 64K 256K 512K [--stack ours --stack ckpt-no-offload ...]
 
+Issue 19's check, one rank of 8 at 1M tokens per rank, 1 layer, with sequence chunks and
+the disk tier (a 1 GiB host limit, so the layer input spills):
+
+    python benchmarks/scale_gpu.py --layers 1 --tokens-per-rank 1M --seq-chunk 8 \\
+        --offload-dir /tmp/arctic-spill --host-limit-gib 1
+
 For each stack and length: build, create AdamW's state, reset the peak, time one step, and
 record ``max_memory_allocated`` (and ``max_memory_reserved``), the host pool's peak, and the
 planner's prediction for the same settings when ``--plan`` is given (it traces on this
@@ -61,8 +67,20 @@ def main() -> None:
     p.add_argument("--default-allocator", action="store_true",
                    help="leave PYTORCH_CUDA_ALLOC_CONF alone (default: expandable segments, as "
                         "arctic's launch paths set it)")
+    p.add_argument("--seq-chunk", default=None,
+                   help="sequence blocks per rank's piece inside each head chunk "
+                        "(ulysses.seq_chunk): an int or auto; default: the stack's")
+    p.add_argument("--offload-dir", type=Path, default=None,
+                   help="the disk tier's directory (ulysses.offload_dir; created): offloaded "
+                        "layer inputs past --host-limit-gib spill there")
+    p.add_argument("--host-limit-gib", type=float, default=96,
+                   help="the activation offload pool's host limit (default 96)")
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
+    if args.seq_chunk not in (None, "auto"):
+        args.seq_chunk = int(args.seq_chunk)
+    if args.offload_dir is not None:
+        args.offload_dir.mkdir(parents=True, exist_ok=True)
     stacks = args.stack or ["ours"]
     if not torch.cuda.is_available():
         raise SystemExit("scale_gpu.py needs a CUDA device")
@@ -91,11 +109,16 @@ def main() -> None:
             s = parse_tokens(tokens)
             seq = s * args.world
             config = model_config(args.model, layers=args.layers, max_positions=seq)
-            sp = stack_config(stack, world=args.world)
+            fields = dict(STACKS[stack])
+            if args.seq_chunk is not None:
+                fields["seq_chunk"] = args.seq_chunk
+            if args.offload_dir is not None:
+                fields["offload_dir"] = str(args.offload_dir)
+            sp = stack_config(fields, world=args.world)
             torch.cuda.empty_cache()
             torch.cuda.reset_peak_memory_stats(device)
             model, optimizer = build(config, sp, mesh, device=device,
-                                     host_memory_limit=96 * GiB)
+                                     host_memory_limit=int(args.host_limit_gib * GiB))
             init_optimizer_state(model, optimizer)
             batch = make_batch(seq, config.vocab_size, mesh, device)
             torch.cuda.synchronize()
@@ -109,7 +132,10 @@ def main() -> None:
             except torch.OutOfMemoryError as e:  # a result too: it does not fit
                 oom = str(e).split(". GPU")[0]
             elapsed = time.perf_counter() - start
-            run = {"stack": stack, "tokens_per_rank": s, "seq_len": seq, "oom": oom,
+            run = {"stack": stack, "seq_chunk": args.seq_chunk,
+                   "offload_dir": None if args.offload_dir is None else str(args.offload_dir),
+                   "host_limit_gib": args.host_limit_gib,
+                   "tokens_per_rank": s, "seq_len": seq, "oom": oom,
                    "cap_gib": args.cap_gib, "allocator": allocator_conf,
                    "max_memory_allocated": torch.cuda.max_memory_allocated(device),
                    "max_memory_reserved": torch.cuda.max_memory_reserved(device),
@@ -117,6 +143,7 @@ def main() -> None:
             session = getattr(model, "activation_offload", None)
             if session is not None:
                 run["host_peak_bytes"] = session.pool.stats.peak_host_bytes
+                run["disk_peak_bytes"] = session.pool.stats.peak_disk_bytes
             print(f"{stack:<18} s={s:>8} S={seq:>9}  max_allocated "
                   f"{run['max_memory_allocated'] / GiB:7.2f} GiB  reserved "
                   f"{run['max_memory_reserved'] / GiB:7.2f} GiB  host "
@@ -128,8 +155,10 @@ def main() -> None:
             torch.cuda.empty_cache()
             record["runs"] = [r for r in record["runs"]
                               if (r["stack"], r["tokens_per_rank"], r.get("cap_gib"),
-                                  r.get("allocator")) != (stack, s, args.cap_gib,
-                                                          allocator_conf)] + [run]
+                                  r.get("allocator"), r.get("seq_chunk"),
+                                  r.get("offload_dir")) != (stack, s, args.cap_gib,
+                                                            allocator_conf, run["seq_chunk"],
+                                                            run["offload_dir"])] + [run]
             out.parent.mkdir(parents=True, exist_ok=True)
             out.write_text(json.dumps(record, indent=2) + "\n")
             if os.environ.get("OUT"):
