@@ -143,8 +143,11 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int, int], start
     The other settings are not varied where one value holds less device memory at every
     length than the others, which the recipe guarantees: one head per chunk (the chunk
     buffers scale with the chunk), fused projections (the unfused keep each chunk's q, k, v),
-    "auto" tiles (bounded temporaries), checkpointing with offload (the layer inputs on the
-    host) and recomputed attention (nothing kept). Only when the winner is held back by host
+    "auto" tiles (bounded temporaries), the layer's tail as one tile (one hidden-sized
+    gradient less), checkpointing with offload (the layer inputs on the host) and recomputed
+    attention (nothing kept). Sequence chunks (``seq_chunk``) are not tried: a trace with
+    them costs about a minute, and on a ring-only winner they cut nothing (the chunk buffers
+    are already a ring block); ``--seq-chunk`` plans them. Only when the winner is held back by host
     memory does the search try the settings that trade host for device bytes: recompute
     attention (if ``base`` keeps it), then no offload.
     """
