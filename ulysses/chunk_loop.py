@@ -57,6 +57,12 @@ class ChunkSource(Protocol):
         (q) or ``step.kv_returned()[r]`` (k, v) of this rank's piece. The buffers are reused
         once this returns."""
 
+    def take_rows(self, kind: str, j: int, step: Step, blocks: list[Tensor],
+                  rows: slice) -> None:
+        """:meth:`take` for rows ``rows`` of the piece only (``blocks[r]`` is
+        ``[B, len(rows), n_r, D]``), as the sequence-chunked loop (:mod:`ulysses.seq_chunk`)
+        returns gradients, one block at a time."""
+
 
 @dataclass(frozen=True, slots=True)
 class ChunkConfig:

@@ -117,13 +117,7 @@ class _ProjectedChunks:
         return (self.cfg.kv_new if sending else self.cfg.kv_done)[j]
 
     def send(self, kind: str, j: int, step: Step):
-        heads = self._heads(kind, j, sending=True)
-        if kind == "dout":  # [B s, E] @ [E, n D] -> [B, s, n, D]
-            B, s, D = self.shape
-            g = (self.dy_NE @ self.wo.index_select(1, heads.rows)).view(B, s, heads.count, D)
-            return g, heads.local
-        return project(self.x_NE, self.proj[kind], heads, self.shape, self.rotary,
-                       self.cfg.norm_eps), heads.local
+        return self.send_rows(kind, j, step, slice(0, self.shape[1]))  # views of all rows
 
     def take(self, kind: str, j: int, step: Step, blocks: list[Tensor]) -> None:
         heads = self._heads(kind, j, sending=False)
@@ -136,8 +130,8 @@ class _ProjectedChunks:
         g = blocks[0] if len(blocks) == 1 else torch.cat(blocks, dim=2)  # [B, s, n, D]
         return g.to(self.x_NE.dtype)  # arrived in the exchange's dtype
 
-    # Rows of the piece only, for the sequence-chunked loop (ulysses.seq_chunk): the step's
-    # heads are projected, and their gradients taken back, one sequence block at a time.
+    # Rows of the piece: all of them (send), or one sequence block at a time for the
+    # sequence-chunked loop (ulysses.seq_chunk), which also takes gradients back per block.
 
     def _rows(self, t_NX: Tensor, rows: slice) -> Tensor:
         """Rows ``rows`` of each batch row of a ``[B s, X]`` tensor, as ``[B b, X]``."""
@@ -148,7 +142,7 @@ class _ProjectedChunks:
         heads = self._heads(kind, j, sending=True)
         B, _, D = self.shape
         shape = (B, rows.stop - rows.start, D)
-        if kind == "dout":
+        if kind == "dout":  # [B b, E] @ [E, n D] -> [B, b, n, D]
             g = self._rows(self.dy_NE, rows) @ self.wo.index_select(1, heads.rows)
             return g.view(*shape[:2], heads.count, D), heads.local
         rotary = tuple(r[:, rows] for r in self.rotary)

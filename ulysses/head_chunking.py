@@ -52,11 +52,7 @@ class _SlicedChunks:
         return (self.k if kind == "k" else self.v), step.kv_sent()
 
     def take(self, kind: str, j: int, step: Step, blocks: list[Tensor]) -> None:
-        if kind == "q":
-            place_blocks(self.dq, step.q, blocks, add=False)
-        else:
-            place_blocks(self.dk if kind == "k" else self.dv, step.kv_returned(), blocks,
-                         add=True)
+        self.take_rows(kind, j, step, blocks, slice(None))
 
     def take_rows(self, kind: str, j: int, step: Step, blocks: list[Tensor],
                   rows: slice) -> None:

@@ -38,11 +38,10 @@ positions). In backward each rank sums dk/dv for every ring rank's blocks on the
 when the chunk is done, exchanges the sums with each other ring rank, so each owner gets the
 total of its blocks. The host then holds the chunk's kv for the ring's ``R U s`` rows.
 
-A :class:`ulysses.chunk_loop.ChunkSource` may make each block's rows itself, through an
-optional ``send_rows(kind, j, step, rows)`` (the fused projections do: no seq-local tensor of
-a step's heads), and take gradients per block through an optional
-``take_rows(kind, j, step, blocks, rows)``; a source without them is sliced, and gets
-seq-local tensors assembled from the blocks through its ``take``, once per kind and step.
+The :class:`ulysses.chunk_loop.ChunkSource` takes gradients back per block, through its
+``take_rows(kind, j, step, blocks, rows)``, and may make each block's rows itself through
+an optional ``send_rows(kind, j, step, rows)`` (the fused projections do: no seq-local
+tensor of a step's heads); otherwise its ``send`` tensor is sliced.
 
 Shape legend: B batch, s this rank's piece, S = U s, U Ulysses ranks, N blocks per piece,
 b rows of one block, L = U b rows of an exchange block, n / ck this rank's q / kv heads of a
@@ -68,30 +67,6 @@ from ulysses.seq_chunk_sizes import (SeqChunking, Blocks, block_bounds, block_bu
 __all__ = ["SeqChunking", "block_bounds", "block_buffer_bytes", "check_seq_chunk",
            "resolve_seq_chunk", "run_backward", "run_forward", "seq_chunking"]
 """The loops, and (re-exported) the checks and sizes of :mod:`ulysses.seq_chunk_sizes`."""
-
-
-class _Rows:
-    """One kind's gradient blocks at one step, handed to the source: per block through its
-    ``take_rows``, or assembled into seq-local ``[B, s, n_r, D]`` tensors for its ``take``."""
-
-    def __init__(self, src: ChunkSource, kind: str, j: int, st, s: int) -> None:
-        self.src, self.kind, self.j, self.st, self.s = src, kind, j, st, s
-        self.full: list[Tensor] | None = None
-
-    def add(self, rows: slice, blocks: list[Tensor]) -> None:
-        if hasattr(self.src, "take_rows"):
-            self.src.take_rows(self.kind, self.j, self.st, blocks, rows)
-            return
-        if self.full is None:  # [B, b, n_r, D] -> [B, s, n_r, D]
-            self.full = [x.new_empty(x.shape[0], self.s, *x.shape[2:]) for x in blocks]
-        if not trace_shortcuts.skip(blocks[0]):  # in place: a memory trace sees nothing
-            for dst, x in zip(self.full, blocks):
-                dst[:, rows].copy_(x)
-
-    def finish(self) -> None:
-        if self.full is not None:
-            self.src.take(self.kind, self.j, self.st, self.full)
-            self.full = None
 
 
 # --- the loops ------------------------------------------------------------------------------
@@ -299,7 +274,6 @@ def run_backward(src: ChunkSource, out: Tensor, lse: Tensor, cfg: ChunkConfig,
         n = st.q[me][1]
         sent = [_sender(src, kind, j, st) for kind in ("q", "dout")] + [
             lambda rows, st=st: (out[:, rows], st.q)]
-        dq_rows = _Rows(src, "q", j, st, s)
         for t in blocks.queries:
             b, rows = blocks.bounds[t][1], blocks.rows(t)
             pend = [to_heads(*part(rows), n, cfg.group, pool, cfg.comm_dtype) for part in sent]
@@ -315,23 +289,20 @@ def run_backward(src: ChunkSource, out: Tensor, lse: Tensor, cfg: ChunkConfig,
                 p.release()
             back = to_seq(dq_t, st.q, cfg.group, pool, wire)
             del dq_t
-            dq_rows.add(rows, back.wait())
+            src.take_rows("q", j, st, back.wait(), rows)
             back.release()
-        dq_rows.finish()
         del sent
         ranges = st.kv_returned()
         if ranges is not None:
             for i, kind in enumerate(("k", "v")):
-                grads = _Rows(src, kind, j, st, s)
                 for u in blocks.staged:
                     b = blocks.bounds[u][1]
                     d = (_ring_sum(dkv, u, i, blocks, host, hop) if st.kv_done[me] else
                          out.new_empty(B, U * b, 0, D))
                     back = to_seq(d, ranges, cfg.group, pool, wire)
                     del d
-                    grads.add(blocks.rows(u), back.wait())
+                    src.take_rows(kind, j, st, back.wait(), blocks.rows(u))
                     back.release()
-                grads.finish()
         if st.kv_done[me]:
             kv = dkv = None
     host.close()
