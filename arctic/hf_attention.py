@@ -139,8 +139,7 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
             :class:`ulysses.BufferPool` is shared by all layers when chunking, emptied after
             each attention forward and backward (nothing is held between layers).
         seq_chunk: ``None``, an int or ``"auto"``: sequence blocks per rank's piece inside
-            each head chunk (:mod:`ulysses.seq_chunk`); needs ``head_chunk_size`` and a mesh
-            without a ring.
+            each head chunk (:mod:`ulysses.seq_chunk`); needs ``head_chunk_size``.
         attn_implementation: a name from :data:`IMPLEMENTATIONS` (the kernel).
         fuse_projections: compute q/k/v (with RoPE) per head chunk from the hidden states and
             apply o_proj to the chunks' output (:mod:`arctic.hf_fused`), so that no all-heads

@@ -129,7 +129,7 @@ def head_chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, group, rank: int,
         comm_dtype: the dtype the exchanges carry (None: the inputs').
         seq_chunk: blocks per rank's piece for the sequence-chunked loop
             (:mod:`ulysses.seq_chunk`: every exchange one block, device buffers O(block));
-            None: the head-chunk loop. Not with ``sinks``, nor with a ring or documents.
+            None: the head-chunk loop. Not with ``sinks`` or documents.
 
     Returns:
         ``out_BsHD``.
