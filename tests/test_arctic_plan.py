@@ -173,6 +173,44 @@ def test_find_max_lands_on_the_longest_fit_in_few_plans(name, device, host, most
     assert find_max(plan_at, start=1 << 20, granule=1 << 30, log=lambda _: None)[0] == 0
 
 
+@pytest.mark.parametrize("device_bound", [True, False])
+def test_search_tries_sequence_chunks_on_the_best_ulysses_split(device_bound):
+    """A device-bound search tries seq_chunk="auto" on its longest split with more than one
+    Ulysses rank (not on ring-only ones, not when host-bound) and keeps it when it goes past
+    the winner; the chosen fields then carry it. Synthetic lines: blocks halve the slope of a
+    Ulysses split's device bytes."""
+    from arctic.plan.search import search
+
+    calls = []
+
+    def plan_with(n, fields):
+        calls.append(dict(fields))
+        ring = fields["ring_degree"]
+        slope = {1: 1 / 3e4, 2: 1 / 4e4, 4: 1 / 5e4}[ring]
+        if fields.get("seq_chunk") == "auto":
+            slope /= 2
+        host = (lambda m: m / 1e5) if device_bound else (lambda m: m / 3e4)
+        e = _synthetic(lambda m: 20 + m * slope, host)(n)
+        e.limit = lambda: "host memory" if host(n) > 100 else "temporaries"
+        e.state_host = 0
+        return e
+
+    base = {"head_chunk_size": 1, "seq_chunk": None, "recompute_attention": True,
+            "offload_activations": True}
+    winner, candidates = search(plan_with, base=base, sp_size=4, heads=(8, 4),
+                                start=1 << 20, granule=1024, log=lambda _: None)
+    chunked = [c for c in candidates if c.fields.get("seq_chunk") == "auto"]
+    if not device_bound:
+        assert not chunked and winner.fields["seq_chunk"] is None
+        return
+    assert [(c.ring, c.ulysses) for c in chunked] == [(2, 2)]  # the best split with U > 1
+    assert winner is chunked[0] and winner.best > max(c.best for c in candidates
+                                                      if c is not winner)
+    assert winner.best == max(n for n in range(1024, 1 << 24, 1024)
+                              if 20 + n / 8e4 <= 100 and n / 1e5 <= 100)
+    assert not any(f.get("seq_chunk") == "auto" and f["ring_degree"] == 4 for f in calls)
+
+
 def test_no_offload_is_skipped_only_when_half_the_offloaded_inputs_overflow():
     """The search skips the no-offload variant untraced only when at least half the host
     bytes of the offloaded layer inputs (the pool reuses a buffer for a tensor half its size)

@@ -145,11 +145,11 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int, int], start
     buffers scale with the chunk), fused projections (the unfused keep each chunk's q, k, v),
     "auto" tiles (bounded temporaries), the layer's tail as one tile (one hidden-sized
     gradient less), checkpointing with offload (the layer inputs on the host) and recomputed
-    attention (nothing kept). Sequence chunks (``seq_chunk``) are not tried: a trace with
-    them costs about a minute, and on a ring-only winner they cut nothing (the chunk buffers
-    are already a ring block); ``--seq-chunk`` plans them. Only when the winner is held back by host
-    memory does the search try the settings that trade host for device bytes: recompute
-    attention (if ``base`` keeps it), then no offload.
+    attention (nothing kept). Only when the winner is held back by host memory does the
+    search try the settings that trade host for device bytes: recompute attention (if
+    ``base`` keeps it), then no offload. Only when it is held back by the device does it try
+    sequence chunks (``seq_chunk="auto"``, which trade device bytes for host bytes and
+    exchanges; :func:`_try_seq_chunks`).
     """
     candidates = factorizations(sp_size, *heads)
     for c in candidates:
@@ -196,10 +196,45 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int, int], start
             alt.tried += tried
         if alt.best > winner.best:
             winner, host_bound = alt, "host" in alt.limit()
+    if not host_bound:
+        winner = _try_seq_chunks(plan_with, candidates, winner, granule, log)
     for c in candidates:
         if not c.pruned and c.best and winner.best:
             c.at_winner = plan_with(winner.best, c.fields)
     return winner, candidates
+
+
+def _try_seq_chunks(plan_with, candidates: list[Candidate], winner: Candidate, granule: int,
+                    log) -> Candidate:
+    """The device-bound search's last step: the best factorization with more than one
+    Ulysses rank, with ``seq_chunk="auto"`` (appended to ``candidates``); returns it if it
+    goes past ``winner``, else ``winner``.
+
+    With one Ulysses rank the head-chunk buffers already span one ring block and sequence
+    blocks cut nothing (the README's headline notes show it at 9.44M), so ring-only splits
+    are not tried; of the others only the longest is, because a trace with blocks costs about
+    a minute. Not tried when the settings cannot take blocks (no head chunks) or already
+    set them. As with the host-side variants, one plan a granule past the winner tells
+    whether it can matter, and only then is its longest length searched."""
+    split = [c for c in candidates if not c.pruned and c.best and c.ulysses > 1 and
+             c.fields.get("seq_chunk") is None and c.fields.get("head_chunk_size") is not None
+             and "host" not in c.limit()]
+    if not split:
+        return winner
+    best = max(split, key=lambda c: (c.best, -c.ring))
+    alt = Candidate(ring=best.ring, ulysses=best.ulysses,
+                    fields=dict(best.fields, seq_chunk="auto"))
+    candidates.append(alt)
+    log(f"ring {alt.ring} x ulysses {alt.ulysses}, {{'seq_chunk': 'auto'}}:")
+    past = plan_with(winner.best + granule, alt.fields)
+    log(f"    {past.seq_len:>11,} tokens: "
+        f"{'fits' if past.fits else 'does not fit (' + past.limit() + ')'}")
+    alt.tried = [past]
+    if past.fits:
+        alt.best, tried = find_max(lambda n, f=alt.fields: plan_with(n, f),
+                                   start=past.seq_len, granule=granule, log=log, tolerance=0)
+        alt.tried += tried
+    return alt if alt.best > winner.best else winner
 
 
 def _inputs_overflow(e: Estimate) -> str | None:
