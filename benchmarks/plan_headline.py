@@ -98,6 +98,9 @@ def main() -> None:
                 run = {"max_seq_len": best, "settings": ulysses_block(winner.fields),
                        "table": table,
                        "per_factorization": [{"ring": c.ring, "ulysses": c.ulysses,
+                                              "variant": {k: v for k, v in c.fields.items()
+                                                          if k != "ring_degree" and
+                                                          fields.get(k) != v},
                                               "pruned": c.pruned, "max_seq_len": c.best,
                                               "limit": c.limit()} for c in cands],
                        "at_max": winner.at_winner.as_dict() if winner.at_winner else None}
