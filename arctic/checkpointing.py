@@ -22,7 +22,7 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
                                    layers: list[nn.Module] | None = None,
                                    pool: HostBufferPool | None = None,
                                    host_memory_limit: int | None = None,
-                                   offload_dir=None,
+                                   offload_dir=None, offload_io: str = "auto",
                                    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
                                    recompute_attention: bool = True,
                                    group=None) -> nn.Module:
@@ -42,6 +42,8 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
         offload_dir: a writable directory (best on a local NVMe) where layer inputs past the
             host limit spill, whole layers at a time, to be read back one layer ahead in
             backward (:mod:`offload.disk`); needs ``offload_to_cpu=True``.
+        offload_io: the disk tier's I/O, ``"auto"``, ``"aio"`` (DeepSpeed's async I/O op) or
+            ``"threads"``; other than ``"auto"``, needs ``offload_dir``.
         min_offload_bytes: smaller saved tensors stay on the device.
         recompute_attention: False keeps each layer's attention results (``out``, one
             hidden-sized tensor, and the fp32 lse of this rank's heads) from the forward, on
@@ -67,7 +69,7 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
                          "model.gradient_checkpointing_disable() first (checkpointing twice "
                          "recomputes every layer twice)")
     check_activation_checkpointing(layers, offload_to_cpu=offload_to_cpu, pool=pool,
-                                   offload_dir=offload_dir)
+                                   offload_dir=offload_dir, offload_io=offload_io)
     if not isinstance(recompute_attention, bool):
         raise ValueError(f"recompute_attention must be True or False, got "
                          f"{recompute_attention!r}")
@@ -82,6 +84,7 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
     record_apply(model, "checkpointing")  # after the checks: a refused call changes nothing
     return _checkpoint_layers(model, layers=layers, offload_to_cpu=offload_to_cpu, pool=pool,
                               host_memory_limit=host_memory_limit, offload_dir=offload_dir,
+                              offload_io=offload_io,
                               min_offload_bytes=min_offload_bytes, drop_kwargs=CACHE_KWARGS,
                               group=group, keep=None if recompute_attention else KeptAttention)
 

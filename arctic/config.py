@@ -28,7 +28,7 @@ from typing import Any, Literal
 
 import torch
 
-from offload.disk import check_offload_dir
+from offload.disk import IO_CHOICES, check_offload_dir
 from ulysses import BACKENDS, SequenceParallelDims
 
 BLOCK = "ulysses"
@@ -91,6 +91,12 @@ class SequenceParallelConfig:
     backward (:mod:`offload.disk`); None: none, past the limit the step is refused. Needs
     offload_activations; it must exist and be writable. The budget there is its free space,
     split among the node's ranks, agreed over all ranks."""
+    offload_io: Literal["auto", "aio", "threads"] | None = None
+    """How the offload_dir tier reads and writes its files: ``"aio"``, DeepSpeed's async I/O
+    op (``AsyncIOBuilder``: libaio, O_DIRECT; refused where it cannot be used, with the
+    reason, when the model is set up); ``"threads"``, plain file I/O on a thread pool;
+    ``"auto"``, aio where it is usable, else threads (:mod:`offload.disk`). None: ``"auto"``.
+    Needs offload_dir."""
     recompute_attention: bool = True
     """False: keep each layer's attention output and lse from the forward (on the host with
     the layer input when offloading) and recompute only norms, projections, RoPE and MLP in
@@ -148,6 +154,14 @@ class SequenceParallelConfig:
                                  f"offload_activations: the directory holds what the host "
                                  f"offload pool cannot")
             check_offload_dir(self.offload_dir, name="ulysses.offload_dir")
+        if self.offload_io is not None:
+            if self.offload_io not in IO_CHOICES:
+                raise ValueError(f"ulysses.offload_io must be null or one of {IO_CHOICES}, got "
+                                 f"{self.offload_io!r}")
+            if self.offload_dir is None:
+                raise ValueError(f"ulysses.offload_io={self.offload_io!r} needs "
+                                 f"ulysses.offload_dir: it is how that directory's files are "
+                                 f"read and written")
         if not self.recompute_attention and not self.activation_checkpointing:
             raise ValueError("ulysses.recompute_attention=false needs activation_checkpointing: "
                              "without checkpointing nothing is recomputed")

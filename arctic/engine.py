@@ -74,8 +74,9 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
     """Apply everything ``config`` asks for to a HF causal LM, in the fixed order
     (:mod:`arctic.order`): SP attention, MLP tiling, the tiled SP loss, checkpointing with
     the layer inputs offloaded to the host when ``config.offload_activations`` (spilling
-    past the host limit to ``config.offload_dir`` when set, and the attention results kept,
-    not recomputed, when ``config.recompute_attention`` is False).
+    past the host limit to ``config.offload_dir`` when set, with ``config.offload_io``'s
+    I/O, and the attention results kept, not recomputed, when ``config.recompute_attention``
+    is False).
     Parameter sharding (ZeRO, FSDP2) comes after, from the caller. ``host_memory_limit``
     (bytes per rank) caps the offload pool; default: 80% of the host's available memory per
     local rank, agreed over all ranks. Returns ``model``."""
@@ -103,6 +104,7 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
         apply_activation_checkpointing(model, offload_to_cpu=config.offload_activations,
                                        host_memory_limit=host_memory_limit,
                                        offload_dir=config.offload_dir,
+                                       offload_io=config.offload_io or "auto",
                                        recompute_attention=config.recompute_attention,
                                        group=flat_mesh(mesh, "dp_sp").get_group())
     return model

@@ -5,14 +5,17 @@ Variants, built from the same weights and run alternately on the same batch:
 
 - ``checkpoint``: every decoder layer checkpointed, inputs kept on the device;
 - ``host``: the layer inputs offloaded to host buffers (the pool's limit far above them);
-- ``disk``: offloaded with ``offload_dir`` and a host limit of ``--host-layers`` layers'
-  inputs, so the other layers spill to files in ``--dir`` and come back one layer ahead
-  in backward (:mod:`offload.disk`).
+- ``disk_threads``, ``disk_aio``: offloaded with ``offload_dir`` and a host limit of
+  ``--host-layers`` layers' inputs, so the other layers spill to files in ``--dir`` and
+  come back one layer ahead in backward (:mod:`offload.disk`), through plain file I/O on
+  threads or DeepSpeed's async I/O op (``offload_io``; ``--io`` picks, default both, aio
+  left out with its reason where it is not usable).
 
-Gradients of ``host`` and ``disk`` must be bit-identical (and equal to ``checkpoint``'s).
-Reports the median step time per variant, its ratio to ``host``, the bytes spilled and the
-peak host and disk bytes of the pool; on CUDA also ``max_memory_allocated`` per variant
-(the disk tier's CUDA path has not run on a GPU yet: this is the one command that runs it).
+Gradients of ``host`` and each disk variant must be bit-identical (and equal to
+``checkpoint``'s). Reports the median step time per variant, its ratio to ``host`` and to
+``disk_threads``, the bytes spilled and the peak host and disk bytes of the pool; on CUDA
+also ``max_memory_allocated`` per variant (the disk tier's CUDA path has not run on a GPU
+yet: this is the one command that runs it).
 
     python benchmarks/offload_disk.py [--layers 8 --seq 8192 --device cpu|cuda --dir /nvme]
 """
@@ -33,6 +36,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 from arctic import apply_activation_checkpointing  # noqa: E402
+from offload.disk_aio import unusable  # noqa: E402
 
 MIB = 2**20
 
@@ -49,6 +53,9 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--dir", type=Path, default=None,
                    help="the disk tier's directory (default: a temporary one)")
+    p.add_argument("--io", nargs="+", choices=["threads", "aio"], default=None,
+                   help="the disk tier's I/O backends to time (default: threads, and aio "
+                        "where it is usable)")
     p.add_argument("--out", type=Path,
                    default=REPO / "benchmarks" / "results" / "offload_disk_cpu.json")
     return p.parse_args()
@@ -88,20 +95,29 @@ def main() -> None:
     dtype_bytes = 4  # fp32 weights and activations
     layer_input = args.seq * args.hidden * dtype_bytes
     with tempfile.TemporaryDirectory(dir=args.dir) as where:
+        ios = args.io
+        if ios is None:
+            reason = unusable(str(Path(where) / "probe"), build=False)
+            ios = ["threads"] + (["aio"] if reason is None else [])
+            if reason is not None:
+                print(f"disk_aio left out: {reason}")
         models = {
             "checkpoint": build(args, device),
             "host": build(args, device, offload_to_cpu=True, host_memory_limit=1 << 40),
-            "disk": build(args, device, offload_to_cpu=True, offload_dir=where,
-                          host_memory_limit=int(args.host_layers * layer_input)),
+            **{f"disk_{io}": build(args, device, offload_to_cpu=True, offload_dir=where,
+                                   offload_io=io,
+                                   host_memory_limit=int(args.host_layers * layer_input))
+               for io in ios},
         }
+        disks = [name for name in models if name.startswith("disk_")]
         times = {name: [] for name in models}
         peaks, grads = {}, {}
         for _ in range(args.iters + 1):  # the first round warms up and is not timed
             for name, model in models.items():  # alternating, on the same batch
                 seconds, grads[name], peaks[name] = step(model, ids, device)
                 times[name].append(seconds)
-        stats = {name: models[name].activation_offload.pool.stats for name in ("host", "disk")}
-    exact = torch.equal(grads["host"], grads["disk"])
+        stats = {name: models[name].activation_offload.pool.stats for name in ["host", *disks]}
+    exact = all(torch.equal(grads["host"], grads[name]) for name in disks)
     same_as_ckpt = torch.equal(grads["host"], grads["checkpoint"])
     med = {name: statistics.median(t[1:]) for name, t in times.items()}
     rows = []
@@ -109,20 +125,25 @@ def main() -> None:
         pool = stats.get(name)
         rows.append({"variant": name, "median_s": round(med[name], 4),
                      "vs_host": round(med[name] / med["host"], 3),
+                     "vs_threads": (round(med[name] / med["disk_threads"], 3)
+                                    if name in disks and "disk_threads" in med else None),
                      "max_allocated_mib": round(peaks[name] / MIB, 1),
                      "spilled_mib": round(pool.bytes_spilled / MIB, 1) if pool else 0,
                      "peak_host_mib": round(pool.peak_host_bytes / MIB, 1) if pool else 0,
                      "peak_disk_mib": round(pool.peak_disk_bytes / MIB, 1) if pool else 0})
-    print(f"{'variant':<12}{'median s':>10}{'vs host':>9}{'spilled MiB':>13}"
+    print(f"{'variant':<14}{'median s':>10}{'vs host':>9}{'vs threads':>12}{'spilled MiB':>13}"
           f"{'peak host MiB':>15}{'peak disk MiB':>15}{'max alloc MiB':>15}")
     for r in rows:
-        print(f"{r['variant']:<12}{r['median_s']:>10.3f}{r['vs_host']:>9.3f}"
+        vs = "" if r["vs_threads"] is None else f"{r['vs_threads']:.3f}"
+        print(f"{r['variant']:<14}{r['median_s']:>10.3f}{r['vs_host']:>9.3f}{vs:>12}"
               f"{r['spilled_mib']:>13.1f}{r['peak_host_mib']:>15.1f}{r['peak_disk_mib']:>15.1f}"
               f"{r['max_allocated_mib']:>15.1f}")
-    print(f"gradients: disk == host bit for bit: {exact}; host == checkpoint: {same_as_ckpt}")
+    print(f"gradients: {', '.join(disks)} == host bit for bit: {exact}; host == checkpoint: "
+          f"{same_as_ckpt}")
     if not exact:
         raise SystemExit("the disk tier changed the gradients")
     record = {"args": {k: str(v) for k, v in vars(args).items()}, "device": str(device),
+              "io": {name: models[name].activation_offload.pool.disk.io for name in disks},
               "torch": torch.__version__, "layer_input_mib": round(layer_input / MIB, 2),
               "gradients_bit_identical": exact, "rows": rows,
               "times_s": {k: [round(x, 4) for x in v] for k, v in times.items()}}

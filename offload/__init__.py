@@ -7,7 +7,8 @@
 - :func:`offload_saved_activations`: the same offload for any block of code, as a context.
 - :class:`HostBufferPool`: the reusable host buffers, their limit and their accounting;
   given a ``disk_dir``, what does not fit spills to files there (:class:`DiskTier`,
-  :mod:`offload.disk`), read back ahead of use in backward.
+  :mod:`offload.disk`), read back ahead of use in backward, through plain file I/O or
+  DeepSpeed's async I/O op (``disk_io``, :mod:`offload.disk_aio`).
 
 Nothing here knows a model family: which modules are layers, and the order in which the
 recipe's ``apply_*`` functions run, belong to ``arctic`` (``arctic.anatomy``,

@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.utils.weak import WeakIdKeyDictionary
 
-from offload.disk import DiskTier, check_offload_dir, min_over_group
+from offload.disk import DiskTier, check_offload_io, min_over_group
 
 DEFAULT_MIN_OFFLOAD_BYTES = 64 << 10
 """Saved tensors smaller than this stay where they are: the copy would cost more than it frees."""
@@ -98,21 +98,27 @@ class HostBufferPool:
             (:class:`offload.disk.DiskTier`, ``pool.disk``). Default: no disk tier.
         disk_limit_bytes: caps the disk budget, which is otherwise the directory's free space
             when the pool is made, split among the node's ranks. Needs ``disk_dir``.
+        disk_io: how the disk tier reads and writes its files: ``"auto"`` (DeepSpeed's aio
+            op where it is usable, else ``"threads"``), ``"aio"`` (a ``ValueError`` with the
+            reason where it is not) or ``"threads"`` (plain file I/O); ``pool.disk.io`` is
+            the one taken (:mod:`offload.disk`). Other than ``"auto"``, needs ``disk_dir``.
     """
 
     def __init__(self, *, limit_bytes: int | None = None, pin_memory: bool | None = None,
                  group: dist.ProcessGroup | None = None, disk_dir=None,
-                 disk_limit_bytes: int | None = None) -> None:
+                 disk_limit_bytes: int | None = None, disk_io: str = "auto") -> None:
         if limit_bytes is not None and limit_bytes <= 0:
             raise ValueError(f"limit_bytes must be positive, got {limit_bytes}")
         if disk_dir is None and disk_limit_bytes is not None:
             raise ValueError(f"disk_limit_bytes={disk_limit_bytes} needs disk_dir, the "
                              f"directory the disk tier writes to")
-        if disk_dir is not None:
-            check_offload_dir(disk_dir, name="disk_dir")  # before the collectives below
-        self.limit_bytes = default_host_limit(group) if limit_bytes is None else int(limit_bytes)
+        if disk_dir is None and check_offload_io(disk_io, name="disk_io") != "auto":
+            raise ValueError(f"disk_io={disk_io!r} needs disk_dir, the directory the disk tier "
+                             f"writes to")
+        # The tier first: it checks the directory and disk_io before its collective.
         self.disk = None if disk_dir is None else DiskTier(disk_dir, limit_bytes=disk_limit_bytes,
-                                                           group=group)
+                                                           group=group, io=disk_io)
+        self.limit_bytes = default_host_limit(group) if limit_bytes is None else int(limit_bytes)
         self.pin_memory = torch.cuda.is_available() if pin_memory is None else pin_memory
         self.stats = OffloadStats()
         self._free: list[tuple[Tensor, object]] = []  # (uint8 buffer, last H2D event or None)

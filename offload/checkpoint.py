@@ -26,7 +26,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from offload.activations import DEFAULT_MIN_OFFLOAD_BYTES, HostBufferPool, OffloadSession
-from offload.disk import check_offload_dir
+from offload.disk import check_offload_dir, check_offload_io
 
 
 class _CheckpointedForward:
@@ -124,7 +124,7 @@ def _stacked(a, b):
 
 def check_activation_checkpointing(layers, *, offload_to_cpu: bool = False,
                                    pool: HostBufferPool | None = None,
-                                   offload_dir=None) -> list[nn.Module]:
+                                   offload_dir=None, offload_io: str = "auto") -> list[nn.Module]:
     """``ValueError`` unless :func:`apply_activation_checkpointing` can wrap ``layers``; returns
     them as a list.
 
@@ -147,13 +147,16 @@ def check_activation_checkpointing(layers, *, offload_to_cpu: bool = False,
             raise ValueError("offload_dir was given with a pool: give the pool its directory "
                              "instead (HostBufferPool(disk_dir=...))")
         check_offload_dir(offload_dir)
+    if check_offload_io(offload_io, name="offload_io") != "auto" and offload_dir is None:
+        raise ValueError(f"offload_io={offload_io!r} needs offload_dir, the directory whose "
+                         f"files it reads and writes")
     return layers
 
 
 def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: bool = False,
                                    pool: HostBufferPool | None = None,
                                    host_memory_limit: int | None = None,
-                                   offload_dir=None,
+                                   offload_dir=None, offload_io: str = "auto",
                                    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
                                    drop_kwargs: tuple[str, ...] = (),
                                    group=None, keep=None) -> nn.Module:
@@ -176,6 +179,9 @@ def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: 
             inputs spill to files there, whole layers at a time, and in backward are read back
             on an I/O thread one layer ahead (:mod:`offload.disk`). Needs
             ``offload_to_cpu=True``; with ``pool``, give the pool the directory instead.
+        offload_io: how the disk tier does its I/O (``HostBufferPool(disk_io=)``): ``"auto"``,
+            ``"aio"`` (DeepSpeed's async I/O op; ``ValueError`` where unusable) or
+            ``"threads"``. Other than ``"auto"``, needs ``offload_dir``.
         min_offload_bytes: smaller saved tensors stay on the device.
         drop_kwargs: keyword arguments passed to a layer as ``None`` while checkpointing
             (state the layer would otherwise update twice, in forward and in the recompute,
@@ -202,12 +208,12 @@ def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: 
     (plus the disk budget, with ``offload_dir``).
     """
     layers = check_activation_checkpointing(layers, offload_to_cpu=offload_to_cpu, pool=pool,
-                                            offload_dir=offload_dir)
+                                            offload_dir=offload_dir, offload_io=offload_io)
     session = None
     if offload_to_cpu:
         if pool is None:
             pool = HostBufferPool(limit_bytes=host_memory_limit, group=group,
-                                  disk_dir=offload_dir)
+                                  disk_dir=offload_dir, disk_io=offload_io)
         session = OffloadSession(pool, min_offload_bytes)
     context_fn = getattr(model, "checkpoint_context_fn", None)
     for layer in layers:

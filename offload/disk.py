@@ -10,16 +10,23 @@ copy back of layer i-1) starts, for a spilled tensor, a read from its file on an
 followed by the host-to-device copy (on CUDA on the pool's side stream, as the host path
 does; on CPU the read fills the restored tensor itself).
 
-I/O is plain buffered file I/O on a small thread pool: what CI runs. Not used, on purpose:
-``torch.cuda.gds`` (GPUDirect Storage) and DeepSpeed's ``AsyncIOBuilder`` (ZeRO-Infinity's
-NVMe engine). Either could skip the host bounce or the page cache on a GPU node with driver
-and libaio/cuFile support, but neither can be tested without one, and a path nobody ran must
-not claim to work. On CUDA a spilled tensor passes through a pinned staging copy on its way
-to and from the disk (at most ``IO_WORKERS`` writes queued, one staging copy per read in
-flight) and its write runs on an I/O thread; on CPU the forward writes the tensor's own
-memory and nothing but the file is used. The CUDA path mirrors the host path's copies; its
-test (``tests/test_offload_disk.py``) needs a GPU, which CI does not have. The kernel's page
-cache may keep what was written until the file is deleted; that memory is reclaimable.
+I/O, chosen by ``io`` (``tier.io`` says which was taken): ``"threads"`` is plain buffered
+file I/O on a small thread pool, what CI runs; ``"aio"`` is DeepSpeed's async I/O op
+(``AsyncIOBuilder``, ZeRO-Infinity's NVMe engine: libaio, ``O_DIRECT``, no page cache) on
+the same threads, where it builds (:mod:`offload.disk_aio`, which also says how it meets
+the op's alignment rules); ``"auto"`` (the default) takes aio when it is usable (deepspeed
+and libaio installed, the op built already: only ``"aio"`` starts its JIT build of minutes;
+the directory takes ``O_DIRECT``) and threads otherwise, with the reason in
+``tier.io_reason``. Both write a tensor's exact bytes, so
+gradients are bit-identical either way. Not used: ``torch.cuda.gds`` (GPUDirect Storage),
+which could skip the host bounce on a GPU node with cuFile support but cannot be tested
+without one, and a path nobody ran must not claim to work. On CUDA a spilled tensor passes
+through a pinned staging copy on its way to and from the disk (at most ``IO_WORKERS``
+writes queued, one staging copy per read in flight) and its write runs on an I/O thread; on
+CPU the forward writes the tensor's own memory. The CUDA path mirrors the host path's
+copies; its test (``tests/test_offload_disk.py``) needs a GPU, which CI does not have. With
+threads, the kernel's page cache may keep what was written until the file is deleted; that
+memory is reclaimable.
 
 Files: a tier writes under its own subdirectory ``arctic-offload-<host>-<pid>-<hex>`` of the
 directory, which exists only while it holds files. A file is deleted when autograd drops
@@ -46,12 +53,17 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from offload import disk_aio
+
 PREFIX = "arctic-offload-"
 """Start of the name of every tier's subdirectory (what stale-directory cleanup looks for)."""
 
 IO_WORKERS = 2
 """Threads that read and write the files: two of a layer's tensors are read at once, or a
 read beside a write (on CUDA); more would only compete for the same disk."""
+
+IO_CHOICES = ("auto", "aio", "threads")
+"""The disk tier's I/O backends (``io``); see the module docstring."""
 
 
 def _size(n: int) -> str:
@@ -83,6 +95,26 @@ def check_offload_dir(directory, *, name: str = "offload_dir") -> str:
         raise ValueError(f"{name}={os.fspath(directory)!r} is not writable by this process; "
                          f"pick a directory it can create files in")
     return path
+
+
+def check_offload_io(io, *, name: str = "disk_io") -> str:
+    """``ValueError`` unless ``io`` is one of :data:`IO_CHOICES`; returns it."""
+    if not isinstance(io, str) or io not in IO_CHOICES:
+        raise ValueError(f"{name} must be one of {IO_CHOICES}, got {io!r}: 'auto' takes "
+                         f"DeepSpeed's aio where it is usable, 'threads' is plain file I/O")
+    return io
+
+
+def _resolve_io(io: str, scratch: str) -> tuple[str, str | None]:
+    """The backend ``io`` comes to, and why aio was not taken (``None`` when it was)."""
+    if io == "threads":
+        return "threads", None
+    reason = disk_aio.unusable(scratch, build=io == "aio")
+    if reason is not None and io == "aio":
+        raise ValueError(f"disk_io='aio' (offload_io, ulysses.offload_io) cannot be used: "
+                         f"{reason}. Fix that, or set it to 'threads' (plain file I/O) or "
+                         f"'auto' (aio where it works)")
+    return ("threads", reason) if reason is not None else ("aio", None)
 
 
 def _alive(pid: int) -> bool:
@@ -126,9 +158,12 @@ def _span(t: Tensor) -> memoryview:
     return memoryview((ctypes.c_ubyte * nbytes).from_address(t.data_ptr()))
 
 
-def _write_file(path: str, src: Tensor, copied) -> None:
+def _write_file(path: str, src: Tensor, copied, aio: bool) -> None:
     if copied is not None:
         copied.synchronize()  # the device-to-host copy into src, on the side stream
+    if aio:
+        disk_aio.write(path, src)
+        return
     with open(path, "wb") as f:
         f.write(_span(src))
 
@@ -143,16 +178,17 @@ def _read_file(path: str, out: Tensor) -> Tensor:
     return out
 
 
-def _load(path, write, spec, device, stream, pin: bool) -> tuple[Tensor, object]:
+def _load(path, write, spec, device, stream, pin: bool, aio: bool) -> tuple[Tensor, object]:
     """The saved tensor back on ``device``: the file read into a host tensor, then (CUDA)
     copied to the device on ``stream`` with an event marking the copy's end. A module
     function: the I/O thread must hold no handle (its release waits on this very read)."""
     if write is not None:
         write.result()  # this file's own write first (and its error, if it failed)
     shape, stride, dtype = spec
+    read = disk_aio.read if aio else _read_file  # looked up now: tests wrap them
     if device.type != "cuda":
-        return _read_file(path, torch.empty_strided(shape, stride, dtype=dtype)), None
-    host = _read_file(path, torch.empty_strided(shape, stride, dtype=dtype, pin_memory=pin))
+        return read(path, torch.empty_strided(shape, stride, dtype=dtype)), None
+    host = read(path, torch.empty_strided(shape, stride, dtype=dtype, pin_memory=pin))
     with torch.cuda.device(device), torch.cuda.stream(stream):
         out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
         out.copy_(host, non_blocking=True)  # the pinned host block is freed after the copy
@@ -177,23 +213,30 @@ class DiskTier:
             the node's ranks (``LOCAL_WORLD_SIZE``), which all write there; ``limit_bytes``
             caps it.
         group: agree on the budget (its minimum) over this group's ranks.
+        io: ``"auto"``, ``"aio"`` or ``"threads"`` (module docstring). ``"aio"`` where it
+            cannot be used is a ``ValueError`` with the reason, before any file or collective.
     """
 
     def __init__(self, directory, *, limit_bytes: int | None = None,
-                 group: dist.ProcessGroup | None = None) -> None:
+                 group: dist.ProcessGroup | None = None, io: str = "auto") -> None:
         self.directory = check_offload_dir(directory, name="disk_dir")
         if limit_bytes is not None and (isinstance(limit_bytes, bool) or
                                         not isinstance(limit_bytes, int) or limit_bytes <= 0):
             raise ValueError(f"disk_limit_bytes must be a positive int, got {limit_bytes!r}")
+        check_offload_io(io)
         remove_stale(self.directory)
+        self.path = os.path.join(self.directory, f"{PREFIX}{socket.gethostname()}-"
+                                                 f"{os.getpid()}-{uuid.uuid4().hex}")
+        """This tier's subdirectory, present while it holds files."""
+        self.io, self.io_reason = _resolve_io(io, self.path)  # aio's probe file goes there
+        """The backend taken, ``"aio"`` or ``"threads"``; and, when ``"auto"`` fell back to
+        threads, why aio was not usable (``None`` otherwise)."""
+        self._aio = self.io == "aio"
         ranks = max(1, int(os.environ.get("LOCAL_WORLD_SIZE", "1")))
         free = shutil.disk_usage(self.directory).free // ranks
         self._capped = limit_bytes is not None and limit_bytes < free
         self.limit_bytes = min_over_group(min(free, limit_bytes or free), group)
         """The most bytes of files at once, what :meth:`check` plans against."""
-        self.path = os.path.join(self.directory, f"{PREFIX}{socket.gethostname()}-"
-                                                 f"{os.getpid()}-{uuid.uuid4().hex}")
-        """This tier's subdirectory, present while it holds files."""
         self._executor = ThreadPoolExecutor(IO_WORKERS, thread_name_prefix="arctic-offload-io")
         self._lock = threading.Lock()  # handles may be released on autograd's device threads
         self._files = self._serial = 0
@@ -245,7 +288,7 @@ class DiskTier:
         if not t.is_cuda:
             dense = t.stride() == stride and not (t.is_conj() or t.is_neg())
             src = t if dense else torch.empty_strided(t.shape, stride, dtype=t.dtype).copy_(t)
-            _write_file(path, src, None)
+            _write_file(path, src, None, self._aio)
             return None
         side = pool._stream(t.device)
         side.wait_stream(torch.cuda.current_stream(t.device))
@@ -261,7 +304,7 @@ class DiskTier:
             done = self._writes.popleft()
             if not done.cancelled():
                 done.result()  # a failed write (disk full) is reported in the forward
-        future = self._executor.submit(_write_file, path, staging, copied)
+        future = self._executor.submit(_write_file, path, staging, copied, self._aio)
         self._writes.append(future)
         return future
 
@@ -309,7 +352,7 @@ class _Spilled:
                 side = self.pool._stream(self.device) if self.device.type == "cuda" else None
                 self.ready = self.tier._executor.submit(
                     _load, self.path, self.write, self.spec, self.device, side,
-                    self.pool.pin_memory)
+                    self.pool.pin_memory, self.tier._aio)
             self.pool.stats.prefetches += 1
             self.pool.stats.bytes_restored += self.nbytes
 
@@ -327,7 +370,7 @@ class _Spilled:
             return self._virtual()
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         return _load(self.path, self.write, self.spec, self.device, stream,
-                     self.pool.pin_memory)[0]
+                     self.pool.pin_memory, self.tier._aio)[0]
 
     def __del__(self) -> None:
         self.pool.stats.disk_bytes -= self.nbytes
@@ -339,4 +382,5 @@ class _Spilled:
         self.tier._remove(self.path)
 
 
-__all__ = ["DiskTier", "check_offload_dir", "min_over_group", "remove_stale"]
+__all__ = ["IO_CHOICES", "DiskTier", "check_offload_dir", "check_offload_io", "min_over_group",
+           "remove_stale"]

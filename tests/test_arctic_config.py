@@ -56,6 +56,12 @@ def test_deepspeed_keys_are_read():
      ["partition_activations=True", "not supported", "cpu_checkpointing"]),
     ({"activation_checkpointing": {"number_checkpoints": 4}}, ["number_checkpoints=4"]),
     ({"activation_checkpointing": {"cpu_checkpoint": True}}, ["cpu_checkpoint'", "only"]),
+    ({"ulysses": {"activation_checkpointing": True, "offload_activations": True,
+                  "offload_dir": tempfile.gettempdir(), "offload_io": "fast"}},
+     ["ulysses.offload_io must be null or one of ('auto', 'aio', 'threads'), got 'fast'"]),
+    ({"ulysses": {"activation_checkpointing": True, "offload_activations": True,
+                  "offload_io": "aio"}},
+     ["ulysses.offload_io='aio' needs ulysses.offload_dir"]),
 ])
 def test_bad_configs_raise_value_error(config, needles):
     with pytest.raises(ValueError) as err:
@@ -147,6 +153,8 @@ def _rank_fingerprint(ds):
     layer = model.model.layers[0]
     sp = layer.self_attn.sp_attention
     mlp, norm, ckpt = layer.mlp.forward, layer.input_layernorm.forward, layer.forward
+    disk = (ckpt.session.pool.disk if isinstance(ckpt, _CheckpointedForward) and ckpt.session
+            else None)
     return {
         "sequence_parallel_size": mesh.size(), "ring_degree": mesh["ring"].size(),
         "head_chunk_size": sp.head_chunk_size, "fuse_projections": sp.fuse_projections,
@@ -159,12 +167,21 @@ def _rank_fingerprint(ds):
         "loss_tiles": model.lm_head.forward.tiles,
         "activation_checkpointing": isinstance(ckpt, _CheckpointedForward),
         "offload_activations": isinstance(ckpt, _CheckpointedForward) and ckpt.session is not None,
-        "offload_dir": (ckpt.session.pool.disk.directory if isinstance(ckpt, _CheckpointedForward)
-                        and ckpt.session is not None and ckpt.session.pool.disk is not None
-                        else None),
+        "offload_dir": disk and disk.directory, "offload_io": disk and disk.io,
         "recompute_attention": not (isinstance(ckpt, _CheckpointedForward) and
                                     ckpt.keep is not None),
     }
+
+
+AUTO_IO = "<what offload_io='auto' resolves to on this machine>"
+
+
+def _auto_io() -> str:
+    """"aio" where DeepSpeed's aio op is usable without a build here, else "threads"."""
+    from offload.disk_aio import unusable
+
+    with tempfile.TemporaryDirectory() as where:
+        return "threads" if unusable(str(Path(where) / "probe"), build=False) else "aio"
 
 
 # Each accepted key, a value other than its default, and what it must change (beyond itself).
@@ -188,7 +205,11 @@ KEY_EFFECTS = {
     "offload_dir": ({"ulysses": {"activation_checkpointing": True, "offload_activations": True,
                                  "offload_dir": tempfile.gettempdir()}},
                     {"activation_checkpointing": True, "offload_activations": True,
-                     "offload_dir": tempfile.gettempdir()}),
+                     "offload_dir": tempfile.gettempdir(), "offload_io": AUTO_IO}),
+    "offload_io": ({"ulysses": {"activation_checkpointing": True, "offload_activations": True,
+                                "offload_dir": tempfile.gettempdir(), "offload_io": "threads"}},
+                   {"activation_checkpointing": True, "offload_activations": True,
+                    "offload_dir": tempfile.gettempdir(), "offload_io": "threads"}),
     "recompute_attention": ({"ulysses": {"activation_checkpointing": True,
                                          "recompute_attention": False}},
                             {"activation_checkpointing": True, "recompute_attention": False}),
@@ -218,7 +239,7 @@ def test_every_config_key_has_its_effect():
     for key, (extra, changes) in KEY_EFFECTS.items():
         ds = {**base_ds, **extra}
         got = dist_pool.run(_rank_fingerprint, ds, world_size=2)[0]
-        want = {**base, **changes}
+        want = {**base, **{k: _auto_io() if v == AUTO_IO else v for k, v in changes.items()}}
         assert got == want, (key, {k: (base[k], got[k]) for k in got if got[k] != want[k]})
 
 

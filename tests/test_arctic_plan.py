@@ -290,8 +290,8 @@ def test_disk_tier_holds_what_the_host_cannot(tmp_path):
 
 def test_ds_config_with_a_disk_tier(tmp_path):
     """A --ds-config with ulysses.offload_dir (the training nodes' directory, which need not
-    exist here) is planned with --disk, refused without it; --write-config keeps the config's
-    other 'ulysses' keys, and writes --offload-dir, else the config's own directory (without
+    exist here; nor its offload_io backend) is planned with --disk, refused without it;
+    --write-config keeps the config's other 'ulysses' keys, and writes --offload-dir, else the config's own directory (without
     either it is refused)."""
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 3}, "sequence_parallel_size": 2,
@@ -299,7 +299,8 @@ def test_ds_config_with_a_disk_tier(tmp_path):
                                            "offload_activations": True,
                                            "attention_backend": "math",
                                            # the training nodes' directory, not here
-                                           "offload_dir": "/nvme/not/on/this/machine"}}))
+                                           "offload_dir": "/nvme/not/on/this/machine",
+                                           "offload_io": "aio"}}))
     args = ["-m", "arctic.plan", "--model", "tiny-llama", "--gpus", "2", "--ds-config",
             str(cfg)]
     proc = _run(*args, "--seq-len", "8K")
@@ -310,6 +311,7 @@ def test_ds_config_with_a_disk_tier(tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     written = json.loads(out.read_text())["ulysses"]
     assert written["offload_dir"] == str(tmp_path) and written["attention_backend"] == "math"
+    assert written["offload_io"] == "aio"
     proc = _run(*args, "--find-max", "--no-search", "--gpu-memory", "48MiB", "--disk", "1GiB",
                 "--write-config", str(out))  # the config's own directory is kept
     assert proc.returncode == 0, proc.stderr[-3000:]

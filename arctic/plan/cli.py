@@ -148,8 +148,10 @@ def settings_from_args(args: argparse.Namespace) -> dict:
             if not args.disk:
                 raise ValueError("--ds-config sets ulysses.offload_dir: give --disk, its "
                                  "budget per node, to plan the disk tier")
-            # The directory is the training nodes'; it need not exist where the plan is made.
-            ds = dict(ds, ulysses={k: v for k, v in ds["ulysses"].items() if k != "offload_dir"})
+            # The directory is the training nodes'; it need not exist where the plan is made,
+            # nor need its I/O backend (offload_io) be usable here. Neither changes a byte.
+            ds = dict(ds, ulysses={k: v for k, v in ds["ulysses"].items()
+                                   if k not in ("offload_dir", "offload_io")})
         fields = SequenceParallelConfig.from_ds_config(ds, world_size=world)
         fields = {k: getattr(fields, k) for k in PLANNED_FIELDS}
     else:
