@@ -345,8 +345,7 @@ def _main(args: argparse.Namespace) -> int:
         for c in candidates:  # each searched factorization (and variant) at its settings
             if c.pruned or c.fields == chosen:
                 continue
-            extra = ",".join(f"{k}={v}" for k, v in c.fields.items()
-                             if chosen.get(k) != v and k != "ring_degree")
+            extra = ",".join(f"{k}={v}" for k, v in _differs(c.fields, chosen).items())
             name = f"ring {c.ring} x ulysses {c.ulysses}" + (f" {extra}" if extra else "")
             series[name] = [plan_at(n, c.fields) for n in lengths]
         for name in ("ulysses", "alst", "ours"):
@@ -361,13 +360,19 @@ def _main(args: argparse.Namespace) -> int:
     return 0
 
 
+def _differs(fields: dict, ref: dict) -> dict:
+    """The settings of ``fields`` that differ from ``ref``'s, the ring degree aside (the
+    name says it); a key only one of them sets counts, with ``None`` for the other."""
+    return {k: fields.get(k) for k in sorted(fields.keys() | ref.keys())
+            if fields.get(k) != ref.get(k) and k != "ring_degree"}
+
+
 def search_table(candidates, winner) -> str:
     """The best length per factorization, and each one's plan at the winner's length."""
     rows = [f"{'ring x ulysses':<16}{'longest':>14}  {'at the winner':>24}  limit / note"]
     for c in candidates:
         name = f"{c.ring} x {c.ulysses}"
-        extra = {k: v for k, v in c.fields.items() if winner.fields.get(k) != v and
-                 k not in ("ring_degree",)}
+        extra = _differs(c.fields, winner.fields)
         if extra:
             name += " " + ",".join(f"{k}={v}" for k, v in extra.items())
         if c.pruned:
