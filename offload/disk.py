@@ -15,8 +15,8 @@ file I/O on a small thread pool, what CI runs; ``"aio"`` is DeepSpeed's async I/
 (``AsyncIOBuilder``, ZeRO-Infinity's NVMe engine: libaio, ``O_DIRECT``, no page cache) on
 the same threads, where it builds (:mod:`offload.disk_aio`, which also says how it meets
 the op's alignment rules); ``"auto"`` (the default) takes aio when it is usable (deepspeed
-and libaio installed, the op built already: only ``"aio"`` starts its JIT build of minutes;
-the directory takes ``O_DIRECT``) and threads otherwise, with the reason in
+installed with the op pre-built, ``DS_BUILD_AIO=1``: only ``"aio"`` JIT-builds it; the
+directory takes ``O_DIRECT``) and threads otherwise, with the reason in
 ``tier.io_reason``. Both write a tensor's exact bytes, so
 gradients are bit-identical either way. Not used: ``torch.cuda.gds`` (GPUDirect Storage),
 which could skip the host bounce on a GPU node with cuFile support but cannot be tested

@@ -37,8 +37,10 @@ own bounce buffer, are handed out one per transfer (a thread holds at most one, 
 waits on another forever). Op and lanes are made once per process and kept: the lanes'
 page-locked memory, ``LANES * CHUNK_BYTES`` = 48 MiB, is checked against
 ``RLIMIT_MEMLOCK`` first, because the op aborts the process when locking fails.
-``io="auto"`` never compiles: it takes the op only when it is installed pre-built or
-already JIT-built (a first build takes minutes; ``io="aio"`` starts it).
+``io="auto"`` never compiles: it takes the op only when DeepSpeed was installed with it
+pre-built (``DS_BUILD_AIO=1``); ``io="aio"`` JIT-builds it when needed, as DeepSpeed's own
+NVMe offload does (minutes on first use; torch waits on a lock file a killed build left in
+its extension cache, ``~/.cache/torch_extensions``, until it is removed).
 """
 
 from __future__ import annotations
@@ -74,19 +76,15 @@ def _padded(n: int) -> int:
     return -(-n // ALIGN) * ALIGN
 
 
-def _built() -> bool:
-    """Whether loading the op needs no compiler: installed pre-built (``DS_BUILD_AIO=1``) or
-    already JIT-built in torch's extension cache (with the ``pin_memory`` op it loads first)."""
+def _prebuilt() -> bool:
+    """Whether DeepSpeed was installed with the op compiled in (``DS_BUILD_AIO=1``): the only
+    case ``io="auto"`` takes. A JIT-built copy in torch's extension cache is not enough:
+    torch checks it against the sources and flags of *this* DeepSpeed install and rebuilds
+    on any difference (another virtualenv is one), and a build killed half-way leaves a lock
+    file that every later load waits on forever."""
     from deepspeed.git_version_info import installed_ops
 
-    if installed_ops.get("async_io", False):
-        return True
-    try:
-        from torch.utils.cpp_extension import _get_build_directory  # private, long stable
-    except ImportError:
-        return False
-    return all(os.path.exists(os.path.join(_get_build_directory(name, False), f"{name}.so"))
-               for name in ("async_io", "pin_memory"))
+    return bool(installed_ops.get("async_io", False))
 
 
 def _memlock_problem(nbytes: int, status: dict[str, str] | None = None) -> str | None:
@@ -127,10 +125,10 @@ def _load(build: bool) -> str | None:
                                 "headers and library were not found (apt-get install "
                                 "libaio-dev, or set CFLAGS/LDFLAGS to where they are)")
             return _state["reason"]
-        if not build and not _built():  # not cached: a later io="aio" may build it
-            return ("DeepSpeed's async_io op is neither installed pre-built (DS_BUILD_AIO=1) nor "
-                    "JIT-built yet, and io='auto' does not start a build of minutes; io='aio' "
-                    "builds it once")
+        if not build and not _prebuilt():  # not remembered: a later io="aio" may build it
+            return ("DeepSpeed was installed without its async_io op compiled in "
+                    "(DS_BUILD_AIO=1 pip install deepspeed), and io='auto' does not JIT-build "
+                    "it (minutes, and torch's build lock); io='aio' builds it")
         problem = _memlock_problem(LANES * CHUNK_BYTES)
         if problem is not None:
             _state["reason"] = problem
@@ -189,7 +187,7 @@ def _probe(scratch: str) -> str | None:
 def unusable(scratch: str, *, build: bool = True) -> str | None:
     """Why the aio backend cannot serve files in ``scratch`` (a directory this call makes and
     removes again), or ``None`` when it can. Loads the op and makes the lanes on first use;
-    ``build=False`` (``io="auto"``) does not start a JIT build of the op (minutes)."""
+    ``build=False`` (``io="auto"``) takes only a pre-built op, never a JIT build."""
     return _load(build) or _probe(scratch)
 
 

@@ -177,7 +177,7 @@ AUTO_IO = "<what offload_io='auto' resolves to on this machine>"
 
 
 def _auto_io() -> str:
-    """"aio" where DeepSpeed's aio op is usable without a build here, else "threads"."""
+    """"aio" where DeepSpeed was installed with its aio op pre-built, else "threads"."""
     from offload.disk_aio import unusable
 
     with tempfile.TemporaryDirectory() as where:

@@ -1,8 +1,8 @@
 """offload.disk_aio, the disk tier's DeepSpeed aio backend: the same gradients as plain files
 and host-only offload, O_DIRECT's padding never written into a tensor, "aio" refused with its
 reason where the op is unusable (before any file or collective) and "auto" falling back, and
-every reason named with its fix. The tests that run the op skip, with the reason, where it is
-not usable without a JIT build (CI without libaio)."""
+every reason named with its fix. The tests that run the op are marked slow (they may JIT-build
+it, minutes) and skip, with the reason, where it cannot run (no libaio)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,7 @@ from offload import HostBufferPool
 from test_offload_disk import BLOCKS, HIDDEN, _blocks, _skip_unless_aio, _step
 
 
+@pytest.mark.slow  # may JIT-build the op (_skip_unless_aio)
 def test_aio_threads_and_host_only_give_the_same_gradients(tmp_path):
     _skip_unless_aio(tmp_path)
     want = _step(_blocks(HostBufferPool(limit_bytes=1 << 30)))
@@ -30,6 +31,7 @@ def test_aio_threads_and_host_only_give_the_same_gradients(tmp_path):
         assert os.listdir(tmp_path) == [] and pool.stats.disk_bytes == 0
 
 
+@pytest.mark.slow  # may JIT-build the op (_skip_unless_aio)
 def test_aio_reads_fill_the_tensor_alone_and_take_locked_memory_directly(tmp_path):
     """O_DIRECT moves whole 4 KiB blocks: a file is the bytes padded with zeros, and a read
     into a tensor whose size is no multiple of that writes nothing past it, whether it goes
@@ -121,8 +123,8 @@ def test_aio_unusable_names_the_reason(tmp_path, monkeypatch):
     assert "apt-get install libaio-dev" in aio.unusable(str(tmp_path / "s"))
     monkeypatch.setattr(aio, "_state", {})
     monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: True)
-    monkeypatch.setattr(aio, "_built", lambda: False)
-    assert "io='aio' builds it once" in aio.unusable(str(tmp_path / "s"), build=False)
+    monkeypatch.setattr(aio, "_prebuilt", lambda: False)
+    assert "io='aio' builds it" in aio.unusable(str(tmp_path / "s"), build=False)
     assert aio._state == {} and os.listdir(tmp_path) == []
     monkeypatch.setattr(resource, "getrlimit", lambda which: (8 << 20, 8 << 20))
     assert aio._memlock_problem(48 << 20, {"CapEff": "0", "VmLck": "1024 kB"}) == (
