@@ -55,7 +55,7 @@ def parse_args() -> argparse.Namespace:
                    help="the disk tier's directory (default: a temporary one)")
     p.add_argument("--io", nargs="+", choices=["threads", "aio"], default=None,
                    help="the disk tier's I/O backends to time (default: threads, and aio "
-                        "where it is usable)")
+                        "where it is usable, JIT-building DeepSpeed's op if needed)")
     p.add_argument("--out", type=Path,
                    default=REPO / "benchmarks" / "results" / "offload_disk_cpu.json")
     return p.parse_args()
@@ -97,7 +97,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir) as where:
         ios = args.io
         if ios is None:
-            reason = unusable(str(Path(where) / "probe"), build=False)
+            reason = unusable(str(Path(where) / "probe"), build=True)  # may JIT-build it
             ios = ["threads"] + (["aio"] if reason is None else [])
             if reason is not None:
                 print(f"disk_aio left out: {reason}")

@@ -45,7 +45,9 @@ its extension cache, ``~/.cache/torch_extensions``, until it is removed).
 
 from __future__ import annotations
 
+import ast
 import contextlib
+import importlib.util
 import os
 import queue
 import resource
@@ -81,10 +83,23 @@ def _prebuilt() -> bool:
     case ``io="auto"`` takes. A JIT-built copy in torch's extension cache is not enough:
     torch checks it against the sources and flags of *this* DeepSpeed install and rebuilds
     on any difference (another virtualenv is one), and a build killed half-way leaves a lock
-    file that every later load waits on forever."""
-    from deepspeed.git_version_info import installed_ops
-
-    return bool(installed_ops.get("async_io", False))
+    file that every later load waits on forever. Read from the install's
+    ``git_version_info_installed.py`` (literals written by its setup.py) without importing
+    deepspeed, which takes seconds and logs: ``"auto"`` costs nothing where it falls back."""
+    spec = importlib.util.find_spec("deepspeed")
+    if spec is None or spec.origin is None:
+        return False
+    path = os.path.join(os.path.dirname(spec.origin), "git_version_info_installed.py")
+    try:
+        with open(path) as f:
+            tree = ast.parse(f.read())
+        for node in tree.body:
+            if isinstance(node, ast.Assign) and any(getattr(t, "id", None) == "installed_ops"
+                                                    for t in node.targets):
+                return bool(ast.literal_eval(node.value).get("async_io", False))
+    except (OSError, SyntaxError, ValueError, AttributeError):
+        pass
+    return False
 
 
 def _memlock_problem(nbytes: int, status: dict[str, str] | None = None) -> str | None:
@@ -114,6 +129,11 @@ def _load(build: bool) -> str | None:
     with _lock:
         if "lanes" in _state or "reason" in _state:
             return _state.get("reason")
+        if not build and importlib.util.find_spec("deepspeed") is not None and not _prebuilt():
+            # Not remembered: a later io="aio" may build it.
+            return ("DeepSpeed was installed without its async_io op compiled in "
+                    "(DS_BUILD_AIO=1 pip install deepspeed), and io='auto' does not JIT-build "
+                    "it (minutes, and torch's build lock); io='aio' builds it")
         try:
             from deepspeed.ops.op_builder import AsyncIOBuilder
         except ImportError as e:
@@ -125,10 +145,6 @@ def _load(build: bool) -> str | None:
                                 "headers and library were not found (apt-get install "
                                 "libaio-dev, or set CFLAGS/LDFLAGS to where they are)")
             return _state["reason"]
-        if not build and not _prebuilt():  # not remembered: a later io="aio" may build it
-            return ("DeepSpeed was installed without its async_io op compiled in "
-                    "(DS_BUILD_AIO=1 pip install deepspeed), and io='auto' does not JIT-build "
-                    "it (minutes, and torch's build lock); io='aio' builds it")
         problem = _memlock_problem(LANES * CHUNK_BYTES)
         if problem is not None:
             _state["reason"] = problem

@@ -7,7 +7,9 @@ it, minutes) and skip, with the reason, where it cannot run (no libaio)."""
 from __future__ import annotations
 
 import os
+import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -123,6 +125,8 @@ def test_aio_unusable_names_the_reason(tmp_path, monkeypatch):
     assert "apt-get install libaio-dev" in aio.unusable(str(tmp_path / "s"))
     monkeypatch.setattr(aio, "_state", {})
     monkeypatch.setattr(AsyncIOBuilder, "is_compatible", lambda self, verbose=False: True)
+    from deepspeed.git_version_info import installed_ops
+    assert aio._prebuilt() == bool(installed_ops.get("async_io"))  # read without importing
     monkeypatch.setattr(aio, "_prebuilt", lambda: False)
     assert "io='aio' builds it" in aio.unusable(str(tmp_path / "s"), build=False)
     assert aio._state == {} and os.listdir(tmp_path) == []
@@ -132,3 +136,18 @@ def test_aio_unusable_names_the_reason(tmp_path, monkeypatch):
         "`ulimit -l`, 1024 KiB locked already); raise the limit or run with CAP_IPC_LOCK")
     assert aio._memlock_problem(48 << 20, {"CapEff": f"{1 << 14:x}", "VmLck": "0 kB"}) is None
     assert aio._memlock_problem(4 << 20, {"CapEff": "0", "VmLck": "0 kB"}) is None
+
+
+def test_auto_falls_back_without_importing_deepspeed(tmp_path):
+    """Where DeepSpeed has no pre-built op, "auto" decides from its install's files: the
+    fallback costs no import of deepspeed (seconds, and its log lines) and no build."""
+    pytest.importorskip("deepspeed", reason="needs deepspeed installed", exc_type=ImportError)
+    if offload.disk_aio._prebuilt():
+        pytest.skip("this DeepSpeed has the aio op pre-built: 'auto' takes it")
+    code = ("import sys, offload.disk_aio as a\n"
+            f"r = a.unusable({str(tmp_path / 's')!r}, build=False)\n"
+            "assert 'DS_BUILD_AIO=1' in r, r\n"
+            "assert 'deepspeed' not in sys.modules, 'imported deepspeed'\n")
+    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=Path(__file__).resolve().parent.parent, timeout=120)
+    assert proc.returncode == 0, proc.stderr[-2000:]
