@@ -183,17 +183,7 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int, int], start
             if alt.pruned:
                 log(f"    skipped: {alt.pruned}")
                 continue
-        # It matters only if it goes past the winner: one plan tells, and only then is its
-        # longest length searched.
-        past = plan_with(winner.best + granule, alt.fields)
-        log(f"    {past.seq_len:>11,} tokens: "
-            f"{'fits' if past.fits else 'does not fit (' + past.limit() + ')'}")
-        alt.tried = [past]
-        if past.fits:
-            alt.best, tried = find_max(lambda n, f=alt.fields: plan_with(n, f),
-                                       start=past.seq_len, granule=granule, log=log,
-                                       tolerance=0)
-            alt.tried += tried
+        _search_past(plan_with, alt, winner, granule, log)
         if alt.best > winner.best:
             winner, host_bound = alt, "host" in alt.limit()
     if not host_bound:
@@ -212,10 +202,10 @@ def _try_seq_chunks(plan_with, candidates: list[Candidate], winner: Candidate, g
 
     With one Ulysses rank the head-chunk buffers already span one ring block and sequence
     blocks cut nothing (the README's headline notes show it at 9.44M), so ring-only splits
-    are not tried; of the others only the longest is, because a trace with blocks costs about
-    a minute. Not tried when the settings cannot take blocks (no head chunks) or already
-    set them. As with the host-side variants, one plan a granule past the winner tells
-    whether it can matter, and only then is its longest length searched."""
+    are not tried; of the others only the longest is, because a trace with blocks costs one
+    to three minutes at Llama-3-8B's scale. Not tried when the settings cannot take blocks
+    (no head chunks) or already set them. Like the host-side variants, it is searched only
+    if it fits a granule past the winner (:func:`_search_past`)."""
     split = [c for c in candidates if not c.pruned and c.best and c.ulysses > 1 and
              c.fields.get("seq_chunk") is None and c.fields.get("head_chunk_size") is not None
              and "host" not in c.limit()]
@@ -226,6 +216,13 @@ def _try_seq_chunks(plan_with, candidates: list[Candidate], winner: Candidate, g
                     fields=dict(best.fields, seq_chunk="auto"))
     candidates.append(alt)
     log(f"ring {alt.ring} x ulysses {alt.ulysses}, {{'seq_chunk': 'auto'}}:")
+    _search_past(plan_with, alt, winner, granule, log)
+    return alt if alt.best > winner.best else winner
+
+
+def _search_past(plan_with, alt: Candidate, winner: Candidate, granule: int, log) -> None:
+    """Fill ``alt.tried`` and ``alt.best``. A variant matters only if it goes past the
+    winner: one plan a granule past it tells, and only then is its longest length searched."""
     past = plan_with(winner.best + granule, alt.fields)
     log(f"    {past.seq_len:>11,} tokens: "
         f"{'fits' if past.fits else 'does not fit (' + past.limit() + ')'}")
@@ -234,7 +231,6 @@ def _try_seq_chunks(plan_with, candidates: list[Candidate], winner: Candidate, g
         alt.best, tried = find_max(lambda n, f=alt.fields: plan_with(n, f),
                                    start=past.seq_len, granule=granule, log=log, tolerance=0)
         alt.tried += tried
-    return alt if alt.best > winner.best else winner
 
 
 def _inputs_overflow(e: Estimate) -> str | None:
