@@ -15,12 +15,6 @@ from torch import nn
 NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
 """The per-token norms of a HF decoder layer that see ``[B, S, E]`` (Llama, Mistral, Qwen2/3)."""
 
-CACHE_KWARGS = ("past_key_values", "layer_past")
-"""The keyword arguments through which HF decoder layers get a KV cache. Under activation
-checkpointing a cache would be written twice (forward and recompute) and would hold every
-layer's k/v; transformers drops it under its own checkpointing too."""
-
-
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder layers of a HF causal LM: modules with both ``self_attn`` and ``mlp``."""
     return [m for m in model.modules() if isinstance(getattr(m, "mlp", None), nn.Module)
@@ -55,5 +49,5 @@ def hf_checkpointing(model: nn.Module) -> bool:
     return False
 
 
-__all__ = ["CACHE_KWARGS", "NORM_NAMES", "attention_modules", "decoder_layers",
+__all__ = ["NORM_NAMES", "attention_modules", "decoder_layers",
            "hf_checkpointing", "token_norms"]

@@ -4,14 +4,17 @@
 This is the one-call form for HF causal LMs: it finds the decoder layers
 (:func:`arctic.anatomy.decoder_layers`), refuses a model already under HF's own gradient
 checkpointing, records the stage in the recipe's order (:mod:`arctic.order`) and drops the
-KV-cache arguments under checkpointing (:data:`arctic.anatomy.CACHE_KWARGS`).
+KV cache under checkpointing, as HF's own checkpointing does: a cache would be written twice
+(forward and recompute) and would hold every layer's k/v. The cache argument is found by its
+role in each layer's installed forward (:mod:`arctic.hf_binding`), under any of its names.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from arctic.anatomy import CACHE_KWARGS, attention_modules, decoder_layers, hf_checkpointing
+from arctic.anatomy import attention_modules, decoder_layers, hf_checkpointing
+from arctic.hf_binding import ROLE_NAMES, of_module
 from arctic.order import record_apply
 from offload import DEFAULT_MIN_OFFLOAD_BYTES, HostBufferPool, check_activation_checkpointing
 from offload import apply_activation_checkpointing as _checkpoint_layers
@@ -85,8 +88,20 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
     return _checkpoint_layers(model, layers=layers, offload_to_cpu=offload_to_cpu, pool=pool,
                               host_memory_limit=host_memory_limit, offload_dir=offload_dir,
                               offload_io=offload_io,
-                              min_offload_bytes=min_offload_bytes, drop_kwargs=CACHE_KWARGS,
+                              min_offload_bytes=min_offload_bytes, drop_kwargs=cache_kwargs(layers),
                               group=group, keep=None if recompute_attention else KeptAttention)
 
 
-__all__ = ["apply_activation_checkpointing"]
+def cache_kwargs(layers: list[nn.Module]) -> tuple[str, ...]:
+    """The keyword names under which ``layers`` may get a KV cache: each layer class's own
+    name for the cache role (found by name or by its ``Cache`` annotation), and the role's
+    other names, which the installed forward renames to it."""
+    names = dict.fromkeys(ROLE_NAMES["cache"])
+    for layer in layers:
+        own = of_module(layer).name_of("cache")
+        if own is not None:
+            names[own] = None
+    return tuple(names)
+
+
+__all__ = ["apply_activation_checkpointing", "cache_kwargs"]

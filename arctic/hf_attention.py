@@ -27,7 +27,7 @@ from transformers import AttentionInterface
 
 from arctic.anatomy import attention_modules
 from arctic.hf_batch import BatchState, document_starts, install_batch_hook
-from arctic.hf_features import check_model_features, read_attention_kwargs
+from arctic.hf_features import check_model_features, loss_arguments, read_attention_kwargs
 from arctic.hf_fused import check_fusable, fuse, unfuse
 from arctic.order import record_apply
 from ulysses import BufferPool, ulysses_attention
@@ -65,6 +65,9 @@ class SPAttentionSettings:
     """What the exchanges carry; None: the activations' dtype."""
     seq_chunk: int | str | None = None
     """Sequence blocks per piece inside each head chunk (:mod:`ulysses.seq_chunk`)."""
+    loss_arguments: frozenset[str] = frozenset()
+    """The model's loss arguments (``shift_labels``, ``num_items_in_batch``, ...), which
+    transformers passes on to every attention call and the attention passes over."""
     ran: bool = False
     """Set by each call of the SP attention, checked after the module's forward."""
 
@@ -87,7 +90,7 @@ def _sp_attention(module: nn.Module, query, key, value, attention_mask, **kwargs
         raise ValueError("an explicit attention mask is not supported under sequence "
                          "parallelism; mark padding with labels=-100 and documents with "
                          "position_ids (arctic.data does both)")
-    call = read_attention_kwargs(module, kwargs)
+    call = read_attention_kwargs(module, kwargs, passed_over=sp.loss_arguments)
     if query.shape[1] != sp.num_heads or key.shape[1] != sp.num_kv_heads:
         raise ValueError(f"{type(module).__name__} got {query.shape[1]} query / {key.shape[1]} kv "
                          f"heads, but was prepared for {sp.num_heads} / {sp.num_kv_heads}")
@@ -205,11 +208,13 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
     pool = BufferPool(keep_between_calls=False) if head_chunk_size is not None else None
     record_apply(model, "sp_attention")  # after the checks: a refused call changes nothing
     batch = BatchState(model, mesh)
+    passed_over = loss_arguments(model)
     for m in modules:
         m.sp_attention = SPAttentionSettings(
             mesh=mesh, num_heads=H, num_kv_heads=K, head_chunk_size=head_chunk_size,
             backend=backend, pool=pool, batch=batch, fuse_projections=fuse_projections,
-            communication_dtype=communication_dtype, seq_chunk=seq_chunk)
+            communication_dtype=communication_dtype, seq_chunk=seq_chunk,
+            loss_arguments=passed_over)
         if fuse_projections:
             fuse(m)
         else:

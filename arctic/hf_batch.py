@@ -30,6 +30,7 @@ from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 
 from arctic.anatomy import hf_checkpointing
+from arctic.hf_binding import of_module
 from ulysses import gather_sequence
 
 
@@ -129,7 +130,8 @@ def install_batch_hook(model: nn.Module, state: BatchState) -> None:
             old.remove()
 
     def before(module, args, kwargs):
-        position_ids = kwargs.get("position_ids")
+        # Bound through the installed forward: position ids given positionally count too.
+        position_ids = of_module(module).bind(args, kwargs).role("position_ids")
         if position_ids is None:
             raise ValueError("position_ids are required under sequence parallelism: pass this "
                              "rank's shard of the full sequence's position_ids (arctic.data "

@@ -24,17 +24,72 @@ attention weights.
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-_INERT = ("position_ids", "use_cache", "cache_position", "output_router_logits",
-          "output_hidden_states", "return_dict")
+HONOURED = ("scaling", "sliding_window", "s_aux")
+"""Attention arguments implemented exactly: the softmax scale, a causal sliding window, and
+GPT-OSS's per-head sink logits."""
+REFUSED = ("dropout", "softcap", "is_causal", "output_attentions", "head_mask",
+           "layer_head_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
+           "seq_idx")
+"""Attention arguments refused when they ask for something (a non-zero dropout, a softcap,
+``is_causal=False``, returned weights, head masks, flash-attn varlen packing, a packed
+sequence index): the SP attention does not implement them."""
+INERT = ("position_ids", "use_cache", "cache_position", "output_router_logits",
+         "output_hidden_states", "return_dict")
 """Arguments that reach the attention but do not change what it computes: the position ids
 (documents come from the model's own ``position_ids``, which the batch hook reads), and flags
 for other parts of the model (KV cache, MoE router outputs, returned hidden states)."""
 
 _VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+
+
+def loss_arguments(model: nn.Module | None = None) -> frozenset[str]:
+    """The keyword arguments of a causal LM's loss in the installed transformers: those of
+    ``model.loss_function`` (default: ``ForCausalLMLoss``) and of the cross-entropy it
+    passes its ``**kwargs`` to. transformers hands every keyword of ``model(**batch)`` to each
+    attention call (``TransformersKwargs``), so ``shift_labels`` or ``num_items_in_batch`` in
+    a batch reach the attention; they mean something to the loss only, and the attention
+    passes over them."""
+    from transformers.loss import loss_utils
+
+    fn = getattr(model, "loss_function", None) or loss_utils.LOSS_MAPPING["ForCausalLM"]
+    fns = [fn]
+    params = inspect.signature(fn).parameters.values()
+    if any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params):
+        fns.append(getattr(loss_utils, "fixed_cross_entropy", None))
+    names = {"labels"}
+    for f in filter(None, fns):
+        names.update(n for n, p in inspect.signature(f).parameters.items()
+                     if p.kind not in (inspect.Parameter.VAR_POSITIONAL,
+                                       inspect.Parameter.VAR_KEYWORD))
+    return frozenset(names - {"logits", "source", "target"})
+
+
+def classify(name: str, passed_over: frozenset[str] = frozenset()) -> str | None:
+    """What the SP attention does with the attention argument ``name``: ``"honoured"``,
+    ``"refused"`` (when it asks for something), ``"inert"``, ``"loss"`` (one of
+    ``passed_over``, :func:`loss_arguments`), or None: not classified (refused as unknown)."""
+    for kind, names in (("honoured", HONOURED), ("refused", REFUSED), ("inert", INERT),
+                        ("loss", passed_over)):
+        if name in names:
+            return kind
+    return None
+
+
+def unknown_arguments_error(owner: str, names, where: str) -> ValueError:
+    """The refusal of arguments nobody classified, naming the transformers release."""
+    import transformers
+
+    return ValueError(f"{owner} passes {sorted(names)} to {where} (transformers "
+                      f"{transformers.__version__}); the sequence-parallel attention does not "
+                      f"know these arguments and cannot tell whether they change the result, "
+                      f"so it refuses them. Train this model without sequence parallelism, or "
+                      f"report it (arguments are classified in arctic/hf_features.py and "
+                      f"arctic/hf_binding.py)")
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,9 +109,14 @@ def _refuse(module: nn.Module, feature: str, instead: str) -> ValueError:
                       f"attention does not implement; {instead}")
 
 
-def read_attention_kwargs(module: nn.Module, kwargs: dict) -> AttentionCall:
+def read_attention_kwargs(module: nn.Module, kwargs: dict, *,
+                          passed_over: frozenset[str] = frozenset()) -> AttentionCall:
     """Read the keyword arguments transformers passed to the attention of ``module``: each is
-    honoured (returned) or refused with ``ValueError``; unknown ones are refused."""
+    honoured (returned) or refused with ``ValueError``; the model's loss arguments
+    (``passed_over``, :func:`loss_arguments`) are passed over; unknown ones are refused."""
+    unknown = [n for n in kwargs if classify(n, passed_over) is None]
+    if unknown:
+        raise unknown_arguments_error(type(module).__name__, unknown, "its attention")
     kw = dict(kwargs)
     dropout = kw.pop("dropout", 0.0)
     if dropout:
@@ -79,20 +139,15 @@ def read_attention_kwargs(module: nn.Module, kwargs: dict) -> AttentionCall:
     if varlen:
         raise _refuse(module, f"flash-attn varlen packing ({', '.join(varlen)})",
                       "mark documents with position_ids that restart at 0 (arctic.data does)")
+    if kw.pop("seq_idx", None) is not None:
+        raise _refuse(module, "a packed sequence index (seq_idx)",
+                      "mark documents with position_ids that restart at 0 (arctic.data does)")
     window = kw.pop("sliding_window", None)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window < 1):
         raise _refuse(module, f"sliding_window={window!r}", "use a positive int or None")
-    call = AttentionCall(scaling=kw.pop("scaling", None), window=window,
+    return AttentionCall(scaling=kw.pop("scaling", None), window=window,
                          sinks=kw.pop("s_aux", None))
-    for name in _INERT:
-        kw.pop(name, None)
-    if kw:
-        raise ValueError(f"{type(module).__name__} passes {sorted(kw)} to its attention; the "
-                         f"sequence-parallel attention does not know these arguments and cannot "
-                         f"tell whether they change the result, so it refuses them. Train this "
-                         f"model without sequence parallelism, or report it")
-    return call
 
 
 def check_model_features(model: nn.Module, modules: list[nn.Module]) -> None:

@@ -33,7 +33,8 @@ import types
 import torch
 from torch import nn
 
-from arctic.hf_features import read_attention_kwargs
+from arctic.hf_binding import of_module
+from arctic.hf_features import read_attention_kwargs, unknown_arguments_error
 from ulysses.fused_attention import fused_attention
 
 _STOCK_WINDOW = {
@@ -91,24 +92,32 @@ def check_fusable(module: nn.Module, *, num_heads: int, num_kv_heads: int,
         raise ValueError(f"{name} is not causal; fuse_projections supports causal attention")
 
 
-def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask=None,
-                   past_key_values=None, **kwargs):
+def _fused_forward(self, *args, **kwargs):
     """The attention module's forward under ``fuse_projections``: hidden ``[B, s, E]`` (this
-    rank's piece) -> ``([B, s, E], None)``, like the stock forward. The keyword arguments the
-    stock forward would pass to the attention (its own dropout, scaling and sliding window,
-    and whatever the layer passed on) are honoured or refused as there."""
+    rank's piece) -> ``([B, s, E], None)``, like the stock forward. The call is bound through
+    the installed class's forward (:mod:`arctic.hf_binding`), so its arguments are found by
+    role whatever this transformers release names them. The keyword arguments the stock
+    forward would pass to the attention (its own dropout, scaling and sliding window, and
+    whatever the layer passed on) are honoured or refused as there."""
     sp = self.sp_attention
+    bound = of_module(self).bind(args, kwargs)
+    unknown = bound.unknown()
+    if unknown:
+        raise unknown_arguments_error(type(self).__name__, unknown, "its fused forward")
     call = read_attention_kwargs(self, {
-        **kwargs, "dropout": self.attention_dropout if self.training else 0.0,
-        "scaling": self.scaling, "sliding_window": _STOCK_WINDOW[type(self).__name__](self)})
+        **bound.extra, "dropout": self.attention_dropout if self.training else 0.0,
+        "scaling": self.scaling, "sliding_window": _STOCK_WINDOW[type(self).__name__](self)},
+        passed_over=sp.loss_arguments)
+    hidden_states = bound.first
+    position_embeddings = bound.role("position_embeddings")
     if position_embeddings is None:
         raise ValueError(f"{type(self).__name__} got no position_embeddings=(cos, sin); the "
                          f"fused path applies RoPE from them")
-    if attention_mask is not None:
+    if bound.role("attention_mask") is not None:
         raise ValueError("an explicit attention mask is not supported under sequence "
                          "parallelism; mark padding with labels=-100 and documents with "
                          "position_ids (arctic.data does both)")
-    if past_key_values is not None:
+    if bound.role("cache") is not None:
         raise ValueError("fuse_projections never forms the all-heads k/v, so it cannot fill a "
                          "KV cache: call the model with use_cache=False (arctic's SP loss does)")
     cos, sin = position_embeddings
@@ -132,11 +141,12 @@ def _fused_forward(self, hidden_states, position_embeddings=None, attention_mask
 
 
 def _positional_input(module, args, kwargs):
-    """Forward pre-hook: ``hidden_states`` as the first positional argument, requiring grad
-    when grad is on, so that a full backward hook (ZeRO-3's leaf reduction) fires after the
-    module's backward; see the module docstring."""
-    if "hidden_states" in kwargs:
-        args, kwargs = (kwargs.pop("hidden_states"), *args), kwargs
+    """Forward pre-hook: the input (``hidden_states``, by the installed forward's name) as the
+    first positional argument, requiring grad when grad is on, so that a full backward hook
+    (ZeRO-3's leaf reduction) fires after the module's backward; see the module docstring."""
+    first = of_module(module).first
+    if first in kwargs:
+        args, kwargs = (kwargs.pop(first), *args), kwargs
     if args and torch.is_grad_enabled() and not args[0].requires_grad:
         # Only where nothing upstream needs a gradient (e.g. frozen embeddings): detaching
         # cuts no graph, and dx costs one extra GEMM per projection.

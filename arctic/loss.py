@@ -35,6 +35,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
+from arctic.hf_binding import of_module
+from arctic.hf_features import loss_arguments
 from arctic.order import record_apply
 from arctic.tiling import check_logit_transform, tiled_logits_loss, transform_logits_
 
@@ -304,11 +306,21 @@ class _SPLossForward:
 
     def __init__(self, model: nn.Module, group, averaged_over_sp: bool) -> None:
         self.model, self.group, self.averaged_over_sp = model, group, averaged_over_sp
+        self.loss_arguments = loss_arguments(model) - {"shift_labels"}
 
     def __call__(self, input_ids: Tensor, position_ids: Tensor, shift_labels: Tensor,
                  **kwargs: Any) -> Tensor:
+        # HF's loss arguments would change HF's loss (num_items_in_batch divides the sum by
+        # it, labels are shifted on this rank's piece); this loss computes none of them.
+        asked = sorted(n for n, v in kwargs.items() if n in self.loss_arguments and v is not None)
+        if asked:
+            raise ValueError(f"apply_sp_loss computes the token mean over the sequence-parallel "
+                             f"group from shift_labels; {asked} would ask HF's loss for "
+                             f"something else, which it does not reproduce: leave them out of "
+                             f"the batch")
         # No KV cache in training: it would keep every layer's k/v alive until the step ends.
-        kwargs.setdefault("use_cache", False)
+        use_cache = of_module(self.model.base_model).name_of("use_cache") or "use_cache"
+        kwargs.setdefault(use_cache, False)
         hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids,
                                        **kwargs).last_hidden_state
         loss_sum, num_valid = self.model.get_output_embeddings()(hidden, shift_labels)

@@ -40,6 +40,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from arctic.anatomy import decoder_layers
+from arctic.hf_binding import of_module
 from arctic.hf_fused import _positional_input
 from arctic.order import record_apply
 from arctic.tiling import DEFAULT_TILE_BUDGET_BYTES, _tile_rows, _TiledForward, resolve_tiles
@@ -48,10 +49,6 @@ TILABLE = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
            "Qwen3DecoderLayer")
 """Decoder layers whose stock forward is ``h = x + attn(norm1(x)); y = h + mlp(norm2(h))``
 (transformers 5: the four are line for line the same)."""
-_STOCK_ARGS = {"attention_mask": None, "position_ids": None, "past_key_values": None,
-               "use_cache": False, "position_embeddings": None}
-"""The stock forward's arguments after ``hidden_states``, in order, with their defaults; it
-passes each to the attention module by keyword."""
 _PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 
 
@@ -116,19 +113,16 @@ class _Tail:
         return h_BSE + self.mlp(self.norm(h_BSE))
 
 
-def _tiled_layer_forward(self, hidden_states, *args, **kwargs):
+def _tiled_layer_forward(self, *args, **kwargs):
     """The decoder layer's forward under ``tiled_layer``: the stock forward's first half, then
-    the tiled tail."""
-    if len(args) > len(_STOCK_ARGS):
-        raise TypeError(f"{type(self).__name__}.forward takes at most {len(_STOCK_ARGS) + 1} "
-                        f"positional arguments, got {len(args) + 1}")
-    call = dict(_STOCK_ARGS)
-    for name, value in zip(_STOCK_ARGS, args):
-        if name in kwargs:
-            raise TypeError(f"{type(self).__name__}.forward got multiple values for {name!r}")
-        call[name] = value
-    call.update(kwargs)
-    a, _ = self.self_attn(hidden_states=self.input_layernorm(hidden_states), **call)
+    the tiled tail. The call is bound through the installed layer class's forward
+    (:mod:`arctic.hf_binding`) and handed on to the attention module as the stock forward
+    hands it: every argument by keyword, each role under the attention's own name for it."""
+    bound = of_module(self).bind(args, kwargs)
+    attention = of_module(self.self_attn)
+    hidden_states = bound.first
+    a, _ = self.self_attn(**{attention.first: self.input_layernorm(hidden_states)},
+                          **bound.keywords_for(attention))
     tiles = self._sp_tiled_layer
     x = hidden_states
     row = 3 * x.shape[0] * tiles.intermediate_size * x.element_size()

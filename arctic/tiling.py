@@ -25,6 +25,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from arctic.anatomy import decoder_layers, token_norms
+from arctic.hf_binding import of_callable
 from arctic.order import record_apply
 from ulysses import trace_shortcuts
 
@@ -166,14 +167,26 @@ def _tiled_call(fn, x_BSE: Tensor, tiles, intermediate_size, budget_bytes, group
 
 
 class _TiledForward:
-    """Replaces one module instance's ``forward``: the original forward, run over tiles."""
+    """Replaces one module instance's ``forward``: the original forward, run over tiles.
+
+    A call is bound through the original forward's signature (:mod:`arctic.hf_binding`), so
+    the input is found whatever the release names it (``x``, ``hidden_states``); any other
+    argument given would have to be split along the sequence too, or not, which the tiles
+    cannot tell, so it is refused."""
 
     def __init__(self, forward, tiles, intermediate_size, budget_bytes, group) -> None:
         self.inner = forward
         self.args = (tiles, intermediate_size, budget_bytes, group)
+        owner = type(getattr(forward, "__self__", forward)).__name__
+        self.signature = of_callable(forward, owner)
 
-    def __call__(self, x_BSE: Tensor) -> Tensor:
-        return _tiled_call(self.inner, x_BSE, *self.args)
+    def __call__(self, *args, **kwargs) -> Tensor:
+        bound = self.signature.bind(args, kwargs)
+        if bound.given or bound.extra:
+            raise ValueError(f"a tiled {self.signature.owner} takes its input only; got "
+                             f"{sorted(bound.given | set(bound.extra))} as well, which the "
+                             f"tiles cannot split: set tiled_mlp / tiled_norms to false")
+        return _tiled_call(self.inner, bound.first, *self.args)
 
 
 def apply_tiled_mlp(model: nn.Module, *, tiles: int | str = "auto",
