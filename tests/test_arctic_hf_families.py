@@ -114,7 +114,8 @@ def _cached_reference(*key):
     return _REFS[key]
 
 
-def _rank_step(family, ulysses, ring=1, chunk=None, fuse=False, documents=False):
+def _rank_step(family, ulysses, ring=1, chunk=None, fuse=False, documents=False,
+               tiled_layer=False):
     """One SP training step of ``family``: loss and DDP-averaged gradients."""
     import torch.distributed as dist
 
@@ -127,6 +128,10 @@ def _rank_step(family, ulysses, ring=1, chunk=None, fuse=False, documents=False)
     mesh = get_mesh(world, ulysses, ring)
     model = apply_sequence_parallel(_model(family), mesh=mesh, head_chunk_size=chunk,
                                     fuse_projections=fuse)
+    if tiled_layer:
+        from arctic import apply_tiled_layers
+
+        apply_tiled_layers(model, tiles=3)
     apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group(), loss_tiles=2)
     raw = {"input_ids": _tokens(), "labels": _tokens()}
     if documents:
@@ -153,6 +158,8 @@ def _check(results, ref, off):
         for n, g in got.items():
             torch.testing.assert_close(g, grads[n], **TOL[torch.float32],
                                        msg=lambda m: f"{n}: {m}")
+    if off is None:  # no feature of the model's own under test
+        return
     # The feature changes the result: a run without it would fail the checks above.
     assert _differs(ref, off) > 100 * TOL[torch.float32]["atol"], "the feature has no effect"
 
@@ -197,6 +204,22 @@ def test_packed_documents_reach_the_attention(family, sp):
 def test_chunked_fused_and_ring_paths(family, sp, ring, chunk, fuse):
     results = dist_pool.run(_rank_step, family, sp, ring, chunk, fuse, world_size=sp * ring)
     _check(results, _cached_reference(family), _cached_reference(family, False))
+
+
+@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
+def test_fused_projections_and_tiled_layer(family, sp):
+    """The families whose attention and decoder layer the fused forward and the tiled layer
+    reproduce (``arctic.hf_fused.FUSABLE``, ``arctic.tiled_layer.TILABLE``), both on, with
+    the installed transformers' own call conventions (5.24 passes ``cache=``)."""
+    from arctic.hf_fused import FUSABLE
+    from arctic.tiled_layer import TILABLE
+
+    prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+    assert f"{prefix[family]}Attention" in FUSABLE and f"{prefix[family]}DecoderLayer" in TILABLE
+    results = dist_pool.run(_rank_step, family, sp, 1, 1, True, False, True, world_size=sp)
+    off = None if family == "llama" else _cached_reference(family, False)
+    _check(results, _cached_reference(family), off)
 
 
 # --- refusals -------------------------------------------------------------------------------
