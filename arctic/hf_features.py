@@ -9,8 +9,14 @@ A model asks in two places:
   and what to do instead;
 - **the keyword arguments of each attention call** (transformers' ``AttentionInterface``
   signature), read on every call by :func:`read_attention_kwargs`, before any collective of
-  the call. Each known argument is implemented exactly or refused; an argument this module
-  does not know is refused too, since nobody can tell whether it changes the result.
+  the call. Every name is classified (:func:`classify`): implemented exactly
+  (:data:`HONOURED`), refused when it asks for something (:data:`REFUSED`), without effect on
+  the attention (:data:`INERT`), or one of the model's loss arguments, which transformers
+  passes down with every other keyword of ``model(**batch)`` and the attention passes over
+  (:func:`loss_arguments`, read from the installed loss function). A name nobody classified
+  is refused too, naming the transformers release, since nobody can tell whether it changes
+  the result; ``tests/test_arctic_hf_drift.py`` runs every supported family to catch such a
+  name in CI first.
 
 What is honoured (``tests/test_arctic_hf_families.py`` compares each with the unmodified model on
 one process): ``scaling``; ``sliding_window`` (per layer, as the model passes it; causal
@@ -18,8 +24,8 @@ windows of :mod:`ulysses.band`, with head chunking, fused projections, packed do
 rings); ``s_aux`` attention sinks (GPT-OSS; :mod:`ulysses.sinks`). What is refused: attention
 dropout, attention logit softcapping (Gemma2's ``attn_logit_softcapping``: no kernel here
 applies a softcap inside the softmax), non-causal attention, chunked attention (Llama4's
-``attention_chunk_size``), explicit masks, flash-attn varlen packing arguments, and returned
-attention weights.
+``attention_chunk_size``), explicit masks, flash-attn varlen packing arguments and
+``seq_idx`` (documents come from ``position_ids``), and returned attention weights.
 """
 
 from __future__ import annotations

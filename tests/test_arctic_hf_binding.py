@@ -15,6 +15,7 @@ import dist_pool
 from helpers import TOL, count_collectives, get_mesh
 
 pytest.importorskip("transformers", reason="arctic needs transformers ([hf])")
+pytestmark = pytest.mark.hf_facing
 
 from test_arctic_hf_families import S, _model, _tokens  # noqa: E402
 

@@ -21,6 +21,7 @@ import dist_pool
 from helpers import get_mesh
 
 pytest.importorskip("transformers", reason="arctic needs transformers ([hf])")
+pytestmark = pytest.mark.hf_facing
 
 from test_arctic_hf_families import _config, _tokens  # noqa: E402
 

@@ -178,14 +178,14 @@ HONOURED = {
 }
 
 
-@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("sp", [pytest.param(2, marks=pytest.mark.hf_facing), 4])
 @pytest.mark.parametrize("family", list(HONOURED))
 def test_family_matches_single_device(family, sp):
     results = dist_pool.run(_rank_step, family, sp, world_size=sp)
     _check(results, _cached_reference(family), _cached_reference(family, False))
 
 
-@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("sp", [pytest.param(2, marks=pytest.mark.hf_facing), 4])
 @pytest.mark.parametrize("family", ["stablelm", "nemotron", "mistral"])
 def test_packed_documents_reach_the_attention(family, sp):
     """StableLM and Nemotron decoder layers pass no keyword arguments on to their attention:
@@ -206,7 +206,7 @@ def test_chunked_fused_and_ring_paths(family, sp, ring, chunk, fuse):
     _check(results, _cached_reference(family), _cached_reference(family, False))
 
 
-@pytest.mark.parametrize("sp", [2, 4])
+@pytest.mark.parametrize("sp", [pytest.param(2, marks=pytest.mark.hf_facing), 4])
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_fused_projections_and_tiled_layer(family, sp):
     """The families whose attention and decoder layer the fused forward and the tiled layer
@@ -230,6 +230,7 @@ REFUSED = {
     "attention_dropout": ["LlamaForCausalLM", "attention_dropout"],
     "output_attentions": ["LlamaAttention", "output_attentions"],
     "varlen_kwargs": ["LlamaAttention", "varlen"],
+    "seq_idx": ["LlamaAttention", "seq_idx"],
     "attention_switched_back": ["LlamaAttention", "'sdpa'"],
 }
 """Each refusal -> words its message must hold (the model or module class, the feature)."""
@@ -267,6 +268,8 @@ def _refused_calls():
                                                             output_attentions=True),
         "varlen_kwargs": lambda: apply(_model("llama"))(input_ids=ids, position_ids=pos,
                                                         **varlen),
+        "seq_idx": lambda: apply(_model("llama"))(input_ids=ids, position_ids=pos,
+                                                  seq_idx=torch.zeros_like(ids, dtype=torch.int32)),
         "attention_switched_back": switched_back,
     }
 
@@ -283,6 +286,7 @@ def _rank_refusals():
     return found
 
 
+@pytest.mark.hf_facing
 def test_refusals_raise_on_every_rank_before_any_collective():
     for found in dist_pool.run(_rank_refusals, world_size=2):
         for name, words in REFUSED.items():

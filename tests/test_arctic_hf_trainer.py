@@ -23,7 +23,8 @@ def _run(cmd: list[str], out: Path) -> dict:
     return json.loads(out.read_text())
 
 
-@pytest.mark.parametrize("optim", [["--optim", "adamw_torch"],
+@pytest.mark.parametrize("optim", [pytest.param(["--optim", "adamw_torch"],
+                                                marks=pytest.mark.hf_facing),
                                    # Adam and clipping hide a wrong gradient scale; SGD does not.
                                    # TrainingArguments(gradient_checkpointing=True) too: HF's
                                    # checkpointing for the plain run, ours for SP.

@@ -66,6 +66,7 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
+@pytest.mark.hf_facing
 @pytest.mark.parametrize("name", list(FAMILIES))
 def test_sp_loss_equals_hf_loss(name):
     ids, labels, positions, shift = _batch()

@@ -227,6 +227,7 @@ def test_no_offload_is_skipped_only_when_half_the_offloaded_inputs_overflow():
     assert _inputs_overflow(at(250, state=60)) is None
 
 
+@pytest.mark.hf_facing
 def test_verdict_names_the_limit(tmp_path):
     """Plain Ulysses (untiled logits) at 512K tokens on 8 x 80 GiB does not fit; the full stack
     does, and uses far less."""

@@ -37,6 +37,7 @@ def _loss_and_grads(model):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+@pytest.mark.hf_facing
 @pytest.mark.parametrize("family", ["Llama", "Mistral", "Qwen2", "Qwen3"])
 @pytest.mark.parametrize("before", ["none", "tiled_mlp_and_norms"])
 def test_tiled_layer_matches_the_stock_layer(family, before):
