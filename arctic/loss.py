@@ -205,7 +205,9 @@ def _probe(model: nn.Module, base: nn.Module, head: nn.Module, vocab: int, hidde
     positions = torch.arange(PROBE_TOKENS, device=device).unsqueeze(0)
     with _stubbed(base, base_forward), _stubbed(head, head_forward):
         # The class's forward: the instance's is ours after apply_sp_loss (and may be already).
-        out = type(model).forward(model, input_ids=ids, position_ids=positions, use_cache=False)
+        use_cache = of_module(model).name_of("use_cache")
+        flags = {use_cache: False} if use_cache else {}
+        out = type(model).forward(model, input_ids=ids, position_ids=positions, **flags)
     if not base_calls:
         raise _NotVerifiable(f"its forward does not call its base model "
                              f"({type(base).__name__}), which the tiled loss calls")
