@@ -10,13 +10,14 @@ setup(
     packages=find_packages(include=["ulysses", "ulysses.*", "arctic", "arctic.*", "offload", "offload.*"]),
     # A range, never a pin: GPU users keep the CUDA build they already have. The lower bounds
     # of the HF-facing packages are the oldest versions CI runs (.ci/lower_bounds.py reads
-    # them; transformers 5.13 is the first whose Nemotron attention goes through
-    # AttentionInterface, accelerate 1.1 what its Trainer needs).
+    # them): transformers 5.13 is the first whose Nemotron attention goes through
+    # AttentionInterface; accelerate 1.3 the first whose unwrap_model takes the
+    # keep_torch_compile that transformers' Trainer passes.
     install_requires=["torch>=2.5", "einops>=0.7"],
     extras_require={
-        "test": ["pytest>=7", "deepspeed>=0.17.0", "numpy", "transformers>=5.13.0", "accelerate>=1.1.0",
+        "test": ["pytest>=7", "deepspeed>=0.17.0", "numpy", "transformers>=5.13.0", "accelerate>=1.3.0",
                  "matplotlib"],
-        "hf": ["deepspeed>=0.17.0", "transformers>=5.13.0", "accelerate>=1.1.0"],
+        "hf": ["deepspeed>=0.17.0", "transformers>=5.13.0", "accelerate>=1.3.0"],
         "plan": ["transformers>=5.13.0", "matplotlib"],  # python -m arctic.plan [--plot]
     },
 )
