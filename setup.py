@@ -12,12 +12,15 @@ setup(
     # of the HF-facing packages are the oldest versions CI runs (.ci/lower_bounds.py reads
     # them): transformers 5.13 is the first whose Nemotron attention goes through
     # AttentionInterface; accelerate 1.3 the first whose unwrap_model takes the
-    # keep_torch_compile that transformers' Trainer passes.
+    # keep_torch_compile that transformers' Trainer passes; deepspeed 0.19.8 the oldest the
+    # whole suite ran on (0.17.0 passes the HF-facing tests, but its ZeRO-2 step and offloaded
+    # state differ from what the tests and the planner expect, and it lacks the
+    # TiledFusedLogitsLoss the benchmarks' ALST peer uses).
     install_requires=["torch>=2.5", "einops>=0.7"],
     extras_require={
-        "test": ["pytest>=7", "deepspeed>=0.17.0", "numpy", "transformers>=5.13.0", "accelerate>=1.3.0",
+        "test": ["pytest>=7", "deepspeed>=0.19.8", "numpy", "transformers>=5.13.0", "accelerate>=1.3.0",
                  "matplotlib"],
-        "hf": ["deepspeed>=0.17.0", "transformers>=5.13.0", "accelerate>=1.3.0"],
+        "hf": ["deepspeed>=0.19.8", "transformers>=5.13.0", "accelerate>=1.3.0"],
         "plan": ["transformers>=5.13.0", "matplotlib"],  # python -m arctic.plan [--plot]
     },
 )
