@@ -87,6 +87,8 @@ class ForwardSignature:
     """A name a caller may use -> the name this forward binds it to."""
     var_keyword: str | None
     """The ``**kwargs`` parameter's name, if any."""
+    var_positional: str | None
+    """The ``*args`` parameter's name, if any."""
 
     def bind(self, args: tuple, kwargs: Mapping[str, Any]) -> BoundCall:
         """Bind a call as the stock forward would: ``TypeError`` where it would raise one."""
@@ -105,9 +107,7 @@ class ForwardSignature:
         values = dict(bound.arguments)
         extra = values.pop(self.var_keyword, {}) if self.var_keyword else {}
         first = values.pop(self.first) if self.first else None
-        star = [n for n, p in self.signature.parameters.items()
-                if p.kind is inspect.Parameter.VAR_POSITIONAL]
-        if star and values.pop(star[0]):
+        if self.var_positional and values.pop(self.var_positional):
             raise TypeError(f"{self.owner}.forward: extra positional arguments are not "
                             f"supported by the wrapped forward")
         given = {n for n, v in values.items()
@@ -175,9 +175,11 @@ def _build(fn: Callable, owner: str, skip_self: bool) -> ForwardSignature:
     sig = sig.replace(parameters=params)
     positional = [p for p in params if p.kind in (inspect.Parameter.POSITIONAL_ONLY,
                                                    inspect.Parameter.POSITIONAL_OR_KEYWORD)]
+    first = positional[0].name if positional else None
+    var = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
     roles: dict[str, str] = {}
     for p in params:
-        if p.name == (positional[0].name if positional else None) or p.kind in (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD):
+        if p.name == first or p.kind in var:
             continue
         role = "cache" if _is_cache_annotation(p.annotation) else next(
             (r for r, names in ROLE_NAMES.items() if p.name in names), None)
@@ -189,9 +191,9 @@ def _build(fn: Callable, owner: str, skip_self: bool) -> ForwardSignature:
             if alias != name and alias not in sig.parameters:
                 renames.setdefault(alias, name)
     var_kw = next((p.name for p in params if p.kind is inspect.Parameter.VAR_KEYWORD), None)
-    first = positional[0].name if positional else None
+    var_pos = next((p.name for p in params if p.kind is inspect.Parameter.VAR_POSITIONAL), None)
     return ForwardSignature(owner, sig, first, types.MappingProxyType(roles),
-                            types.MappingProxyType(renames), var_kw)
+                            types.MappingProxyType(renames), var_kw, var_pos)
 
 
 @functools.cache
