@@ -206,6 +206,7 @@ def predict(args) -> None:
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     from arctic.plan import buffer_pools, fake_world, track_peak
+    from ulysses.trace_shortcuts import memory_trace
 
     fake_world(args.world)
     mesh = SequenceParallelDims(world_size=args.world,
@@ -217,7 +218,8 @@ def predict(args) -> None:
     for s in args.stacks or STACKS + (UNCHUNKED, SEQ):
         if s == PEER:
             continue  # DeepSpeed's pieces are not ours to plan
-        with FakeTensorMode(allow_non_fake_inputs=True):
+        # the planner's shortcuts: the same peaks, without the repeated tiles and hops
+        with FakeTensorMode(allow_non_fake_inputs=True), memory_trace():
             ids = torch.randint(0, 256, (1, args.seq))
             batch = prepare_sp_batch({"input_ids": ids}, mesh)
             model = build(s, args, mesh, device, args.seq)

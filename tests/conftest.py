@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import dist_pool
+import plan_server
 
 VERSIONED = ("torch", "transformers", "accelerate", "deepspeed")
 """The packages whose installed versions a run reports (in its header and on every failure)."""
@@ -55,3 +56,4 @@ def pytest_collection_modifyitems(config, items):
 def _shutdown_pools():
     yield
     dist_pool.shutdown()
+    plan_server.shutdown()

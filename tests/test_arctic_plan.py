@@ -1,8 +1,9 @@
 """The memory planner (``python -m arctic.plan``): its trace reproduces measured peaks, its depth
 extrapolation reproduces full traces, and its command line answers and refuses as documented.
 
-Each planner run is a subprocess: it initializes torch's fake process group, which must not
-leak into other tests."""
+Each planner command line runs in a process of its own (tests/plan_server.py: one long-lived
+process answers them all): it initializes torch's fake process group, which must not leak into
+other tests."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import plan_server
 import pytest
 
 from arctic.plan import parse_bytes, parse_tokens
@@ -27,6 +29,10 @@ _CACHE = tempfile.mkdtemp(prefix="arctic-plan-cache-")  # this run's traces, sha
 
 
 def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    """``python *args``; ``-m arctic.plan ...`` goes to the planner's process."""
+    if args[:2] == ("-m", "arctic.plan"):
+        return plan_server.plan(list(args[2:]), env={"ARCTIC_PLAN_CACHE": _CACHE},
+                                timeout=timeout)
     env = dict(os.environ, ARCTIC_PLAN_CACHE=_CACHE)
     return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
                           timeout=timeout, env=env)
@@ -46,13 +52,20 @@ def test_predicted_peaks_match_the_memory_benchmark_within_10_percent(tmp_path):
     # 4 layers: offload lowers the peak (at 2 the prefetch brings layer 0 back for the peak)
     common = ["--seq", "4096", "--layers", "4"]
     stacks = ["ulysses", "+chunking", "+tiling", "+ckpt+offload"]
-    real = _run("-m", "torch.distributed.run", "--nproc_per_node", "2",
-                "benchmarks/memory.py", *common, "--iters", "1", "--stacks", *stacks,
-                "--out", str(tmp_path / "real.json"))
+    # the prediction (one thread) runs while the two ranks measure
+    predicting = subprocess.Popen(
+        [sys.executable, "benchmarks/memory.py", "--predict", "--world", "2", *common,
+         "--stacks", *stacks, "--out", str(tmp_path / "pred.json")],
+        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        real = _run("-m", "torch.distributed.run", "--nproc_per_node", "2",
+                    "benchmarks/memory.py", *common, "--iters", "1", "--stacks", *stacks,
+                    "--out", str(tmp_path / "real.json"))
+        _, err = predicting.communicate(timeout=300)
+    finally:
+        predicting.kill()
     assert real.returncode == 0, real.stderr[-3000:]
-    pred = _run("benchmarks/memory.py", "--predict", "--world", "2", *common,
-                "--stacks", *stacks, "--out", str(tmp_path / "pred.json"))
-    assert pred.returncode == 0, pred.stderr[-3000:]
+    assert predicting.returncode == 0, err[-3000:]
     measured = json.loads((tmp_path / "real.json").read_text())["stacks"]
     predicted = json.loads((tmp_path / "pred.json").read_text())["predicted"]
     for s in stacks:

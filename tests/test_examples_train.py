@@ -62,9 +62,13 @@ def test_readme_main_job_runs_and_loss_decreases(tmp_path):
 
 
 def test_killed_run_resumes_step_for_step(tmp_path):
+    # The uninterrupted run and the one to kill start together (their imports overlap).
     common = ["--num_gpus", "2", "examples/train.py", "--seq-len", "256", "--max-steps", "14"]
-    _run(common + ["--log-file", str(tmp_path / "ref.jsonl")])
-    reference = _losses(tmp_path / "ref.jsonl")
+    uninterrupted = subprocess.Popen(  # its own port: DeepSpeed's shared memory is named by it
+        _launcher() + ["--master_port", "29517"] + common + ["--log-file",
+                                                             str(tmp_path / "ref.jsonl")],
+        cwd=REPO, env=ENV, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True,
+        start_new_session=True)
 
     ckpt, log = tmp_path / "ckpt", tmp_path / "run.jsonl"
     run = common + ["--save-dir", str(ckpt), "--save-every", "3", "--log-file", str(log)]
@@ -81,6 +85,13 @@ def test_killed_run_resumes_step_for_step(tmp_path):
     killed_at = max(_losses(log))
     assert killed_at < 14, killed_at
 
+    try:
+        out, _ = uninterrupted.communicate(timeout=300)
+    finally:
+        if uninterrupted.poll() is None:
+            os.killpg(uninterrupted.pid, signal.SIGKILL)
+    assert uninterrupted.returncode == 0, out[-3000:]
+    reference = _losses(tmp_path / "ref.jsonl")
     _run(run + ["--resume"])
     resumed = _losses(log)
     assert sorted(resumed) == sorted(reference)
