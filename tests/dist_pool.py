@@ -54,6 +54,7 @@ class _Pool:
         os.unlink(self._init_file)
         self._tasks = [_CTX.Queue() for _ in range(world_size)]
         self._results = _CTX.Queue()
+        self._stopped = False
         self._procs = [
             _CTX.Process(target=_worker, args=(r, world_size, self._init_file, self._tasks[r],
                                                self._results), daemon=True)
@@ -81,13 +82,22 @@ class _Pool:
             raise AssertionError(f"{fn.__name__} failed on ranks {sorted(failed)}:\n{report}")
         return [got[r][1] for r in range(self.world_size)]
 
+    def stop(self) -> None:
+        """Ask every worker to leave its loop (without waiting for it); once."""
+        if self._stopped:
+            return
+        self._stopped = True
+        for p, q in zip(self._procs, self._tasks):
+            if p.is_alive():
+                q.put(None)
+
     def close(self, kill: bool = False) -> None:
         _POOLS.pop(self.world_size, None)
-        for p, q in zip(self._procs, self._tasks):
-            if kill:
+        if kill:
+            for p in self._procs:
                 p.kill()
-            elif p.is_alive():
-                q.put(None)
+        else:
+            self.stop()
         for p in self._procs:
             p.join(timeout=10)
             if p.is_alive():
@@ -111,5 +121,8 @@ def run(fn, *args, world_size: int, timeout: float = 120, **kwargs) -> list:
 
 
 def shutdown() -> None:
-    for pool in list(_POOLS.values()):
+    pools = list(_POOLS.values())
+    for pool in pools:  # every worker of every pool winds down at once
+        pool.stop()
+    for pool in pools:
         pool.close()

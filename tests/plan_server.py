@@ -44,9 +44,7 @@ def _main(argv: list[str]) -> tuple[int, str, str]:
     return code or 0, out.getvalue(), err.getvalue()
 
 
-def plan(argv: list[str], *, env: dict[str, str],
-         timeout: float = 300) -> subprocess.CompletedProcess:
-    """``python -m arctic.plan *argv`` with ``env`` added to the environment."""
+def _executor(env: dict[str, str]) -> concurrent.futures.ProcessPoolExecutor:
     global _EXECUTOR, _ENV
     if _EXECUTOR is not None and env != _ENV:
         shutdown()
@@ -55,12 +53,24 @@ def plan(argv: list[str], *, env: dict[str, str],
             1, mp_context=multiprocessing.get_context("spawn"), initializer=_start,
             initargs=(env,))
         _ENV = dict(env)
-    future = _EXECUTOR.submit(_main, list(argv))
+    return _EXECUTOR
+
+
+def call(fn, *args, env: dict[str, str], timeout: float = 300):
+    """``fn(*args)`` (a module-level function) in the planner's process, with ``env`` added
+    to its environment."""
+    future = _executor(env).submit(fn, *args)
     try:
-        code, out, err = future.result(timeout=timeout)
+        return future.result(timeout=timeout)
     except concurrent.futures.TimeoutError:
         shutdown(kill=True)
-        raise TimeoutError(f"arctic.plan {' '.join(argv)} did not finish within {timeout}s")
+        raise TimeoutError(f"{fn.__name__} did not finish within {timeout}s") from None
+
+
+def plan(argv: list[str], *, env: dict[str, str],
+         timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python -m arctic.plan *argv`` with ``env`` added to the environment."""
+    code, out, err = call(_main, list(argv), env=env, timeout=timeout)
     return subprocess.CompletedProcess(["-m", "arctic.plan", *argv], code, out, err)
 
 

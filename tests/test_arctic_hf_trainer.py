@@ -16,11 +16,37 @@ pytest.importorskip("transformers", reason="the Trainer plugin needs transformer
 REPO = Path(__file__).resolve().parent.parent
 
 
-def _run(cmd: list[str], out: Path) -> dict:
-    proc = subprocess.run(cmd + ["--losses-out", str(out), "--output-dir", str(out.parent)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+SCRIPT = str(REPO / "examples" / "hf_trainer.py")
+_PLAIN: dict[tuple[str, ...], dict] = {}
+"""The plain Trainer's record per optimizer arguments: the same run serves every test."""
+
+
+def _start(cmd: list[str], out: Path) -> subprocess.Popen:
+    return subprocess.Popen(cmd + ["--losses-out", str(out), "--output-dir", str(out.parent)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+
+
+def _finish(proc: subprocess.Popen, out: Path) -> dict:
+    try:
+        log, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, log[-6000:]
     return json.loads(out.read_text())
+
+
+def _sp_and_plain(tmp_path: Path, sp_cmd: list[str], optim: list[str]) -> tuple[dict, dict]:
+    """The SP run's record and the plain Trainer's, the plain one run beside it (once)."""
+    sp_out, key = tmp_path / "sp" / "sp.json", tuple(optim)
+    sp = _start(sp_cmd, sp_out)
+    try:
+        if key not in _PLAIN:
+            out = tmp_path / "plain" / "plain.json"
+            _PLAIN[key] = _finish(_start([sys.executable, SCRIPT, "--plain"] + optim, out), out)
+        return _finish(sp, sp_out), _PLAIN[key]
+    finally:
+        sp.kill()  # a no-op once it has finished
 
 
 @pytest.mark.parametrize("optim", [pytest.param(["--optim", "adamw_torch"],
@@ -32,11 +58,11 @@ def _run(cmd: list[str], out: Path) -> dict:
                                     "--gradient-checkpointing"]],
                          ids=["adamw", "sgd-unclipped-gc"])
 def test_sp_trainer_matches_plain_trainer(tmp_path, optim):
-    script = str(REPO / "examples" / "hf_trainer.py")
-    plain = _run([sys.executable, script, "--plain"] + optim, tmp_path / "plain.json")
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    sp = _run([torchrun, "--nproc-per-node", "2", script, "--deepspeed",
-               str(REPO / "configs" / "cpu_trainer.json")] + optim, tmp_path / "sp.json")
+    sp, plain = _sp_and_plain(tmp_path, [torchrun, "--nproc-per-node", "2", SCRIPT,
+                                         "--deepspeed", str(REPO / "configs" /
+                                                            "cpu_trainer.json")] + optim,
+                              optim)
     assert sp["global_step"] == plain["global_step"] == 5
     assert len(sp["loss"]) == len(plain["loss"]) == 5
     assert sp["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=0)
@@ -60,15 +86,14 @@ def test_accelerate_launch_with_the_shipped_yaml(tmp_path):
     ds_file = REPO / acc["deepspeed_config"]["deepspeed_config_file"]
     assert SequenceParallelConfig.from_ds_config(ds_file, world_size=acc["num_processes"]).\
         sequence_parallel_size == 2
-    script = str(REPO / "examples" / "hf_trainer.py")
-    plain = _run([sys.executable, script, "--plain"], tmp_path / "plain.json")
     accelerate = str(Path(sys.executable).parent / "accelerate")
-    sp = _run([accelerate, "launch", "--config_file", str(config), script, "--save-steps", "5"],
-              tmp_path / "sp.json")
+    optim = ["--optim", "adamw_torch"]  # the script's default, said: the adamw plain run
+    sp, plain = _sp_and_plain(tmp_path, [accelerate, "launch", "--config_file", str(config),
+                                         SCRIPT, "--save-steps", "5"] + optim, optim)
     assert sp["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=0)
     assert sp["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5, abs=0)
     # Saving as a plain Trainer does: checkpoint-5 with the model and the trainer state.
-    ckpt = tmp_path / "checkpoint-5"
+    ckpt = tmp_path / "sp" / "checkpoint-5"
     assert (ckpt / "config.json").is_file() and (ckpt / "trainer_state.json").is_file()
     assert json.loads((ckpt / "trainer_state.json").read_text())["global_step"] == 5
     assert any(ckpt.glob("*.safetensors")) or any(ckpt.glob("global_step5"))
