@@ -54,10 +54,10 @@ def _examples_common():
     return module
 
 
-def _torchrun(nproc: int, args: list[str], timeout: float = 240,
-             seq_len: int = SEQ_LEN) -> subprocess.CompletedProcess:
+def _torchrun(nproc: int, args: list[str], timeout: float = 240, seq_len: int = SEQ_LEN,
+              launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
-           "examples/train_fsdp.py", "--seq-len", str(seq_len), "--lr", str(LR)] + args
+           *launcher, "examples/train_fsdp.py", "--seq-len", str(seq_len), "--lr", str(LR)] + args
     return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True,
                           timeout=timeout)
 
@@ -196,8 +196,11 @@ def test_stopped_run_resumes_step_for_step(dp1_sp2_run, tmp_path):
 def test_zero_config_refused_on_every_rank_before_training(tmp_path):
     config = json.loads((REPO / "configs" / "cpu_demo.json").read_text())
     assert config["zero_optimization"]["stage"] == 3
+    # torchrun stops the other ranks once one has failed; it looks every 3 s here (not every
+    # 0.1 s), so that a rank a little behind on 2 busy cores still reaches its own refusal.
     proc = _torchrun(2, ["--config", str(REPO / "configs" / "cpu_demo.json"),
-                         "--log-file", str(tmp_path / "log.jsonl")], timeout=120)
+                         "--log-file", str(tmp_path / "log.jsonl")], timeout=120,
+                     launcher=("--monitor-interval", "3"))
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     errors = [l for l in out.splitlines()
