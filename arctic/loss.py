@@ -43,23 +43,24 @@ from arctic.tiling import check_logit_transform, tiled_logits_loss, transform_lo
 
 class _SPTokenLoss(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, loss_sum, num_valid, group, averaged_over_sp):
+    def forward(ctx, loss_sum, num_valid, group, averaged_over_sp, num_items):
         sp = dist.get_world_size(group) if group is not None or dist.is_initialized() else 1
         totals = torch.stack([loss_sum.detach().float(), num_valid.detach().float()])
         if sp > 1:
             dist.all_reduce(totals, group=group)
         # No valid label anywhere in the group: the loss is 0 and so are the gradients.
-        count = totals[1].clamp(min=1.0)
+        count = totals[1].clamp(min=1.0) if num_items is None else num_items
         ctx.scale = (sp if averaged_over_sp else 1) / count
         return totals[0] / count
 
     @staticmethod
     def backward(ctx, grad):
-        return grad * ctx.scale, None, None, None
+        return grad * ctx.scale, None, None, None, None
 
 
 def sp_token_loss(loss_sum: Tensor, num_valid: Tensor | int, *,
-                  group: dist.ProcessGroup | None, averaged_over_sp: bool = True) -> Tensor:
+                  group: dist.ProcessGroup | None, averaged_over_sp: bool = True,
+                  num_items_in_batch: Tensor | int | None = None) -> Tensor:
     """The group's token-mean loss, with gradients scaled for dp x sp averaging.
 
     Args:
@@ -70,18 +71,29 @@ def sp_token_loss(loss_sum: Tensor, num_valid: Tensor | int, *,
             uninitialized process group means a single rank.
         averaged_over_sp: whether the gradient reduction divides by the sp ranks too (DDP,
             FSDP2: True) or sums over them (DeepSpeed with an SP ``mpu``: False).
+        num_items_in_batch: HF's divisor: the valid labels of everything the caller's loss is
+            normalised over (all micro-batches of an accumulated step, and the ranks the caller
+            counted), used in place of the group's own count. Must be positive.
 
     Returns:
-        A scalar equal on every rank of the group: ``sum(loss_sum) / max(1, sum(num_valid))``.
-        Backward gives this rank's ``loss_sum`` the gradient ``sp / sum(num_valid)`` (or
-        ``1 / sum(num_valid)`` when not ``averaged_over_sp``). Every
+        A scalar equal on every rank of the group: ``sum(loss_sum) / max(1, sum(num_valid))``,
+        or ``sum(loss_sum) / num_items_in_batch``. Backward gives this rank's ``loss_sum`` the
+        gradient ``sp / divisor`` (or ``1 / divisor`` when not ``averaged_over_sp``). Every
         rank must call this (it all-reduces), including ranks with no valid label.
     """
     if loss_sum.dim() != 0:
         raise ValueError(f"loss_sum must be a scalar, got shape {tuple(loss_sum.shape)}")
     if not torch.is_tensor(num_valid):
         num_valid = torch.tensor(num_valid, device=loss_sum.device)
-    return _SPTokenLoss.apply(loss_sum, num_valid.to(loss_sum.device), group, averaged_over_sp)
+    divisor = None
+    if num_items_in_batch is not None:
+        divisor = torch.as_tensor(num_items_in_batch).detach().float().reshape(())
+        if not bool(divisor > 0):
+            raise ValueError(f"num_items_in_batch must be positive, got "
+                             f"{float(divisor):g}")
+        divisor = divisor.to(loss_sum.device)
+    return _SPTokenLoss.apply(loss_sum, num_valid.to(loss_sum.device), group, averaged_over_sp,
+                              divisor)
 
 
 # --- the head's logit transform -----------------------------------------------------------------
@@ -308,18 +320,26 @@ class _SPLossForward:
 
     def __init__(self, model: nn.Module, group, averaged_over_sp: bool) -> None:
         self.model, self.group, self.averaged_over_sp = model, group, averaged_over_sp
-        self.loss_arguments = loss_arguments(model) - {"shift_labels"}
+        self.loss_arguments = loss_arguments(model) - {"shift_labels", "num_items_in_batch"}
 
-    def __call__(self, input_ids: Tensor, position_ids: Tensor, shift_labels: Tensor,
-                 **kwargs: Any) -> Tensor:
-        # HF's loss arguments would change HF's loss (num_items_in_batch divides the sum by
-        # it, labels are shifted on this rank's piece); this loss computes none of them.
+    def __call__(self, input_ids: Tensor, position_ids: Tensor,
+                 shift_labels: Tensor | None = None,
+                 num_items_in_batch: Tensor | int | None = None, **kwargs: Any) -> Tensor:
+        if shift_labels is None:
+            raise ValueError("a model prepared with apply_sp_loss takes the batch of "
+                             "arctic.data.prepare_sp_batch: input_ids, position_ids and "
+                             "shift_labels (labels shifted before sharding: a piece's last "
+                             "target lives on the next rank)"
+                             + ("; got labels=, HF's unshifted form: give the full labels to "
+                                "prepare_sp_batch instead" if "labels" in kwargs else ""))
+        # HF's other loss arguments would change HF's loss (labels are shifted on this rank's
+        # piece, ignore_index renames -100); this loss computes none of them.
         asked = sorted(n for n, v in kwargs.items() if n in self.loss_arguments and v is not None)
         if asked:
             raise ValueError(f"apply_sp_loss computes the token mean over the sequence-parallel "
-                             f"group from shift_labels; {asked} would ask HF's loss for "
-                             f"something else, which it does not reproduce: leave them out of "
-                             f"the batch")
+                             f"group from shift_labels (divided by num_items_in_batch when "
+                             f"given); {asked} would ask HF's loss for something else, which "
+                             f"it does not reproduce: leave them out of the batch")
         # No KV cache in training: it would keep every layer's k/v alive until the step ends.
         use_cache = of_module(self.model.base_model).name_of("use_cache") or "use_cache"
         kwargs.setdefault(use_cache, False)
@@ -327,12 +347,16 @@ class _SPLossForward:
                                        **kwargs).last_hidden_state
         loss_sum, num_valid = self.model.get_output_embeddings()(hidden, shift_labels)
         return sp_token_loss(loss_sum, num_valid, group=self.group,
-                             averaged_over_sp=self.averaged_over_sp)
+                             averaged_over_sp=self.averaged_over_sp,
+                             num_items_in_batch=num_items_in_batch)
 
 
 def apply_sp_loss(model: nn.Module, *, group, loss_tiles: int | str = "auto",
                   averaged_over_sp: bool = True) -> nn.Module:
     """Make ``model(input_ids=, position_ids=, shift_labels=)`` return the SP loss.
+
+    ``num_items_in_batch=`` (HF's name) divides the group's summed loss by it instead of the
+    group's own count of valid labels: the loss of a micro-batch of an accumulated step.
 
     The batch is one from :func:`arctic.data.prepare_sp_batch`. The loss runs through module
     calls only (the base model, then the lm_head), so parameter-sharding hooks (ZeRO-3) fire

@@ -15,7 +15,16 @@ What it changes, and nothing else:
   ranks of an SP group read the same samples and evaluation also runs sequence-parallel
   (running it without SP is what runs out of memory in transformers#46868);
 - the loss: the token mean over the SP group, equal on its ranks, so the logged loss (the
-  Trainer's mean over ranks) is the mean over data-parallel replicas.
+  Trainer's mean over ranks) is the mean over data-parallel replicas;
+- gradient accumulation, as HF weighs it: ``num_items_in_batch`` counts the valid
+  ``shift_labels`` of all the step's micro-batches (every rank's piece, over all ranks with
+  ``average_tokens_across_devices``, else over the SP group), and each micro-batch's loss is
+  its summed token loss over that count.
+
+What the tiled loss cannot give is refused at construction, before any collective:
+``label_smoothing_factor``, ``compute_loss_func``, ``compute_metrics`` and
+``preprocess_logits_for_metrics`` (each needs the whole logits, which are never
+materialised), and ``predict()``.
 
 DeepSpeed runs inside the Trainer without our ``mpu`` (accelerate builds the engine), so it
 treats every rank as data parallel: it averages gradients over all ranks (the SP loss scales
@@ -32,12 +41,15 @@ import dataclasses
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from transformers import Trainer
 
 from arctic import allocator
 from arctic.config import SequenceParallelConfig, load_ds_config
-from arctic.data import SequenceParallelDataLoader
+from arctic.data import IGNORE_INDEX, SequenceParallelDataLoader
 from arctic.engine import apply_sp_recipe, host_limit_beside_state
+from ulysses import flat_mesh
+from ulysses.mesh import axis_size
 
 SP_KEYS = ("sequence_parallel_size", "seq_parallel_communication_data_type", "ulysses")
 
@@ -55,6 +67,7 @@ class SequenceParallelTrainer(Trainer):
         if args is None or not args.deepspeed:
             raise ValueError("SequenceParallelTrainer reads its settings from "
                              "TrainingArguments(deepspeed=<config with sequence_parallel_size>)")
+        _refuse_what_the_tiled_loss_cannot_give(args, kwargs)
         ds = dict(load_ds_config(args.deepspeed))
         sp = SequenceParallelConfig.from_ds_config(ds, world_size=args.world_size)
         allocator.use_expandable_segments()  # arctic.allocator: unless the user set it
@@ -73,6 +86,9 @@ class SequenceParallelTrainer(Trainer):
         _hand_deepspeed_plain_config(args, {k: v for k, v in ds.items() if k not in SP_KEYS})
         self._sp_collate = data_collator or _collate
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
+        # The SP loss takes num_items_in_batch (its divisor): the Trainer then leaves the
+        # accumulated loss undivided by the accumulation steps, as for HF's own losses.
+        self.model_accepts_loss_kwargs = True
 
     def get_train_dataloader(self) -> SequenceParallelDataLoader:
         if self.train_dataset is None:
@@ -98,10 +114,38 @@ class SequenceParallelTrainer(Trainer):
             raise ValueError("pass one eval dataset at a time to SequenceParallelTrainer")
         return self._sp_loader(dataset, self.args.per_device_eval_batch_size, False)
 
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The step's micro-batches, and HF's ``num_items_in_batch`` for them: the valid
+        ``shift_labels`` of every piece, summed over all ranks (each token lives on one rank
+        of its SP group) with ``average_tokens_across_devices``, else over the SP group."""
+        batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if not batches:
+            return batches, None
+        count = sum(b["shift_labels"].ne(IGNORE_INDEX).sum() for b in batches)
+        count = count.to(device=device, dtype=torch.float32)
+        if dist.is_initialized():
+            group = (None if self.args.average_tokens_across_devices else
+                     flat_mesh(self.sp_mesh, "sp").get_group())
+            dist.all_reduce(count, group=group)
+        return batches, count
+
     def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
-        # The model's forward is the SP loss already (token mean over the SP group).
+        # The model's forward is the SP loss already: the SP group's summed token loss over
+        # num_items_in_batch (or over the group's own count), equal on the group's ranks.
+        if num_items_in_batch is not None:
+            inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
         loss = model(**inputs)
+        if num_items_in_batch is not None and self.args.average_tokens_across_devices:
+            # As HF multiplies by the number of processes: the count spans every data-parallel
+            # replica, and the ranks' mean (logged, and DeepSpeed's gradient average) must
+            # add the replicas up. The SP loss already accounts for the SP ranks.
+            loss = loss * axis_size(self.sp_mesh, "dp")
         return (loss, {"loss": loss}) if return_outputs else loss
+
+    def predict(self, *args, **kwargs):
+        raise ValueError("SequenceParallelTrainer.predict is not supported: the tiled loss never "
+                         "materialises the logits. Use evaluate() for the loss, or predict "
+                         "with a model that sequence parallelism was not applied to")
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
@@ -120,3 +164,18 @@ def _hand_deepspeed_plain_config(args, ds_config: dict) -> None:
     args.hf_deepspeed_config = HfTrainerDeepSpeedConfig(ds_config)
     args.hf_deepspeed_config.trainer_config_process(args)
     args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=args.hf_deepspeed_config)
+
+
+def _refuse_what_the_tiled_loss_cannot_give(args, kwargs: dict) -> None:
+    """A ValueError naming each Trainer option whose effect needs the whole logits."""
+    if args.label_smoothing_factor:
+        raise ValueError(f"TrainingArguments(label_smoothing_factor="
+                         f"{args.label_smoothing_factor}) is not supported by "
+                         f"SequenceParallelTrainer: the tiled SP loss computes plain "
+                         f"cross-entropy and never holds the logits HF's LabelSmoother reads. "
+                         f"Set it to 0")
+    for name in ("compute_loss_func", "compute_metrics", "preprocess_logits_for_metrics"):
+        if kwargs.get(name) is not None:
+            raise ValueError(f"SequenceParallelTrainer does not support {name}: it needs the "
+                             f"model's whole logits, which the tiled SP loss never "
+                             f"materialises (evaluate() reports the loss only). Leave it out")

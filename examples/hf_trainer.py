@@ -28,7 +28,26 @@ class _Plain(Trainer):
 
 def _plain_collate(features):
     ids = torch.stack([f["input_ids"] for f in features])
-    return {"input_ids": ids, "labels": ids}
+    labels = torch.stack([f["labels"] for f in features]) if "labels" in features[0] else ids
+    return {"input_ids": ids, "labels": labels}
+
+
+class _UnevenLabels(torch.utils.data.Dataset):
+    """The samples with labels on their tokens 1..k only: k = 10 for even samples, 200 for odd
+    ones, so that accumulated micro-batches hold very different numbers of targets."""
+
+    def __init__(self, samples) -> None:
+        self.samples = samples
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict:
+        ids = self.samples[i]["input_ids"]
+        k = 10 if i % 2 == 0 else 200
+        labels = torch.full_like(ids, -100)
+        labels[1:k + 1] = ids[1:k + 1]
+        return {"input_ids": ids, "labels": labels}
 
 
 def main() -> None:
@@ -45,6 +64,11 @@ def main() -> None:
     p.add_argument("--save-steps", type=int, default=0, help="0: no checkpoints")
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="TrainingArguments(gradient_checkpointing=True)")
+    p.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps")
+    p.add_argument("--uneven-labels", action="store_true",
+                   help="labels on 10 tokens of even samples and 200 of odd ones")
+    p.add_argument("--zero-stage", type=int, default=None,
+                   help="override the DeepSpeed config's zero_optimization.stage")
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -52,15 +76,22 @@ def main() -> None:
     corpus = ByteCorpus(REPO / "examples" / "data" / "corpus.txt", args.seq_len)
     train = torch.utils.data.Subset(corpus, range(64))
     evaluation = torch.utils.data.Subset(corpus, range(64, 72))
+    if args.uneven_labels:
+        train, evaluation = _UnevenLabels(train), _UnevenLabels(evaluation)
+    deepspeed = args.deepspeed
+    if args.zero_stage is not None:
+        deepspeed = json.loads(Path(args.deepspeed).read_text())
+        deepspeed["zero_optimization"] = {"stage": args.zero_stage}
     targs = TrainingArguments(
         output_dir=args.output_dir, per_device_train_batch_size=1, per_device_eval_batch_size=1,
         max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler_type="constant",
+        gradient_accumulation_steps=args.grad_accum,
         max_grad_norm=args.max_grad_norm,
         logging_steps=1, save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500, report_to=[], use_cpu=not torch.cuda.is_available(),
         train_sampling_strategy="sequential", optim=args.optim, seed=0,
         gradient_checkpointing=args.gradient_checkpointing,
-        deepspeed=None if args.plain else args.deepspeed)
+        deepspeed=None if args.plain else deepspeed)
     if args.plain:
         trainer = _Plain(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,
                          data_collator=_plain_collate)

@@ -175,7 +175,7 @@ def _rank_sp_loss_refuses_hf_loss_arguments():
     apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group(), loss_tiles=2)
     batch = prepare_sp_batch({"input_ids": _tokens(), "labels": _tokens()}, mesh)
     found = {}
-    for name, value in {"num_items_in_batch": torch.tensor(100), "labels": _tokens()}.items():
+    for name, value in {"labels": _tokens(), "ignore_index": -1}.items():
         with count_collectives() as counts:
             try:
                 model(**batch, **{name: value})
@@ -183,11 +183,44 @@ def _rank_sp_loss_refuses_hf_loss_arguments():
             except ValueError as e:
                 found[name] = str(e)
         found[name + " collectives"] = dict(counts)
+    unshifted = {k: v for k, v in batch.items() if k != "shift_labels"}
+    try:
+        model(**unshifted, labels=batch["shift_labels"])
+        found["no shift_labels"] = "no error"
+    except ValueError as e:
+        found["no shift_labels"] = str(e)
+    # num_items_in_batch is HF's divisor: the group's summed loss over it, and the gradient
+    # scaled the same way.
+    totals = (batch["shift_labels"] != -100).sum().float().reshape(1)  # this rank's piece
+    torch.distributed.all_reduce(totals)
+    mean = model(**batch)
+    mean.backward()
+    g_mean = model.model.embed_tokens.weight.grad.clone()
+    model.zero_grad(set_to_none=True)
+    divided = model(**batch, num_items_in_batch=torch.tensor(1000))
+    divided.backward()
+    g_divided = model.model.embed_tokens.weight.grad.clone()
+    found["ratio"] = (divided / mean).item()
+    found["grad ratio"] = (g_divided.norm() / g_mean.norm()).item()
+    found["count"] = totals.item()
+    with count_collectives() as counts:
+        try:
+            model(**batch, num_items_in_batch=0)
+            found["zero"] = "no error"
+        except ValueError as e:
+            found["zero"] = str(e)
     return found
 
 
 def test_sp_loss_refuses_hf_loss_arguments_it_does_not_compute():
+    """labels and ignore_index would change HF's loss and are refused before any collective;
+    num_items_in_batch divides the summed loss (forward and backward) instead of the count."""
     for found in dist_pool.run(_rank_sp_loss_refuses_hf_loss_arguments, world_size=2):
-        for name in ("num_items_in_batch", "labels"):
+        for name in ("labels", "ignore_index"):
             assert f"'{name}'" in found[name] and "shift_labels" in found[name], found
             assert not found[name + " collectives"], found
+        want = found["count"] / 1000
+        assert found["ratio"] == pytest.approx(want, rel=1e-5), found
+        assert found["grad ratio"] == pytest.approx(want, rel=1e-4), found
+        assert "num_items_in_batch must be positive" in found["zero"], found
+        assert "got labels=, HF's unshifted form" in found["no shift_labels"], found

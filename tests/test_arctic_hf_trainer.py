@@ -97,3 +97,57 @@ def test_accelerate_launch_with_the_shipped_yaml(tmp_path):
     assert (ckpt / "config.json").is_file() and (ckpt / "trainer_state.json").is_file()
     assert json.loads((ckpt / "trainer_state.json").read_text())["global_step"] == 5
     assert any(ckpt.glob("*.safetensors")) or any(ckpt.glob("global_step5"))
+
+
+# Gradient accumulation over micro-batches with 10 and 200 target tokens: HF weighs each token
+# once over the accumulated step (num_items_in_batch); a mean of micro-batch means gives the
+# 10-token batch twenty times its weight. SGD without clipping: a wrong weight shows in every
+# later loss.
+ACCUMULATE = ["--grad-accum", "2", "--uneven-labels", "--optim", "sgd", "--lr", "0.1",
+              "--max-grad-norm", "0", "--max-steps", "3"]
+
+
+@pytest.mark.parametrize("stage", [pytest.param(3, marks=pytest.mark.hf_facing),
+                                   pytest.param(0, marks=pytest.mark.slow),
+                                   pytest.param(1, marks=pytest.mark.slow)],
+                         ids=lambda s: f"zero{s}")
+def test_gradient_accumulation_weighs_tokens_like_hf(tmp_path, stage):
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    sp, plain = _sp_and_plain(tmp_path, [torchrun, "--nproc-per-node", "2", SCRIPT,
+                                         "--zero-stage", str(stage)] + ACCUMULATE, ACCUMULATE)
+    assert sp["global_step"] == plain["global_step"] == 3
+    print(f"\nplain {plain['loss']}\nSP=2  {sp['loss']}")
+    assert sp["loss"] == pytest.approx(plain["loss"], rel=1e-6, abs=0)
+    assert sp["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6, abs=0)
+
+
+@pytest.mark.parametrize("option,needle", [
+    ({"label_smoothing_factor": 0.1}, "label_smoothing_factor=0.1"),
+    ({"compute_loss_func": lambda outputs, labels, num_items_in_batch=None: 0},
+     "compute_loss_func"),
+    ({"compute_metrics": lambda p: {}}, "compute_metrics"),
+    ({"preprocess_logits_for_metrics": lambda logits, labels: logits},
+     "preprocess_logits_for_metrics"),
+])
+def test_options_the_tiled_loss_cannot_give_are_refused_at_construction(tmp_path, option,
+                                                                        needle):
+    """Refused before the settings are read or any group is built (no process group exists
+    here: anything past the check would fail differently)."""
+    from transformers import TrainingArguments
+
+    from arctic.trainer import SequenceParallelTrainer
+
+    fields = {k: v for k, v in option.items() if k == "label_smoothing_factor"}
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **fields)
+    args.deepspeed = str(REPO / "configs" / "cpu_trainer.json")
+    extra = {k: v for k, v in option.items() if k not in fields}
+    with pytest.raises(ValueError, match=needle):
+        SequenceParallelTrainer(model=None, args=args, **extra)
+
+
+def test_predict_is_refused():
+    from arctic.trainer import SequenceParallelTrainer
+
+    trainer = object.__new__(SequenceParallelTrainer)  # predict() reads no state to refuse
+    with pytest.raises(ValueError, match="predict is not supported"):
+        trainer.predict([])
