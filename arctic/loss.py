@@ -324,7 +324,8 @@ class _SPLossForward:
 
     def __call__(self, input_ids: Tensor, position_ids: Tensor,
                  shift_labels: Tensor | None = None,
-                 num_items_in_batch: Tensor | int | None = None, **kwargs: Any) -> Tensor:
+                 num_items_in_batch: Tensor | int | None = None,
+                 return_dict: bool | None = None, **kwargs: Any):
         if shift_labels is None:
             raise ValueError("a model prepared with apply_sp_loss takes the batch of "
                              "arctic.data.prepare_sp_batch: input_ids, position_ids and "
@@ -346,9 +347,15 @@ class _SPLossForward:
         hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids,
                                        **kwargs).last_hidden_state
         loss_sum, num_valid = self.model.get_output_embeddings()(hidden, shift_labels)
-        return sp_token_loss(loss_sum, num_valid, group=self.group,
+        loss = sp_token_loss(loss_sum, num_valid, group=self.group,
                              averaged_over_sp=self.averaged_over_sp,
                              num_items_in_batch=num_items_in_batch)
+        if return_dict is None:  # the loss itself
+            return loss
+        if not return_dict:  # as HF's tuple form: the loss first (no logits are computed)
+            return (loss,)
+        from transformers.modeling_outputs import CausalLMOutput
+        return CausalLMOutput(loss=loss)
 
 
 def apply_sp_loss(model: nn.Module, *, group, loss_tiles: int | str = "auto",
@@ -357,6 +364,8 @@ def apply_sp_loss(model: nn.Module, *, group, loss_tiles: int | str = "auto",
 
     ``num_items_in_batch=`` (HF's name) divides the group's summed loss by it instead of the
     group's own count of valid labels: the loss of a micro-batch of an accumulated step.
+    ``return_dict=True`` returns a ``CausalLMOutput`` whose ``loss`` is the SP loss (its
+    ``logits`` None: they are never materialised), ``return_dict=False`` the tuple ``(loss,)``.
 
     The batch is one from :func:`arctic.data.prepare_sp_batch`. The loss runs through module
     calls only (the base model, then the lm_head), so parameter-sharding hooks (ZeRO-3) fire

@@ -200,6 +200,9 @@ def _rank_sp_loss_refuses_hf_loss_arguments():
     divided = model(**batch, num_items_in_batch=torch.tensor(1000))
     divided.backward()
     g_divided = model.model.embed_tokens.weight.grad.clone()
+    found["return_dict"] = (type(model(**batch, return_dict=True)).__name__,
+                            model(**batch, return_dict=True).loss.item(),
+                            model(**batch, return_dict=False)[0].item(), mean.item())
     found["ratio"] = (divided / mean).item()
     found["grad ratio"] = (g_divided.norm() / g_mean.norm()).item()
     found["count"] = totals.item()
@@ -224,3 +227,5 @@ def test_sp_loss_refuses_hf_loss_arguments_it_does_not_compute():
         assert found["grad ratio"] == pytest.approx(want, rel=1e-4), found
         assert "num_items_in_batch must be positive" in found["zero"], found
         assert "got labels=, HF's unshifted form" in found["no shift_labels"], found
+        kind, as_dict, as_tuple, mean = found["return_dict"]
+        assert kind == "CausalLMOutput" and as_dict == as_tuple == mean, found
