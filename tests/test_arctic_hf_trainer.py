@@ -121,6 +121,7 @@ def test_gradient_accumulation_weighs_tokens_like_hf(tmp_path, stage):
     assert sp["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6, abs=0)
 
 
+@pytest.mark.hf_facing
 @pytest.mark.parametrize("option,needle", [
     ({"label_smoothing_factor": 0.1}, "label_smoothing_factor=0.1"),
     ({"compute_loss_func": lambda outputs, labels, num_items_in_batch=None: 0},
