@@ -24,7 +24,9 @@ What it changes, and nothing else:
 What the tiled loss cannot give is refused at construction, before any collective:
 ``label_smoothing_factor``, ``compute_loss_func``, ``compute_metrics`` and
 ``preprocess_logits_for_metrics`` (each needs the whole logits, which are never
-materialised), and ``predict()``.
+materialised), a ``train_sampling_strategy`` other than random or sequential, and
+``predict()``. The loaders read ``data_seed`` (else
+``seed``), ``dataloader_num_workers`` and ``dataloader_drop_last``.
 
 DeepSpeed runs inside the Trainer without our ``mpu`` (accelerate builds the engine), so it
 treats every rank as data parallel: it averages gradients over all ranks (the SP loss scales
@@ -93,18 +95,18 @@ class SequenceParallelTrainer(Trainer):
     def get_train_dataloader(self) -> SequenceParallelDataLoader:
         if self.train_dataset is None:
             raise ValueError("SequenceParallelTrainer needs a train_dataset")
-        strategy = self.args.train_sampling_strategy
-        if strategy not in ("random", "sequential"):
-            raise ValueError(f"train_sampling_strategy={strategy!r} is not supported with "
-                             f"sequence parallelism; use 'random' or 'sequential'")
+        # (train_sampling_strategy was checked when the trainer was built)
         return self._sp_loader(self.train_dataset, self.args.per_device_train_batch_size,
-                               shuffle=strategy == "random")
+                               shuffle=self.args.train_sampling_strategy == "random")
 
     def _sp_loader(self, dataset, batch_size: int, shuffle: bool) -> SequenceParallelDataLoader:
+        # data_seed seeds the sampler when given, as in the Trainer's own sampler; the workers
+        # collate, and the SP pieces are cut in this process.
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
         return SequenceParallelDataLoader(dataset, self.sp_mesh, batch_size=batch_size,
                                           collate_fn=self._sp_collate, shuffle=shuffle,
-                                          seed=self.args.seed,
-                                          drop_last=self.args.dataloader_drop_last)
+                                          seed=seed, drop_last=self.args.dataloader_drop_last,
+                                          num_workers=self.args.dataloader_num_workers)
 
     def get_eval_dataloader(self, eval_dataset=None) -> SequenceParallelDataLoader:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
@@ -174,6 +176,12 @@ def _refuse_what_the_tiled_loss_cannot_give(args, kwargs: dict) -> None:
                          f"SequenceParallelTrainer: the tiled SP loss computes plain "
                          f"cross-entropy and never holds the logits HF's LabelSmoother reads. "
                          f"Set it to 0")
+    strategy = args.train_sampling_strategy
+    if strategy not in ("random", "sequential"):
+        raise ValueError(f"TrainingArguments(train_sampling_strategy={strategy!r}) is not "
+                         f"supported by SequenceParallelTrainer: its loader splits samples over "
+                         f"the data-parallel ranks only, shuffled or in order; use 'random' or "
+                         f"'sequential'")
     for name in ("compute_loss_func", "compute_metrics", "preprocess_logits_for_metrics"):
         if kwargs.get(name) is not None:
             raise ValueError(f"SequenceParallelTrainer does not support {name}: it needs the "

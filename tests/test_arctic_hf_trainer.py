@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 pytest.importorskip("transformers", reason="the Trainer plugin needs transformers ([hf])")
 
@@ -124,6 +125,8 @@ def test_gradient_accumulation_weighs_tokens_like_hf(tmp_path, stage):
 @pytest.mark.hf_facing
 @pytest.mark.parametrize("option,needle", [
     ({"label_smoothing_factor": 0.1}, "label_smoothing_factor=0.1"),
+    ({"train_sampling_strategy": "group_by_length"},
+     "train_sampling_strategy='group_by_length'"),
     ({"compute_loss_func": lambda outputs, labels, num_items_in_batch=None: 0},
      "compute_loss_func"),
     ({"compute_metrics": lambda p: {}}, "compute_metrics"),
@@ -138,7 +141,8 @@ def test_options_the_tiled_loss_cannot_give_are_refused_at_construction(tmp_path
 
     from arctic.trainer import SequenceParallelTrainer
 
-    fields = {k: v for k, v in option.items() if k == "label_smoothing_factor"}
+    fields = {k: v for k, v in option.items()
+              if k in ("label_smoothing_factor", "train_sampling_strategy")}
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True, **fields)
     args.deepspeed = str(REPO / "configs" / "cpu_trainer.json")
     extra = {k: v for k, v in option.items() if k not in fields}
@@ -152,3 +156,35 @@ def test_predict_is_refused():
     trainer = object.__new__(SequenceParallelTrainer)  # predict() reads no state to refuse
     with pytest.raises(ValueError, match="predict is not supported"):
         trainer.predict([])
+
+
+def _rank_loader_reads_the_arguments():
+    from types import SimpleNamespace
+
+    from arctic.trainer import SequenceParallelTrainer, _collate
+    from helpers import get_mesh
+
+    trainer = object.__new__(SequenceParallelTrainer)  # the loader reads these fields only
+    trainer.sp_mesh, trainer._sp_collate = get_mesh(1, 1), _collate
+    data = [{"input_ids": torch.arange(8) + i} for i in range(6)]
+    found = {}
+    for data_seed, workers in ((None, 0), (7, 0), (7, 2)):
+        trainer.args = SimpleNamespace(seed=3, data_seed=data_seed,
+                                       dataloader_num_workers=workers,
+                                       dataloader_drop_last=False)
+        loader = trainer._sp_loader(data, 1, shuffle=True)
+        # (a pool worker is a daemon and cannot start loader workers: those are not iterated)
+        order = [int(b["input_ids"][0, 0]) for b in loader] if workers == 0 else None
+        found[data_seed, workers] = (loader.sampler.seed, loader.loader.num_workers, order)
+    return found
+
+
+def test_the_loaders_read_data_seed_and_num_workers():
+    """data_seed (else seed) seeds the shuffle, dataloader_num_workers collate; the pieces are
+    the same either way."""
+    import dist_pool
+
+    found = dist_pool.run(_rank_loader_reads_the_arguments, world_size=1)[0]
+    assert found[None, 0][:2] == (3, 0) and found[7, 2][:2] == (7, 2), found
+    assert sorted(found[None, 0][2]) == sorted(found[7, 0][2]) == list(range(6))
+    assert found[None, 0][2] != found[7, 0][2], found  # another seed, another order
