@@ -112,6 +112,8 @@ def test_find_max_verdict_and_plot(tmp_path):
     assert png.stat().st_size > 10_000
 
 
+@pytest.mark.slow  # 35 s; the plot: test_find_max_verdict_and_plot; the search:
+# test_search_winner_fits_and_every_other_factorization_does_not
 def test_searched_plot_draws_each_factorization(tmp_path):
     """With the search, --plot draws every traced factorization at its own settings beside
     the chosen ones (and the JSON records each line): tiny Llama on 2 GPUs, ring 1 x
@@ -388,7 +390,9 @@ def test_length_line_matches_a_traced_length_within_1_percent(tmp_path):
 
 
 @pytest.mark.parametrize("ring,layers,seq_chunk", [
-    (1, 2, None), (8, 1, None),
+    (1, 2, None),
+    # 30 s each: the ring hops' shortcut; the tiles' and head-chunk periods' run by default
+    pytest.param(8, 1, None, marks=pytest.mark.slow),
     # 45 s; test_ulysses_seq_chunk.py checks the block shortcuts byte for byte in the default run
     pytest.param(1, 1, 6, marks=pytest.mark.slow)])
 def test_trace_shortcuts_change_no_byte(ring, layers, seq_chunk):
