@@ -391,7 +391,7 @@ def test_length_line_matches_a_traced_length_within_1_percent(tmp_path):
 
 @pytest.mark.parametrize("ring,layers,seq_chunk", [
     (1, 2, None),
-    # 30 s each: the ring hops' shortcut; the tiles' and head-chunk periods' run by default
+    # 30 s: the ring hops' shortcut (the tiles' and head-chunk periods' run by default)
     pytest.param(8, 1, None, marks=pytest.mark.slow),
     # 45 s; test_ulysses_seq_chunk.py checks the block shortcuts byte for byte in the default run
     pytest.param(1, 1, 6, marks=pytest.mark.slow)])
