@@ -24,8 +24,8 @@ What it changes, and nothing else:
 What the tiled loss cannot give is refused at construction, before any collective:
 ``label_smoothing_factor``, ``compute_loss_func``, ``compute_metrics`` and
 ``preprocess_logits_for_metrics`` (each needs the whole logits, which are never
-materialised), a ``train_sampling_strategy`` other than random or sequential, and
-``predict()``. The loaders read ``data_seed`` (else
+materialised), a ``train_sampling_strategy`` other than random or sequential,
+``predict()``, and ``train(resume_from_checkpoint=...)``. The loaders read ``data_seed`` (else
 ``seed``), ``dataloader_num_workers`` and ``dataloader_drop_last``.
 
 DeepSpeed runs inside the Trainer without our ``mpu`` (accelerate builds the engine), so it
@@ -143,6 +143,16 @@ class SequenceParallelTrainer(Trainer):
             # add the replicas up. The SP loss already accounts for the SP ranks.
             loss = loss * axis_size(self.sp_mesh, "dp")
         return (loss, {"loss": loss}) if return_outputs else loss
+
+    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+        # accelerate's skip_first_batches rebuilds a plain DataLoader from the loader it is
+        # given, which would drop the SP pieces; until the loader survives that, say so.
+        if resume_from_checkpoint:
+            raise ValueError(f"SequenceParallelTrainer.train(resume_from_checkpoint="
+                             f"{resume_from_checkpoint!r}) is not supported yet: resuming "
+                             f"skips the trained batches through a loader that would lose "
+                             f"the sequence-parallel pieces. Start a new run instead")
+        return super().train(resume_from_checkpoint, *args, **kwargs)
 
     def predict(self, *args, **kwargs):
         raise ValueError("SequenceParallelTrainer.predict is not supported: the tiled loss never "

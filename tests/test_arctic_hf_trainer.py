@@ -150,12 +150,16 @@ def test_options_the_tiled_loss_cannot_give_are_refused_at_construction(tmp_path
         SequenceParallelTrainer(model=None, args=args, **extra)
 
 
-def test_predict_is_refused():
+def test_predict_and_resume_are_refused():
     from arctic.trainer import SequenceParallelTrainer
 
-    trainer = object.__new__(SequenceParallelTrainer)  # predict() reads no state to refuse
+    trainer = object.__new__(SequenceParallelTrainer)  # neither reads any state to refuse
     with pytest.raises(ValueError, match="predict is not supported"):
         trainer.predict([])
+    for resume in ("out/checkpoint-3", True):
+        with pytest.raises(ValueError, match=r"train\(resume_from_checkpoint=.* is not "
+                                             r"supported yet"):
+            trainer.train(resume_from_checkpoint=resume)
 
 
 def _rank_loader_reads_the_arguments():
