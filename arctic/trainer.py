@@ -123,8 +123,8 @@ class SequenceParallelTrainer(Trainer):
         batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
         if not batches:
             return batches, None
-        count = sum(b["shift_labels"].ne(IGNORE_INDEX).sum() for b in batches)
-        count = count.to(device=device, dtype=torch.float32)
+        # int64: exact at any length (float32 counts stop being exact past 2**24 tokens)
+        count = sum(b["shift_labels"].ne(IGNORE_INDEX).sum() for b in batches).to(device)
         if dist.is_initialized():
             group = (None if self.args.average_tokens_across_devices else
                      flat_mesh(self.sp_mesh, "sp").get_group())
@@ -154,7 +154,7 @@ class SequenceParallelTrainer(Trainer):
                              f"the sequence-parallel pieces. Start a new run instead")
         return super().train(resume_from_checkpoint, *args, **kwargs)
 
-    def predict(self, *args, **kwargs):
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix="test"):
         raise ValueError("SequenceParallelTrainer.predict is not supported: the tiled loss never "
                          "materialises the logits. Use evaluate() for the loss, or predict "
                          "with a model that sequence parallelism was not applied to")

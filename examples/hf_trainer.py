@@ -81,7 +81,8 @@ def main() -> None:
     deepspeed = args.deepspeed
     if args.zero_stage is not None:
         deepspeed = json.loads(Path(args.deepspeed).read_text())
-        deepspeed["zero_optimization"] = {"stage": args.zero_stage}
+        deepspeed["zero_optimization"] = {**(deepspeed.get("zero_optimization") or {}),
+                                          "stage": args.zero_stage}
     targs = TrainingArguments(
         output_dir=args.output_dir, per_device_train_batch_size=1, per_device_eval_batch_size=1,
         max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler_type="constant",
