@@ -11,6 +11,7 @@ from arctic.config import SequenceParallelConfig
 from arctic.data import SequenceParallelDataLoader, prepare_sp_batch
 from arctic.fsdp import apply_fsdp
 from arctic.loss import apply_sp_loss, sp_token_loss
+from arctic.removal import remove_sequence_parallel, restore_sequence_parallel
 from arctic.tiled_layer import apply_tiled_layers
 from arctic.tiling import TiledMLP, apply_tiled_mlp, tiled_logits_loss
 
@@ -26,6 +27,8 @@ __all__ = [
     "apply_tiled_mlp",
     "initialize",
     "prepare_sp_batch",
+    "remove_sequence_parallel",
+    "restore_sequence_parallel",
     "sp_token_loss",
     "tiled_logits_loss",
 ]

@@ -16,11 +16,13 @@ from torch import nn
 from arctic.anatomy import attention_modules, decoder_layers, hf_checkpointing
 from arctic.hf_binding import ROLE_NAMES, of_module
 from arctic.order import record_apply
+from arctic.removal import journaled
 from offload import DEFAULT_MIN_OFFLOAD_BYTES, HostBufferPool, check_activation_checkpointing
 from offload import apply_activation_checkpointing as _checkpoint_layers
 from ulysses.keep import KeptAttention
 
 
+@journaled
 def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = False,
                                    layers: list[nn.Module] | None = None,
                                    pool: HostBufferPool | None = None,

@@ -30,6 +30,7 @@ from arctic.hf_batch import BatchState, document_starts, install_batch_hook
 from arctic.hf_features import check_model_features, loss_arguments, read_attention_kwargs
 from arctic.hf_fused import check_fusable, fuse, unfuse
 from arctic.order import record_apply
+from arctic.removal import journaled
 from ulysses import BufferPool, ulysses_attention
 from ulysses.all_to_all import check_comm_dtype
 from ulysses.head_chunking import resolve_chunk_size
@@ -123,6 +124,7 @@ def _after_attention(module, args, output):
                          f"arctic.apply_sequence_parallel again after changing it")
 
 
+@journaled
 def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
                             head_chunk_size: int | str | None = None,
                             seq_chunk: int | str | None = None,

@@ -38,6 +38,7 @@ from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 from arctic.hf_binding import of_module
 from arctic.hf_features import loss_arguments
 from arctic.order import record_apply
+from arctic.removal import journaled
 from arctic.tiling import check_logit_transform, tiled_logits_loss, transform_logits_
 
 
@@ -358,6 +359,7 @@ class _SPLossForward:
         return CausalLMOutput(loss=loss)
 
 
+@journaled
 def apply_sp_loss(model: nn.Module, *, group, loss_tiles: int | str = "auto",
                   averaged_over_sp: bool = True) -> nn.Module:
     """Make ``model(input_ids=, position_ids=, shift_labels=)`` return the SP loss.

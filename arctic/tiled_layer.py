@@ -43,6 +43,7 @@ from arctic.anatomy import decoder_layers
 from arctic.hf_binding import of_module
 from arctic.hf_fused import _positional_input
 from arctic.order import record_apply
+from arctic.removal import journaled
 from arctic.tiling import DEFAULT_TILE_BUDGET_BYTES, _tile_rows, _TiledForward, resolve_tiles
 
 TILABLE = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
@@ -167,6 +168,7 @@ def check_tilable(layer: nn.Module) -> None:
                              f"set tiled_layer to false")
 
 
+@journaled
 def apply_tiled_layers(model: nn.Module, *, tiles: int | str = "auto",
                        budget_bytes: int = DEFAULT_TILE_BUDGET_BYTES,
                        group: dist.ProcessGroup | None = None) -> nn.Module:

@@ -27,6 +27,7 @@ from torch import Tensor, nn
 from arctic.anatomy import decoder_layers, token_norms
 from arctic.hf_binding import of_callable
 from arctic.order import record_apply
+from arctic.removal import journaled
 from ulysses import trace_shortcuts
 
 IGNORE_INDEX = -100
@@ -189,6 +190,7 @@ class _TiledForward:
         return _tiled_call(self.inner, bound.first, *self.args)
 
 
+@journaled
 def apply_tiled_mlp(model: nn.Module, *, tiles: int | str = "auto",
                     budget_bytes: int = DEFAULT_TILE_BUDGET_BYTES,
                     group: dist.ProcessGroup | None = None) -> nn.Module:
@@ -228,6 +230,7 @@ def _tile_forwards(model: nn.Module, modules, tiles, intermediate_size, budget_b
             m.forward = _TiledForward(m.forward, tiles, intermediate_size, budget_bytes, group)
 
 
+@journaled
 def apply_tiled_norms(model: nn.Module, *, tiles: int | str = "auto",
                       budget_bytes: int = DEFAULT_TILE_BUDGET_BYTES,
                       group: dist.ProcessGroup | None = None) -> nn.Module:
