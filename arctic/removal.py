@@ -10,7 +10,10 @@ and logits. :func:`restore_sequence_parallel` redoes them, exactly, in the order
 made; the Trainer uses the pair to run SP in ``train()`` and ``evaluate()`` only.
 
 Parameter sharding (FSDP2, DeepSpeed ZeRO) is not undone: it is how the parameters are
-stored, and its hooks gather them for any forward.
+stored, and its hooks gather them for any forward. Under ZeRO-3 the ZeRO-3 leaf marks
+(``_z3_leaf``) we set stay too: ZeRO-3 registered its hooks by them and gathers a leaf's
+whole subtree in the leaf's hook, which the module's own forward then reads. The
+``activation_offload`` session stays on the model as well, for its stats.
 
 What someone else changed after us is not ours to overwrite: if a forward, hook or attribute
 we set has since been replaced (e.g. by a wrapper installed on the instance), both calls
@@ -26,6 +29,8 @@ from typing import Any, Callable
 from torch import nn
 
 _JOURNAL = "_sp_journal"
+_REPORTS = ("activation_offload",)
+"""Attributes that report on the run (the offload session and its stats): kept."""
 _ABSENT = object()
 _depth = 0  # journaled calls running: only the outermost records
 
@@ -157,6 +162,7 @@ class _Journal:
     def __init__(self) -> None:
         self.changes: list[_Change] = []
         self.on = True
+        self.kept: list[_Change] = []  # left in place by the last removal
 
 
 def _journal(model: nn.Module, caller: str) -> _Journal:
@@ -188,10 +194,15 @@ def remove_sequence_parallel(model: nn.Module) -> nn.Module:
     replaced one of the recorded entries since."""
     journal = _journal(model, "remove_sequence_parallel")
     if journal.on:
+        model = getattr(model, "module", model)
+        zero3 = any(hasattr(p, "ds_id") for p in model.parameters())
+        journal.kept = [c for c in journal.changes if c.table is None and (
+            c.key in _REPORTS or (zero3 and c.key == "_z3_leaf"))]
+        undo = [c for c in journal.changes if all(c is not k for k in journal.kept)]
         # an entry changed by several calls holds the newest change's value
-        for change in _first_per_entry(reversed(journal.changes)):
+        for change in _first_per_entry(reversed(undo)):
             change.check(change.after)
-        for change in reversed(journal.changes):
+        for change in reversed(undo):
             change.set(change.before)
         journal.on = False
     return model
@@ -202,11 +213,12 @@ def restore_sequence_parallel(model: nn.Module) -> nn.Module:
     Returns ``model``; a no-op while SP is on."""
     journal = _journal(model, "restore_sequence_parallel")
     if not journal.on:
-        for change in _first_per_entry(journal.changes):
+        redo = [c for c in journal.changes if all(c is not k for k in journal.kept)]
+        for change in _first_per_entry(redo):
             change.check(change.before)
-        for change in journal.changes:
+        for change in redo:
             change.set(change.after)
-        journal.on = True
+        journal.on, journal.kept = True, []
     return model
 
 

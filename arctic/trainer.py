@@ -40,6 +40,7 @@ Ulysses attention.
 from __future__ import annotations
 
 import dataclasses
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -50,6 +51,8 @@ from arctic import allocator
 from arctic.config import SequenceParallelConfig, load_ds_config
 from arctic.data import IGNORE_INDEX, SequenceParallelDataLoader
 from arctic.engine import apply_sp_recipe, host_limit_beside_state
+from arctic.removal import (remove_sequence_parallel, restore_sequence_parallel,
+                            sequence_parallel_on)
 from ulysses import flat_mesh
 from ulysses.mesh import axis_size
 
@@ -91,6 +94,19 @@ class SequenceParallelTrainer(Trainer):
         # The SP loss takes num_items_in_batch (its divisor): the Trainer then leaves the
         # accumulated loss undivided by the accumulation steps, as for HF's own losses.
         self.model_accepts_loss_kwargs = True
+        # SP runs inside train() and evaluate(); elsewhere the model is the user's own.
+        remove_sequence_parallel(model)
+
+    @contextmanager
+    def _sequence_parallel(self):
+        """SP on the model for the duration (nested calls: the outermost takes it off)."""
+        was_on = sequence_parallel_on(self.model)
+        restore_sequence_parallel(self.model)
+        try:
+            yield
+        finally:
+            if not was_on:
+                remove_sequence_parallel(self.model)
 
     def get_train_dataloader(self) -> SequenceParallelDataLoader:
         if self.train_dataset is None:
@@ -144,7 +160,7 @@ class SequenceParallelTrainer(Trainer):
             loss = loss * axis_size(self.sp_mesh, "dp")
         return (loss, {"loss": loss}) if return_outputs else loss
 
-    def train(self, resume_from_checkpoint=None, *args, **kwargs):
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
         # accelerate's skip_first_batches rebuilds a plain DataLoader from the loader it is
         # given, which would drop the SP pieces; until the loader survives that, say so.
         if resume_from_checkpoint:
@@ -152,7 +168,16 @@ class SequenceParallelTrainer(Trainer):
                              f"{resume_from_checkpoint!r}) is not supported yet: resuming "
                              f"skips the trained batches through a loader that would lose "
                              f"the sequence-parallel pieces. Start a new run instead")
-        return super().train(resume_from_checkpoint, *args, **kwargs)
+        if trial is not None:
+            raise ValueError("SequenceParallelTrainer.train(trial=...) is not supported: a "
+                             "hyperparameter search rebuilds the model with model_init, "
+                             "which sequence parallelism is not applied to")
+        with self._sequence_parallel():
+            return super().train(ignore_keys_for_eval=ignore_keys_for_eval)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        with self._sequence_parallel():
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix="test"):
         raise ValueError("SequenceParallelTrainer.predict is not supported: the tiled loss never "
@@ -192,6 +217,9 @@ def _refuse_what_the_tiled_loss_cannot_give(args, kwargs: dict) -> None:
                          f"supported by SequenceParallelTrainer: its loader splits samples over "
                          f"the data-parallel ranks only, shuffled or in order; use 'random' or "
                          f"'sequential'")
+    if kwargs.get("model_init") is not None:
+        raise ValueError("SequenceParallelTrainer does not support model_init: sequence "
+                         "parallelism is applied to the model given as model=, once")
     for name in ("compute_loss_func", "compute_metrics", "preprocess_logits_for_metrics"):
         if kwargs.get(name) is not None:
             raise ValueError(f"SequenceParallelTrainer does not support {name}: it needs the "

@@ -4,7 +4,9 @@
     python3 examples/hf_trainer.py --plain          # the same run as a plain 1-process Trainer
 
 The SP settings come from the DeepSpeed JSON given to ``TrainingArguments(deepspeed=...)``.
-``--losses-out`` writes the logged training losses (and the eval loss) as JSON.
+``--losses-out`` writes the logged training losses (and the eval loss) as JSON. After
+training the model is the user's own again: ``--use-model DIR`` saves it to ``DIR``, runs it
+on a whole sequence (logits) and generates from it, on every rank, and writes those too.
 """
 
 from __future__ import annotations
@@ -50,6 +52,18 @@ class _UnevenLabels(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": labels}
 
 
+def _use_trained_model(trainer, corpus, out: Path) -> dict:
+    """What a user does with the model once trained: save it, run it on a whole sequence,
+    generate from it. Every rank calls (ZeRO-3 gathers the parameters for each forward)."""
+    trainer.save_model(str(out))
+    ids = corpus[72]["input_ids"][None, :64]
+    model = trainer.model
+    with torch.no_grad():
+        logits = model(input_ids=ids).logits
+        generated = model.generate(ids[:, :16], max_new_tokens=8, do_sample=False)
+    return {"ids": ids.tolist(), "logits": logits.tolist(), "generated": generated.tolist()}
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--deepspeed", default=str(REPO / "configs" / "cpu_trainer.json"))
@@ -69,6 +83,8 @@ def main() -> None:
                    help="labels on 10 tokens of even samples and 200 of odd ones")
     p.add_argument("--zero-stage", type=int, default=None,
                    help="override the DeepSpeed config's zero_optimization.stage")
+    p.add_argument("--use-model", type=Path, default=None, metavar="DIR",
+                   help="after training: save_model(DIR), whole-sequence logits, generate()")
     args = p.parse_args()
 
     torch.manual_seed(0)
@@ -102,6 +118,7 @@ def main() -> None:
     trainer.train()
     metrics = trainer.evaluate()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    used = _use_trained_model(trainer, corpus, args.use_model) if args.use_model else {}
     offload = getattr(model, "activation_offload", None)
     offloaded = offload.pool.stats.bytes_offloaded if offload is not None else 0
     if trainer.is_world_process_zero():
@@ -111,6 +128,7 @@ def main() -> None:
             args.losses_out.write_text(json.dumps({"loss": losses, "eval_loss":
                                                    metrics["eval_loss"],
                                                    "global_step": trainer.state.global_step,
+                                                   **used,
                                                    "offloaded_bytes": offloaded,
                                                    "hf_checkpointed_layers": sum(
                                                        getattr(m, "gradient_checkpointing", False)

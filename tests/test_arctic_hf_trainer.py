@@ -23,7 +23,8 @@ _PLAIN: dict[tuple[str, ...], dict] = {}
 
 
 def _start(cmd: list[str], out: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd + ["--losses-out", str(out), "--output-dir", str(out.parent)],
+    return subprocess.Popen(cmd + ["--losses-out", str(out), "--output-dir", str(out.parent),
+                                   "--use-model", str(out.parent / "model")],
                             cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
@@ -34,7 +35,7 @@ def _finish(proc: subprocess.Popen, out: Path) -> dict:
     finally:
         proc.kill()
     assert proc.returncode == 0, log[-6000:]
-    return json.loads(out.read_text())
+    return {**json.loads(out.read_text()), "model_dir": out.parent / "model"}
 
 
 def _sp_and_plain(tmp_path: Path, sp_cmd: list[str], optim: list[str]) -> tuple[dict, dict]:
@@ -73,6 +74,28 @@ def test_sp_trainer_matches_plain_trainer(tmp_path, optim):
     assert sp["offloaded_bytes"] > 0 and plain["offloaded_bytes"] == 0
     assert sp["hf_checkpointed_layers"] == 0  # never a second, HF checkpoint around ours
     assert (plain["hf_checkpointed_layers"] > 0) == ("--gradient-checkpointing" in optim)
+    _check_the_trained_models(sp, plain)
+
+
+def _check_the_trained_models(sp: dict, plain: dict) -> None:
+    """After train(), the SP-trained model is a normal model: on every rank its own forward
+    gives the whole sequence's logits (the plain model's), generate() the plain model's tokens,
+    and the model saved by save_model() loads with from_pretrained to the same logits."""
+    from transformers import AutoModelForCausalLM
+
+    assert sp["generated"] == plain["generated"]
+    sp_logits, plain_logits = torch.tensor(sp["logits"]), torch.tensor(plain["logits"])
+    assert sp_logits.shape == (1, 64, 256)
+    torch.testing.assert_close(sp_logits, plain_logits, rtol=0, atol=1e-4)
+    loaded = AutoModelForCausalLM.from_pretrained(sp["model_dir"])
+    with torch.no_grad():
+        assert torch.equal(loaded(input_ids=torch.tensor(sp["ids"])).logits, sp_logits)
+    reference = AutoModelForCausalLM.from_pretrained(plain["model_dir"])
+    worst = max((a - b).abs().max().item() for a, b in zip(loaded.parameters(),
+                                                           reference.parameters()))
+    print(f"\nlargest parameter difference SP=2 vs plain: {worst:.3g}; logits "
+          f"{(sp_logits - plain_logits).abs().max().item():.3g}")
+    assert worst < 1e-4
 
 
 def test_accelerate_launch_with_the_shipped_yaml(tmp_path):

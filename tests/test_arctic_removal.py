@@ -38,7 +38,7 @@ def _instance_state(model) -> list:
             if owner is None:
                 continue
             for k, v in sorted(vars(owner).items()):
-                if k == "_sp_journal":  # the record of what to undo
+                if k in ("_sp_journal", "activation_offload"):  # the undo record; a report
                     continue
                 if isinstance(v, dict):
                     state.append((name, k, tuple((i, id(e)) for i, e in v.items())))
