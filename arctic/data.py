@@ -22,15 +22,17 @@ sampler is split over the ``"dp"`` axis only) and counts samples, not samples x 
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any, Callable
 
 import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.data import DataLoader, Dataset, DistributedSampler
+from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler,
+                              default_collate)
 
-from ulysses import padded_len, shard_sequence
-from ulysses.mesh import axis_rank, axis_size, check_mesh
+from ulysses.mesh import axis_rank, axis_size, check_mesh, mesh_dims
+from ulysses.sharding import _seq_split, _sp_rank
 
 IGNORE_INDEX = -100
 
@@ -54,56 +56,99 @@ def prepare_sp_batch(batch: dict[str, Any], mesh: DeviceMesh, *,
         Pass the first two to the model and ``shift_labels`` to the loss.
     """
     check_mesh(mesh)
-    if "input_ids" not in batch:
-        raise ValueError(f"batch needs input_ids, got keys {sorted(batch)}")
-    input_ids = torch.as_tensor(batch["input_ids"])
-    if input_ids.dim() != 2:
-        raise ValueError(f"input_ids must be [batch, seq], got shape {tuple(input_ids.shape)}")
-    B, S = input_ids.shape
-    labels = torch.as_tensor(batch.get("labels", input_ids)).clone()
-    for name in ("labels", "attention_mask", "position_ids"):
-        if name in batch and tuple(torch.as_tensor(batch[name]).shape) != (B, S):
-            raise ValueError(f"{name} shape {tuple(torch.as_tensor(batch[name]).shape)} does not "
-                             f"match input_ids {(B, S)}")
-    mask = batch.get("attention_mask")
-    if mask is not None:
-        mask = torch.as_tensor(mask).bool()
-        if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
-            raise ValueError("attention_mask has left or inner padding; sequence parallelism "
-                             "supports right padding only (or pack without padding)")
-        labels[~mask] = IGNORE_INDEX
-    position_ids = batch.get("position_ids")
-    if position_ids is None:
-        position_ids = torch.arange(S).expand(B, S)
-    position_ids = torch.as_tensor(position_ids)
-
-    shift = torch.full_like(labels, IGNORE_INDEX)
-    shift[:, :-1] = labels[:, 1:]
-    # The last token of a document has no next token of its own.
-    shift[:, :-1][position_ids[:, 1:] != position_ids[:, :-1] + 1] = IGNORE_INDEX
-
-    n = padded_len(S, mesh)
-    tail = position_ids[:, -1:] + torch.arange(1, n - S + 1)
-    full = {"input_ids": _pad_right(input_ids, n, pad_token_id),
-            "position_ids": torch.cat([position_ids, tail], dim=1),
-            "shift_labels": _pad_right(shift, n, IGNORE_INDEX)}
-    return {k: shard_sequence(v, mesh, dim=1).contiguous() for k, v in full.items()}
+    return _SequenceCut.of(mesh)(batch, pad_token_id)
 
 
-class SequenceParallelDataLoader:
-    """A DataLoader whose batches are already SP shards.
+@dataclass(frozen=True)
+class _SequenceCut:
+    """What cutting a batch for one rank needs of the mesh: plain values, so that it pickles
+    (a collate function runs in the loader's worker processes; a mesh does not pickle)."""
+    split: Any  # ulysses.sharding's sequence layout
+    sp_rank: int
+    divisor: int
+
+    @classmethod
+    def of(cls, mesh: DeviceMesh) -> "_SequenceCut":
+        return cls(_seq_split(mesh), _sp_rank(mesh), mesh_dims(mesh).seq_len_divisor)
+
+    def __call__(self, batch: dict[str, Any], pad_token_id: int) -> dict[str, Tensor]:
+        if "input_ids" not in batch:
+            raise ValueError(f"batch needs input_ids, got keys {sorted(batch)}")
+        input_ids = torch.as_tensor(batch["input_ids"])
+        if input_ids.dim() != 2:
+            raise ValueError(f"input_ids must be [batch, seq], got shape "
+                             f"{tuple(input_ids.shape)}")
+        B, S = input_ids.shape
+        labels = torch.as_tensor(batch.get("labels", input_ids)).clone()
+        for name in ("labels", "attention_mask", "position_ids"):
+            if name in batch and tuple(torch.as_tensor(batch[name]).shape) != (B, S):
+                raise ValueError(f"{name} shape {tuple(torch.as_tensor(batch[name]).shape)} "
+                                 f"does not match input_ids {(B, S)}")
+        mask = batch.get("attention_mask")
+        if mask is not None:
+            mask = torch.as_tensor(mask).bool()
+            if bool((mask[:, 1:] & ~mask[:, :-1]).any()):
+                raise ValueError("attention_mask has left or inner padding; sequence parallelism "
+                                 "supports right padding only (or pack without padding)")
+            labels[~mask] = IGNORE_INDEX
+        position_ids = batch.get("position_ids")
+        if position_ids is None:
+            position_ids = torch.arange(S).expand(B, S)
+        position_ids = torch.as_tensor(position_ids)
+
+        shift = torch.full_like(labels, IGNORE_INDEX)
+        shift[:, :-1] = labels[:, 1:]
+        # The last token of a document has no next token of its own.
+        shift[:, :-1][position_ids[:, 1:] != position_ids[:, :-1] + 1] = IGNORE_INDEX
+
+        n = -(-S // self.divisor) * self.divisor
+        tail = position_ids[:, -1:] + torch.arange(1, n - S + 1)
+        full = {"input_ids": _pad_right(input_ids, n, pad_token_id),
+                "position_ids": torch.cat([position_ids, tail], dim=1),
+                "shift_labels": _pad_right(shift, n, IGNORE_INDEX)}
+        runs = self.split.runs(n, self.sp_rank)  # as ulysses.shard_sequence cuts
+        return {k: torch.cat([v[:, start:start + size] for start, size in runs], dim=1)
+                for k, v in full.items()}
+
+
+class _SPCollate:
+    """The user's collate, then this rank's cut: a loader rebuilt around the same
+    ``collate_fn`` (accelerate's ``skip_first_batches`` does, to resume) still yields SP
+    batches."""
+
+    def __init__(self, collate_fn: Callable | None, cut: _SequenceCut, pad_token_id: int):
+        self.collate_fn = collate_fn or default_collate
+        self.cut, self.pad_token_id = cut, pad_token_id
+
+    def __call__(self, samples: list) -> dict[str, Tensor]:
+        return self.cut(self.collate_fn(samples), self.pad_token_id)
+
+
+class _EpochBatchSampler(BatchSampler):
+    """A ``BatchSampler`` whose ``set_epoch`` reaches its ``DistributedSampler`` (the HF
+    Trainer reaches a rebuilt loader's epoch through its batch sampler)."""
+
+    def set_epoch(self, epoch: int) -> None:
+        self.sampler.set_epoch(epoch)
+
+
+class SequenceParallelDataLoader(DataLoader):
+    """A ``torch.utils.data.DataLoader`` whose batches are already SP shards.
 
     Samples are split over the mesh's ``"dp"`` axis only: the ranks of one SP group read the
     same samples and each keeps its piece of the sequence. ``len()`` is the number of batches
     per epoch of one dp rank, and :meth:`set_epoch` reshuffles, as with
-    ``DistributedSampler``.
+    ``DistributedSampler``. The cut is part of ``collate_fn`` (it runs in the workers, and a
+    loader rebuilt from this one's ``dataset``, ``batch_sampler`` and ``collate_fn`` yields
+    the same batches).
 
     Args:
         dataset: yields what ``collate_fn`` turns into a batch dict with ``input_ids``.
         mesh: the SP mesh.
         batch_size: samples per batch on each dp rank.
-        collate_fn: default stacks the samples' tensors per key.
+        collate_fn: default ``torch.utils.data.default_collate``.
         shuffle, seed, drop_last: as for ``DistributedSampler``.
+        num_workers: as for ``DataLoader``.
     """
 
     def __init__(self, dataset: Dataset, mesh: DeviceMesh, *, batch_size: int = 1,
@@ -111,20 +156,14 @@ class SequenceParallelDataLoader:
                  drop_last: bool = False, pad_token_id: int = 0,
                  num_workers: int = 0) -> None:
         check_mesh(mesh)
-        self.mesh, self.pad_token_id = mesh, pad_token_id
-        self.sampler = DistributedSampler(dataset, num_replicas=axis_size(mesh, "dp"),
-                                          rank=axis_rank(mesh, "dp"), shuffle=shuffle,
-                                          seed=seed, drop_last=drop_last)
-        self.loader = DataLoader(dataset, batch_size=batch_size, sampler=self.sampler,
-                                 collate_fn=collate_fn, drop_last=drop_last,
-                                 num_workers=num_workers)
+        self.mesh = mesh
+        sampler = DistributedSampler(dataset, num_replicas=axis_size(mesh, "dp"),
+                                     rank=axis_rank(mesh, "dp"), shuffle=shuffle, seed=seed,
+                                     drop_last=drop_last)
+        super().__init__(dataset, batch_sampler=_EpochBatchSampler(sampler, batch_size,
+                                                                   drop_last),
+                         collate_fn=_SPCollate(collate_fn, _SequenceCut.of(mesh), pad_token_id),
+                         num_workers=num_workers)
 
     def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
-
-    def __len__(self) -> int:
-        return len(self.loader)
-
-    def __iter__(self):
-        for batch in self.loader:
-            yield prepare_sp_batch(batch, self.mesh, pad_token_id=self.pad_token_id)
+        self.batch_sampler.set_epoch(epoch)

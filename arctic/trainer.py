@@ -25,8 +25,14 @@ What the tiled loss cannot give is refused at construction, before any collectiv
 ``label_smoothing_factor``, ``compute_loss_func``, ``compute_metrics`` and
 ``preprocess_logits_for_metrics`` (each needs the whole logits, which are never
 materialised), a ``train_sampling_strategy`` other than random or sequential,
-``predict()``, and ``train(resume_from_checkpoint=...)``. The loaders read ``data_seed`` (else
-``seed``), ``dataloader_num_workers`` and ``dataloader_drop_last``.
+``predict()``, ``model_init`` and ``train(trial=...)``. The loaders read ``data_seed`` (else
+``seed``), ``dataloader_num_workers`` and ``dataloader_drop_last``. Resuming
+(``train(resume_from_checkpoint=...)``) skips the trained batches as the Trainer does:
+the SP cut is the loader's ``collate_fn``, which the loader accelerate rebuilds keeps.
+
+SP is on inside ``train()`` and ``evaluate()`` only (:func:`arctic.remove_sequence_parallel`
+and :func:`arctic.restore_sequence_parallel`): elsewhere the model is the user's own, to run
+on whole sequences, generate with and save.
 
 DeepSpeed runs inside the Trainer without our ``mpu`` (accelerate builds the engine), so it
 treats every rank as data parallel: it averages gradients over all ranks (the SP loss scales
@@ -45,7 +51,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from transformers import Trainer
+from transformers import Trainer, TrainerCallback
 
 from arctic import allocator
 from arctic.config import SequenceParallelConfig, load_ds_config
@@ -96,6 +102,8 @@ class SequenceParallelTrainer(Trainer):
         self.model_accepts_loss_kwargs = True
         # SP runs inside train() and evaluate(); elsewhere the model is the user's own.
         remove_sequence_parallel(model)
+        self._sp_train_loader = None
+        self.add_callback(_ShuffleLikeTheEpoch(self))
 
     @contextmanager
     def _sequence_parallel(self):
@@ -112,8 +120,11 @@ class SequenceParallelTrainer(Trainer):
         if self.train_dataset is None:
             raise ValueError("SequenceParallelTrainer needs a train_dataset")
         # (train_sampling_strategy was checked when the trainer was built)
-        return self._sp_loader(self.train_dataset, self.args.per_device_train_batch_size,
-                               shuffle=self.args.train_sampling_strategy == "random")
+        self._sp_train_loader = self._sp_loader(self.train_dataset,
+                                                self.args.per_device_train_batch_size,
+                                                shuffle=self.args.train_sampling_strategy ==
+                                                "random")
+        return self._sp_train_loader
 
     def _sp_loader(self, dataset, batch_size: int, shuffle: bool) -> SequenceParallelDataLoader:
         # data_seed seeds the sampler when given, as in the Trainer's own sampler; the workers
@@ -161,19 +172,13 @@ class SequenceParallelTrainer(Trainer):
         return (loss, {"loss": loss}) if return_outputs else loss
 
     def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
-        # accelerate's skip_first_batches rebuilds a plain DataLoader from the loader it is
-        # given, which would drop the SP pieces; until the loader survives that, say so.
-        if resume_from_checkpoint:
-            raise ValueError(f"SequenceParallelTrainer.train(resume_from_checkpoint="
-                             f"{resume_from_checkpoint!r}) is not supported yet: resuming "
-                             f"skips the trained batches through a loader that would lose "
-                             f"the sequence-parallel pieces. Start a new run instead")
         if trial is not None:
             raise ValueError("SequenceParallelTrainer.train(trial=...) is not supported: a "
                              "hyperparameter search rebuilds the model with model_init, "
                              "which sequence parallelism is not applied to")
         with self._sequence_parallel():
-            return super().train(ignore_keys_for_eval=ignore_keys_for_eval)
+            return super().train(resume_from_checkpoint,
+                                 ignore_keys_for_eval=ignore_keys_for_eval)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
         with self._sequence_parallel():
@@ -189,6 +194,23 @@ class SequenceParallelTrainer(Trainer):
         with torch.no_grad():
             loss = model(**inputs).detach()
         return loss, None, None
+
+
+class _ShuffleLikeTheEpoch(TrainerCallback):
+    """Sets the train loader's epoch (its shuffle) at each epoch's start, from the step count
+    as the Trainer counts epochs. The Trainer sets it too, on the loader it holds; but to
+    resume mid-epoch it iterates a loader that accelerate rebuilt around our batch sampler,
+    whose epoch not every transformers version sets (5.13 does not)."""
+
+    def __init__(self, trainer: "SequenceParallelTrainer") -> None:
+        self.trainer = trainer
+
+    def on_epoch_begin(self, args, state, control, **kwargs):
+        loader = self.trainer._sp_train_loader
+        if loader is not None:
+            accumulate = args.gradient_accumulation_steps
+            per_epoch = max(len(loader) // accumulate + int(len(loader) % accumulate > 0), 1)
+            loader.set_epoch(state.global_step // per_epoch)
 
 
 def _hand_deepspeed_plain_config(args, ds_config: dict) -> None:

@@ -83,6 +83,12 @@ def main() -> None:
                    help="labels on 10 tokens of even samples and 200 of odd ones")
     p.add_argument("--zero-stage", type=int, default=None,
                    help="override the DeepSpeed config's zero_optimization.stage")
+    p.add_argument("--train-samples", type=int, default=64)
+    p.add_argument("--shuffle", action="store_true",
+                   help="train_sampling_strategy='random' (default: 'sequential')")
+    p.add_argument("--resume-from", default=None, metavar="CHECKPOINT",
+                   help="train(resume_from_checkpoint=CHECKPOINT)")
+    p.add_argument("--ignore-data-skip", action="store_true")
     p.add_argument("--use-model", type=Path, default=None, metavar="DIR",
                    help="after training: save_model(DIR), whole-sequence logits, generate()")
     args = p.parse_args()
@@ -90,7 +96,7 @@ def main() -> None:
     torch.manual_seed(0)
     model = build_model("tiny-llama", args.seq_len)
     corpus = ByteCorpus(REPO / "examples" / "data" / "corpus.txt", args.seq_len)
-    train = torch.utils.data.Subset(corpus, range(64))
+    train = torch.utils.data.Subset(corpus, range(args.train_samples))
     evaluation = torch.utils.data.Subset(corpus, range(64, 72))
     if args.uneven_labels:
         train, evaluation = _UnevenLabels(train), _UnevenLabels(evaluation)
@@ -106,7 +112,8 @@ def main() -> None:
         max_grad_norm=args.max_grad_norm,
         logging_steps=1, save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500, report_to=[], use_cpu=not torch.cuda.is_available(),
-        train_sampling_strategy="sequential", optim=args.optim, seed=0,
+        train_sampling_strategy="random" if args.shuffle else "sequential", optim=args.optim,
+        seed=0, ignore_data_skip=args.ignore_data_skip,
         gradient_checkpointing=args.gradient_checkpointing,
         deepspeed=None if args.plain else deepspeed)
     if args.plain:
@@ -115,9 +122,10 @@ def main() -> None:
     else:
         trainer = SequenceParallelTrainer(model=model, args=targs, train_dataset=train,
                                           eval_dataset=evaluation)
-    trainer.train()
+    trainer.train(resume_from_checkpoint=args.resume_from)
     metrics = trainer.evaluate()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
+    by_step = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
     used = _use_trained_model(trainer, corpus, args.use_model) if args.use_model else {}
     offload = getattr(model, "activation_offload", None)
     offloaded = offload.pool.stats.bytes_offloaded if offload is not None else 0
@@ -128,6 +136,7 @@ def main() -> None:
             args.losses_out.write_text(json.dumps({"loss": losses, "eval_loss":
                                                    metrics["eval_loss"],
                                                    "global_step": trainer.state.global_step,
+                                                   "loss_by_step": by_step,
                                                    **used,
                                                    "offloaded_bytes": offloaded,
                                                    "hf_checkpointed_layers": sum(

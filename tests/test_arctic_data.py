@@ -71,14 +71,22 @@ def test_prepare_rejects_bad_batches():
 
 
 def _rank_loader(world, ulysses):
-    from arctic.data import SequenceParallelDataLoader
+    from arctic.data import SequenceParallelDataLoader, prepare_sp_batch
 
     mesh = get_mesh(world, ulysses)
     data = [{"input_ids": torch.full((8,), i)} for i in range(10)]
     loader = SequenceParallelDataLoader(data, mesh, batch_size=2, seed=3)
     loader.set_epoch(1)
     seen = [int(v) for b in loader for v in b["input_ids"][:, 0]]
-    return mesh["dp"].get_local_rank(), len(loader), seen
+    # The cut is the collate function's, and it pickles (loader workers may be spawned).
+    import pickle
+
+    samples = [{"input_ids": torch.arange(8) + 10 * i} for i in range(2)]
+    copy = pickle.loads(pickle.dumps(loader.collate_fn))
+    direct = prepare_sp_batch({"input_ids": torch.stack([s["input_ids"] for s in samples])},
+                              mesh)
+    cut_alike = all(torch.equal(copy(samples)[k], direct[k]) for k in direct)
+    return mesh["dp"].get_local_rank(), len(loader), seen, cut_alike
 
 
 def test_loader_gives_an_sp_group_the_same_samples_and_counts_samples():
@@ -87,8 +95,8 @@ def test_loader_gives_an_sp_group_the_same_samples_and_counts_samples():
     not samples x sp."""
     results = dist_pool.run(_rank_loader, 4, 2, world_size=4)
     by_dp = {}
-    for dp, length, seen in results:
-        assert length == 3
+    for dp, length, seen, cut_alike in results:
+        assert length == 3 and cut_alike
         by_dp.setdefault(dp, []).append(seen)
     assert all(a == b for a, b in by_dp.values())  # both SP ranks of a dp replica agree
     assert sorted(by_dp[0][0] + by_dp[1][0]) == list(range(10))

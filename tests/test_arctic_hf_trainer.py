@@ -173,16 +173,65 @@ def test_options_the_tiled_loss_cannot_give_are_refused_at_construction(tmp_path
         SequenceParallelTrainer(model=None, args=args, **extra)
 
 
-def test_predict_and_resume_are_refused():
+def test_predict_and_hyperparameter_trials_are_refused():
     from arctic.trainer import SequenceParallelTrainer
 
     trainer = object.__new__(SequenceParallelTrainer)  # neither reads any state to refuse
     with pytest.raises(ValueError, match="predict is not supported"):
         trainer.predict([])
-    for resume in ("out/checkpoint-3", True):
-        with pytest.raises(ValueError, match=r"train\(resume_from_checkpoint=.* is not "
-                                             r"supported yet"):
-            trainer.train(resume_from_checkpoint=resume)
+    with pytest.raises(ValueError, match=r"train\(trial=\.\.\.\) is not supported"):
+        trainer.train(trial={"learning_rate": 1e-3})
+
+
+# Resuming mid-epoch in the second epoch (4 samples: 4 steps an epoch; checkpoint-6 is 2
+# batches into epoch 1), shuffled: the resumed run must skip the 2 batches it trained, in the
+# order of epoch 1's shuffle. SGD without clipping, so any other batch shows in the loss.
+RESUME = ["--train-samples", "4", "--max-steps", "8", "--save-steps", "3", "--optim", "sgd",
+          "--lr", "0.1", "--max-grad-norm", "0"]
+
+
+def _torchrun(*args) -> list[str]:
+    return [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", SCRIPT,
+            *args]
+
+
+def _resumed(tmp_path: Path, cmd: list[str], name: str, *extra: str) -> tuple[dict, dict]:
+    """The uninterrupted run of ``cmd``, and the run resumed from its checkpoint-6."""
+    full = _finish(_start(cmd, tmp_path / name / "full.json"), tmp_path / name / "full.json")
+    out = tmp_path / f"{name}-resumed" / "resumed.json"
+    resumed = _finish(_start(cmd + ["--resume-from", str(tmp_path / name / "checkpoint-6"),
+                                    *extra], out), out)
+    return full, resumed
+
+
+@pytest.mark.hf_facing
+def test_resume_gives_the_uninterrupted_losses(tmp_path):
+    full, resumed = _resumed(tmp_path, _torchrun("--shuffle", *RESUME), "sp")
+    print(f"\nuninterrupted {full['loss_by_step']}\nresumed       {resumed['loss_by_step']}")
+    assert full["global_step"] == resumed["global_step"] == 8
+    for step in ("7", "8"):  # trained after the resume
+        assert resumed["loss_by_step"][step] == pytest.approx(full["loss_by_step"][step],
+                                                              rel=1e-6, abs=0)
+    assert resumed["eval_loss"] == pytest.approx(full["eval_loss"], rel=1e-6, abs=0)
+
+
+@pytest.mark.slow
+def test_resume_with_ignore_data_skip_is_the_plain_trainer_s(tmp_path):
+    """ignore_data_skip=True: the resumed epoch starts over from its first batch, as the
+    plain Trainer's does (in order, so that the two read the same samples)."""
+    sp_full, sp_resumed = _resumed(tmp_path, _torchrun(*RESUME), "sp", "--ignore-data-skip")
+    plain_full, plain_resumed = _resumed(tmp_path, [sys.executable, SCRIPT, "--plain", *RESUME],
+                                         "plain", "--ignore-data-skip")
+    print(f"\nplain resumed {plain_resumed['loss_by_step']}\n"
+          f"SP=2 resumed  {sp_resumed['loss_by_step']}")
+    for step in ("7", "8"):
+        assert sp_resumed["loss_by_step"][step] == pytest.approx(
+            plain_resumed["loss_by_step"][step], rel=1e-5, abs=0)
+        assert sp_full["loss_by_step"][step] == pytest.approx(
+            plain_full["loss_by_step"][step], rel=1e-5, abs=0)
+    # The batches read again: not the uninterrupted run's losses.
+    assert sp_resumed["loss_by_step"]["7"] != pytest.approx(sp_full["loss_by_step"]["7"],
+                                                            rel=1e-4)
 
 
 def _rank_loader_reads_the_arguments():
@@ -202,7 +251,8 @@ def _rank_loader_reads_the_arguments():
         loader = trainer._sp_loader(data, 1, shuffle=True)
         # (a pool worker is a daemon and cannot start loader workers: those are not iterated)
         order = [int(b["input_ids"][0, 0]) for b in loader] if workers == 0 else None
-        found[data_seed, workers] = (loader.sampler.seed, loader.loader.num_workers, order)
+        found[data_seed, workers] = (loader.batch_sampler.sampler.seed, loader.num_workers,
+                                     order)
     return found
 
 
