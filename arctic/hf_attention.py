@@ -29,6 +29,7 @@ from arctic.anatomy import attention_modules
 from arctic.hf_batch import BatchState, document_starts, install_batch_hook
 from arctic.hf_features import check_model_features, loss_arguments, read_attention_kwargs
 from arctic.hf_fused import check_fusable, fuse, unfuse
+from arctic.loss import install_sp_causal_lm_loss
 from arctic.order import record_apply
 from arctic.removal import journaled
 from ulysses import BufferPool, ulysses_attention
@@ -227,4 +228,6 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
                            m.register_forward_hook(_after_attention))
     model.set_attn_implementation(REGISTERED)
     install_batch_hook(model, batch)
+    # model(..., labels=) on the pieces: HF's loss of the whole sequence
+    install_sp_causal_lm_loss(model, mesh)
     return model

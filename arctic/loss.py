@@ -32,6 +32,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
@@ -39,7 +40,8 @@ from arctic.hf_binding import of_module
 from arctic.hf_features import loss_arguments
 from arctic.order import record_apply
 from arctic.removal import journaled
-from arctic.tiling import check_logit_transform, tiled_logits_loss, transform_logits_
+from arctic.tiling import (IGNORE_INDEX, check_logit_transform, tiled_logits_loss,
+                           transform_logits_)
 
 
 class _SPTokenLoss(torch.autograd.Function):
@@ -95,6 +97,103 @@ def sp_token_loss(loss_sum: Tensor, num_valid: Tensor | int, *,
         divisor = divisor.to(loss_sum.device)
     return _SPTokenLoss.apply(loss_sum, num_valid.to(loss_sum.device), group, averaged_over_sp,
                               divisor)
+
+
+# --- HF's labels, on sequence shards ---------------------------------------------------------
+
+def shift_labels_across_pieces(labels_BS: Tensor, mesh, *, ignore_index: int = IGNORE_INDEX
+                               ) -> Tensor:
+    """HF's shift of unshifted ``labels`` (each token's target is the next label, the last
+    one ``ignore_index``), for this rank's piece of the sequence, with the targets that live on
+    another rank: the pieces of the SP group are gathered (integers, ``[B, S]`` in all),
+    shifted whole and cut again in the mesh's layout. Labels equal to ``ignore_index`` come
+    back as -100, what the losses here ignore."""
+    from ulysses.mesh import flat_mesh
+    from ulysses.sharding import _seq_split, _sp_rank
+
+    group = flat_mesh(mesh, "sp").get_group()
+    sp = dist.get_world_size(group)
+    labels_BS = labels_BS.contiguous()
+    pieces = [torch.empty_like(labels_BS) for _ in range(sp)]
+    dist.all_gather(pieces, labels_BS, group=group)
+    B, s = labels_BS.shape
+    split, full = _seq_split(mesh), labels_BS.new_empty(B, s * sp)
+    for rank, piece in enumerate(pieces):
+        at = 0
+        for start, size in split.runs(s * sp, rank):
+            full[:, start:start + size] = piece[:, at:at + size]
+            at += size
+    if ignore_index != IGNORE_INDEX and bool((full == IGNORE_INDEX).any()):
+        raise ValueError(f"labels hold {IGNORE_INDEX} but ignore_index={ignore_index}: HF's "
+                         f"cross-entropy would reject that target; use one ignore value")
+    shifted = torch.full_like(full, IGNORE_INDEX)
+    shifted[:, :-1] = full[:, 1:]
+    shifted[shifted == ignore_index] = IGNORE_INDEX
+    return torch.cat([shifted[:, a:a + n] for a, n in split.runs(s * sp, _sp_rank(mesh))], 1)
+
+
+def hf_targets(*, labels: Tensor | None, shift_labels: Tensor | None, ignore_index: int,
+               mesh, group) -> Tensor:
+    """This piece's targets as HF's causal-LM loss reads them: ``shift_labels`` when given
+    (HF's precedence), else ``labels`` shifted across the pieces; ``ignore_index`` labels
+    become -100. Refused alike on every rank of ``group`` (a -100 target beside another
+    ``ignore_index``, which HF's cross-entropy rejects): no rank goes on alone."""
+    if shift_labels is None:
+        return shift_labels_across_pieces(labels, mesh, ignore_index=ignore_index)
+    if ignore_index == IGNORE_INDEX:
+        return shift_labels
+    bad = (shift_labels == IGNORE_INDEX).any().to(torch.int32).reshape(1)
+    if dist.is_initialized() and dist.get_world_size(group) > 1:
+        dist.all_reduce(bad, op=dist.ReduceOp.MAX, group=group)
+    if bool(bad):
+        raise ValueError(f"shift_labels hold {IGNORE_INDEX} but ignore_index={ignore_index}: "
+                         f"HF's cross-entropy would reject that target; use one ignore value")
+    return shift_labels.masked_fill(shift_labels == ignore_index, IGNORE_INDEX)
+
+
+class SPCausalLMLoss:
+    """HF's causal-LM loss (``ForCausalLMLoss``: ``labels`` or ``shift_labels``,
+    ``ignore_index``, ``num_items_in_batch``) for a model whose sequence is cut over the SP
+    group: the token mean over the whole sequence, equal on the group's ranks, with gradients
+    for dp x sp averaging (:func:`sp_token_loss`). :func:`arctic.apply_sequence_parallel`
+    makes it the model's ``loss_function``, so ``model(input_ids=, position_ids=, labels=)``
+    on the pieces gives the loss of the whole sequence. Other keyword arguments are the
+    model's, which HF's loss ignores too."""
+
+    def __init__(self, mesh, replaced: Callable | None = None) -> None:
+        self.mesh, self.replaced = mesh, replaced
+
+    def __call__(self, logits: Tensor, labels: Tensor | None, vocab_size: int,
+                 num_items_in_batch: Tensor | int | None = None, ignore_index: int = IGNORE_INDEX,
+                 shift_labels: Tensor | None = None, **kwargs: Any) -> Tensor:
+        if self.replaced is not None:
+            raise ValueError(f"this model's loss ({getattr(self.replaced, '__name__', '?')}) is "
+                             f"not the causal-LM loss that sequence parallelism computes over "
+                             f"the pieces of the sequence; compute the loss yourself, or use "
+                             f"arctic.apply_sp_loss")
+        from ulysses.mesh import flat_mesh
+
+        group = flat_mesh(self.mesh, "sp").get_group()
+        targets = hf_targets(labels=labels, shift_labels=shift_labels, ignore_index=ignore_index,
+                             mesh=self.mesh, group=group).reshape(-1).to(logits.device)
+        loss_sum = F.cross_entropy(logits.float().reshape(-1, vocab_size), targets,
+                                   ignore_index=IGNORE_INDEX, reduction="sum")
+        return sp_token_loss(loss_sum, targets.ne(IGNORE_INDEX).sum(), group=group,
+                             num_items_in_batch=num_items_in_batch)
+
+
+def install_sp_causal_lm_loss(model: nn.Module, mesh) -> None:
+    """Give ``model`` (a HF ``PreTrainedModel``) the :class:`SPCausalLMLoss` as its
+    ``loss_function``; a model whose loss is another one gets a loss that refuses."""
+    if not isinstance(getattr(type(model), "loss_function", None), property):
+        return  # not a HF model: it has no loss of HF's to stand in for
+    from transformers.loss.loss_utils import LOSS_MAPPING
+
+    current = model.loss_function
+    if isinstance(current, SPCausalLMLoss):
+        current = current.replaced or LOSS_MAPPING["ForCausalLM"]
+    model.loss_function = SPCausalLMLoss(
+        mesh, None if current is LOSS_MAPPING["ForCausalLM"] else current)
 
 
 # --- the head's logit transform -----------------------------------------------------------------
@@ -316,32 +415,48 @@ class _TiledHeadForward:
                                  logit_softcap=self.transform.softcap)
 
 
+def _sp_mesh(model: nn.Module):
+    """The mesh of the model's SP attention, or None."""
+    for m in model.modules():
+        settings = getattr(m, "sp_attention", None)
+        if settings is not None:
+            return settings.mesh
+    return None
+
+
 class _SPLossForward:
     """A causal LM instance's forward, replaced by the SP loss of one sharded batch."""
 
     def __init__(self, model: nn.Module, group, averaged_over_sp: bool) -> None:
         self.model, self.group, self.averaged_over_sp = model, group, averaged_over_sp
-        self.loss_arguments = loss_arguments(model) - {"shift_labels", "num_items_in_batch"}
+        self.loss_arguments = loss_arguments(model) - {"shift_labels", "num_items_in_batch",
+                                                       "labels", "ignore_index"}
 
     def __call__(self, input_ids: Tensor, position_ids: Tensor,
                  shift_labels: Tensor | None = None,
                  num_items_in_batch: Tensor | int | None = None,
-                 return_dict: bool | None = None, **kwargs: Any):
-        if shift_labels is None:
-            raise ValueError("a model prepared with apply_sp_loss takes the batch of "
-                             "arctic.data.prepare_sp_batch: input_ids, position_ids and "
-                             "shift_labels (labels shifted before sharding: a piece's last "
-                             "target lives on the next rank)"
-                             + ("; got labels=, HF's unshifted form: give the full labels to "
-                                "prepare_sp_batch instead" if "labels" in kwargs else ""))
-        # HF's other loss arguments would change HF's loss (labels are shifted on this rank's
-        # piece, ignore_index renames -100); this loss computes none of them.
+                 return_dict: bool | None = None, labels: Tensor | None = None,
+                 ignore_index: int | None = None, **kwargs: Any):
+        if shift_labels is None and labels is None:
+            raise ValueError("a model prepared with apply_sp_loss computes its loss from "
+                             "shift_labels (arctic.data.prepare_sp_batch's, shifted before "
+                             "sharding) or from labels (HF's unshifted form, this rank's "
+                             "piece cut as input_ids is); got neither")
+        # HF's other loss arguments would change HF's loss; this loss computes none of them.
         asked = sorted(n for n, v in kwargs.items() if n in self.loss_arguments and v is not None)
         if asked:
             raise ValueError(f"apply_sp_loss computes the token mean over the sequence-parallel "
-                             f"group from shift_labels (divided by num_items_in_batch when "
-                             f"given); {asked} would ask HF's loss for something else, which "
-                             f"it does not reproduce: leave them out of the batch")
+                             f"group from shift_labels or labels (with ignore_index, divided by "
+                             f"num_items_in_batch when given); {asked} would ask HF's loss for "
+                             f"something else, which it does not reproduce: leave them out")
+        mesh = _sp_mesh(self.model)
+        if shift_labels is None and mesh is None:
+            raise ValueError("labels= needs the model's sequence-parallel attention "
+                             "(arctic.apply_sequence_parallel) to know how the sequence was "
+                             "cut; give shift_labels from prepare_sp_batch instead")
+        shift_labels = hf_targets(labels=labels, shift_labels=shift_labels, mesh=mesh,
+                                  ignore_index=IGNORE_INDEX if ignore_index is None
+                                  else int(ignore_index), group=self.group)
         # No KV cache in training: it would keep every layer's k/v alive until the step ends.
         use_cache = of_module(self.model.base_model).name_of("use_cache") or "use_cache"
         kwargs.setdefault(use_cache, False)
@@ -364,8 +479,12 @@ def apply_sp_loss(model: nn.Module, *, group, loss_tiles: int | str = "auto",
                   averaged_over_sp: bool = True) -> nn.Module:
     """Make ``model(input_ids=, position_ids=, shift_labels=)`` return the SP loss.
 
-    ``num_items_in_batch=`` (HF's name) divides the group's summed loss by it instead of the
-    group's own count of valid labels: the loss of a micro-batch of an accumulated step.
+    ``labels=`` (HF's unshifted labels, this rank's piece cut as ``input_ids`` is) works as
+    in HF: the targets are the next tokens' labels of the whole sequence, including the one
+    that lives on the next rank (:func:`shift_labels_across_pieces`). ``ignore_index=`` names
+    the label to ignore, as HF's. ``num_items_in_batch=`` (HF's name) divides the group's
+    summed loss by it instead of the group's own count of valid labels: the loss of a
+    micro-batch of an accumulated step.
     ``return_dict=True`` returns a ``CausalLMOutput`` whose ``loss`` is the SP loss (its
     ``logits`` None: they are never materialised), ``return_dict=False`` the tuple ``(loss,)``.
 
