@@ -148,14 +148,19 @@ class SequenceParallelDataLoader(DataLoader):
         batch_size: samples per batch on each dp rank.
         collate_fn: default ``torch.utils.data.default_collate``.
         shuffle, seed, drop_last: as for ``DistributedSampler``.
-        num_workers: as for ``DataLoader``.
+        num_workers, pin_memory, persistent_workers, prefetch_factor,
+        multiprocessing_context, in_order: as for ``DataLoader``.
     """
 
     def __init__(self, dataset: Dataset, mesh: DeviceMesh, *, batch_size: int = 1,
                  collate_fn: Callable | None = None, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, pad_token_id: int = 0,
-                 num_workers: int = 0) -> None:
+                 num_workers: int = 0, pin_memory: bool = False,
+                 persistent_workers: bool = False, prefetch_factor: int | None = None,
+                 multiprocessing_context=None, in_order: bool = True) -> None:
         check_mesh(mesh)
+        # in_order is DataLoader's from torch 2.6: given only when it is not the default
+        ordering = {} if in_order else {"in_order": False}
         self.mesh = mesh
         sampler = DistributedSampler(dataset, num_replicas=axis_size(mesh, "dp"),
                                      rank=axis_rank(mesh, "dp"), shuffle=shuffle, seed=seed,
@@ -163,7 +168,9 @@ class SequenceParallelDataLoader(DataLoader):
         super().__init__(dataset, batch_sampler=_EpochBatchSampler(sampler, batch_size,
                                                                    drop_last),
                          collate_fn=_SPCollate(collate_fn, _SequenceCut.of(mesh), pad_token_id),
-                         num_workers=num_workers)
+                         num_workers=num_workers, pin_memory=pin_memory,
+                         persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
+                         multiprocessing_context=multiprocessing_context, **ordering)
 
     def set_epoch(self, epoch: int) -> None:
         self.batch_sampler.set_epoch(epoch)

@@ -21,12 +21,14 @@ What it changes, and nothing else:
   ``average_tokens_across_devices``, else over the SP group), and each micro-batch's loss is
   its summed token loss over that count.
 
-What the tiled loss cannot give is refused at construction, before any collective:
-``label_smoothing_factor``, ``compute_loss_func``, ``compute_metrics`` and
-``preprocess_logits_for_metrics`` (each needs the whole logits, which are never
-materialised), a ``train_sampling_strategy`` other than random or sequential,
+What SP cannot give is refused at construction, before any collective: every
+``TrainingArguments`` field is classified in :mod:`arctic.trainer_fields` (honoured here,
+done by the Trainer's own code, refused, or without effect on what is trained), and a field
+it does not know is refused away from its default. Refused also: ``compute_loss_func``,
+``compute_metrics`` and ``preprocess_logits_for_metrics`` (each needs the whole logits, which
+are never materialised), a ``train_sampling_strategy`` other than random or sequential,
 ``predict()``, ``model_init`` and ``train(trial=...)``. The loaders read ``data_seed`` (else
-``seed``), ``dataloader_num_workers`` and ``dataloader_drop_last``. Resuming
+``seed``) and the ``dataloader_*`` fields. Resuming
 (``train(resume_from_checkpoint=...)``) skips the trained batches as the Trainer does:
 the SP cut is the loader's ``collate_fn``, which the loader accelerate rebuilds keeps.
 
@@ -59,6 +61,7 @@ from arctic.data import IGNORE_INDEX, SequenceParallelDataLoader
 from arctic.engine import apply_sp_recipe, host_limit_beside_state
 from arctic.removal import (remove_sequence_parallel, restore_sequence_parallel,
                             sequence_parallel_on)
+from arctic.trainer_fields import refuse_unsupported_arguments
 from ulysses import flat_mesh
 from ulysses.mesh import axis_size
 
@@ -78,7 +81,9 @@ class SequenceParallelTrainer(Trainer):
         if args is None or not args.deepspeed:
             raise ValueError("SequenceParallelTrainer reads its settings from "
                              "TrainingArguments(deepspeed=<config with sequence_parallel_size>)")
-        _refuse_what_the_tiled_loss_cannot_give(args, kwargs)
+        _refuse_what_sp_cannot_give(args, kwargs)
+        if model is None:
+            raise ValueError("SequenceParallelTrainer needs model= (a HF causal LM)")
         ds = dict(load_ds_config(args.deepspeed))
         sp = SequenceParallelConfig.from_ds_config(ds, world_size=args.world_size)
         allocator.use_expandable_segments()  # arctic.allocator: unless the user set it
@@ -130,10 +135,16 @@ class SequenceParallelTrainer(Trainer):
         # data_seed seeds the sampler when given, as in the Trainer's own sampler; the workers
         # collate, and the SP pieces are cut in this process.
         seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
-        return SequenceParallelDataLoader(dataset, self.sp_mesh, batch_size=batch_size,
-                                          collate_fn=self._sp_collate, shuffle=shuffle,
-                                          seed=seed, drop_last=self.args.dataloader_drop_last,
-                                          num_workers=self.args.dataloader_num_workers)
+        a = self.args
+        return SequenceParallelDataLoader(
+            dataset, self.sp_mesh, batch_size=batch_size, collate_fn=self._sp_collate,
+            shuffle=shuffle, seed=seed, drop_last=a.dataloader_drop_last,
+            num_workers=a.dataloader_num_workers, pin_memory=a.dataloader_pin_memory,
+            persistent_workers=a.dataloader_persistent_workers,
+            prefetch_factor=a.dataloader_prefetch_factor,
+            # transformers 5.24's fields; none before
+            multiprocessing_context=getattr(a, "dataloader_multiprocessing_context", None),
+            in_order=getattr(a, "dataloader_in_order", True))
 
     def get_eval_dataloader(self, eval_dataset=None) -> SequenceParallelDataLoader:
         dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
@@ -225,14 +236,10 @@ def _hand_deepspeed_plain_config(args, ds_config: dict) -> None:
     args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=args.hf_deepspeed_config)
 
 
-def _refuse_what_the_tiled_loss_cannot_give(args, kwargs: dict) -> None:
-    """A ValueError naming each Trainer option whose effect needs the whole logits."""
-    if args.label_smoothing_factor:
-        raise ValueError(f"TrainingArguments(label_smoothing_factor="
-                         f"{args.label_smoothing_factor}) is not supported by "
-                         f"SequenceParallelTrainer: the tiled SP loss computes plain "
-                         f"cross-entropy and never holds the logits HF's LabelSmoother reads. "
-                         f"Set it to 0")
+def _refuse_what_sp_cannot_give(args, kwargs: dict) -> None:
+    """A ValueError naming the first Trainer argument or ``TrainingArguments`` field that SP
+    cannot give its effect (:mod:`arctic.trainer_fields`)."""
+    refuse_unsupported_arguments(args)
     strategy = args.train_sampling_strategy
     if strategy not in ("random", "sequential"):
         raise ValueError(f"TrainingArguments(train_sampling_strategy={strategy!r}) is not "

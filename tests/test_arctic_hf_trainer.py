@@ -56,9 +56,10 @@ def _sp_and_plain(tmp_path: Path, sp_cmd: list[str], optim: list[str]) -> tuple[
                                    # Adam and clipping hide a wrong gradient scale; SGD does not.
                                    # TrainingArguments(gradient_checkpointing=True) too: HF's
                                    # checkpointing for the plain run, ours for SP.
+                                   # Batches of 2 samples, train and eval.
                                    ["--optim", "sgd", "--lr", "0.1", "--max-grad-norm", "0",
-                                    "--gradient-checkpointing"]],
-                         ids=["adamw", "sgd-unclipped-gc"])
+                                    "--gradient-checkpointing", "--batch-size", "2"]],
+                         ids=["adamw", "sgd-unclipped-gc-batch2"])
 def test_sp_trainer_matches_plain_trainer(tmp_path, optim):
     torchrun = str(Path(sys.executable).parent / "torchrun")
     sp, plain = _sp_and_plain(tmp_path, [torchrun, "--nproc-per-node", "2", SCRIPT,
@@ -148,6 +149,7 @@ def test_gradient_accumulation_weighs_tokens_like_hf(tmp_path, stage):
 @pytest.mark.hf_facing
 @pytest.mark.parametrize("option,needle", [
     ({"label_smoothing_factor": 0.1}, "label_smoothing_factor=0.1"),
+    ({"model_init": lambda: None}, "model_init"),
     ({"train_sampling_strategy": "group_by_length"},
      "train_sampling_strategy='group_by_length'"),
     ({"compute_loss_func": lambda outputs, labels, num_items_in_batch=None: 0},
@@ -171,6 +173,75 @@ def test_options_the_tiled_loss_cannot_give_are_refused_at_construction(tmp_path
     extra = {k: v for k, v in option.items() if k not in fields}
     with pytest.raises(ValueError, match=needle):
         SequenceParallelTrainer(model=None, args=args, **extra)
+
+
+# A value each refused field is refused with (set after TrainingArguments' own checks, some of
+# which need a GPU or a package).
+REFUSED_VALUES = {
+    "label_smoothing_factor": 0.1, "label_names": ["target"], "torch_compile": True,
+    "torch_compile_backend": "inductor", "torch_compile_mode": "default",
+    "use_liger_kernel": True, "liger_kernel_config": {"rms_norm": True},
+    "neftune_noise_alpha": 5.0, "auto_find_batch_size": True,
+    "include_num_input_tokens_seen": True,
+    "gradient_checkpointing_kwargs": {"use_reentrant": True},
+    "activation_checkpointing_kwargs": {"every_n_layers": 2},
+    "parallelism_config": object(), "fsdp": ["full_shard"], "fsdp_config": {"version": 2},
+}
+
+
+def _refused_with(tmp_path, field: str, value) -> str:
+    from transformers import TrainingArguments
+
+    from arctic.trainer import SequenceParallelTrainer
+
+    args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
+    args.deepspeed = str(REPO / "configs" / "cpu_trainer.json")
+    setattr(args, field, value)
+    with pytest.raises(ValueError) as e:
+        SequenceParallelTrainer(model=None, args=args)
+    return str(e.value)
+
+
+@pytest.mark.hf_facing
+def test_every_training_argument_is_honoured_or_refused(tmp_path):
+    """The table of TrainingArguments fields (arctic.trainer_fields): every field of the
+    installed transformers has a row; an honoured row names the test in which SP=2 equals the
+    plain Trainer with it; a refused row is refused at construction, naming the field; a row
+    of any other kind fails here."""
+    import dataclasses
+    import importlib
+    from transformers import TrainingArguments
+    from transformers.trainer_pt_utils import AcceleratorConfig
+
+    from arctic import trainer_fields as tf
+
+    installed = {f.name for f in dataclasses.fields(TrainingArguments)}
+    assert installed <= tf.FIELDS.keys(), sorted(installed - tf.FIELDS.keys())
+    for name, (kind, where) in tf.FIELDS.items():
+        assert kind in (tf.HONOURED, tf.TRAINER, tf.REFUSED, tf.NO_EFFECT), (name, kind)
+        assert (kind == tf.REFUSED) == (name in tf.REFUSALS), name
+        if kind == tf.HONOURED or "::" in where:
+            path, test = where.split("::")
+            module = importlib.import_module(Path(path).stem)
+            assert callable(getattr(module, test, None)), (name, where)
+        elif kind != tf.REFUSED:
+            assert where, name
+    # Defaults pass (the refused fields included), in this transformers.
+    tf.refuse_unsupported_arguments(TrainingArguments(output_dir=str(tmp_path), report_to=[],
+                                                      use_cpu=True))
+    values = {**REFUSED_VALUES, "accelerator_config": AcceleratorConfig(split_batches=True)}
+    for name in tf.REFUSALS:
+        message = _refused_with(tmp_path, name, values[name])
+        assert f"TrainingArguments({name}=" in message, message
+    # A field the table does not know is refused away from its default, kept at it.
+    fields = {k: v for k, v in tf.FIELDS.items() if k != "weight_decay"}
+    original, tf.FIELDS = tf.FIELDS, fields
+    try:
+        message = _refused_with(tmp_path, "weight_decay", 0.1)
+        assert "TrainingArguments(weight_decay=0.1): SequenceParallelTrainer does not know" \
+            in message
+    finally:
+        tf.FIELDS = original
 
 
 def test_predict_and_hyperparameter_trials_are_refused():
@@ -245,23 +316,33 @@ def _rank_loader_reads_the_arguments():
     data = [{"input_ids": torch.arange(8) + i} for i in range(6)]
     found = {}
     for data_seed, workers in ((None, 0), (7, 0), (7, 2)):
-        trainer.args = SimpleNamespace(seed=3, data_seed=data_seed,
-                                       dataloader_num_workers=workers,
-                                       dataloader_drop_last=False)
-        loader = trainer._sp_loader(data, 1, shuffle=True)
+        trainer.args = SimpleNamespace(
+            seed=3, data_seed=data_seed, dataloader_num_workers=workers,
+            dataloader_drop_last=workers > 0, dataloader_pin_memory=workers > 0,
+            dataloader_persistent_workers=workers > 0,
+            dataloader_prefetch_factor=3 if workers else None,
+            dataloader_multiprocessing_context="spawn" if workers else None,
+            dataloader_in_order=not workers)
+        loader = trainer._sp_loader(data, 4, shuffle=True)
         # (a pool worker is a daemon and cannot start loader workers: those are not iterated)
-        order = [int(b["input_ids"][0, 0]) for b in loader] if workers == 0 else None
-        found[data_seed, workers] = (loader.batch_sampler.sampler.seed, loader.num_workers,
-                                     order)
+        order = [int(v) for b in loader for v in b["input_ids"][:, 0]] if not workers else None
+        context = loader.multiprocessing_context
+        found[data_seed, workers] = (
+            loader.batch_sampler.sampler.seed, loader.num_workers, order,
+            (loader.batch_sampler.drop_last, loader.pin_memory, loader.persistent_workers,
+             loader.prefetch_factor, context.get_start_method() if context else None,
+             getattr(loader, "in_order", True)))
     return found
 
 
 def test_the_loaders_read_data_seed_and_num_workers():
-    """data_seed (else seed) seeds the shuffle, dataloader_num_workers collate; the pieces are
-    the same either way."""
+    """data_seed (else seed) seeds the shuffle, dataloader_num_workers collate, and the other
+    dataloader_* fields reach the loader as they reach the plain Trainer's."""
     import dist_pool
 
     found = dist_pool.run(_rank_loader_reads_the_arguments, world_size=1)[0]
     assert found[None, 0][:2] == (3, 0) and found[7, 2][:2] == (7, 2), found
+    assert found[7, 0][3] == (False, False, False, None, None, True), found
+    assert found[7, 2][3] == (True, True, True, 3, "spawn", False), found
     assert sorted(found[None, 0][2]) == sorted(found[7, 0][2]) == list(range(6))
     assert found[None, 0][2] != found[7, 0][2], found  # another seed, another order
