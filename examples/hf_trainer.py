@@ -85,7 +85,9 @@ def main() -> None:
                    help="override the DeepSpeed config's zero_optimization.stage")
     p.add_argument("--train-samples", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=1,
-                   help="per_device_train_batch_size and per_device_eval_batch_size")
+                   help="per_device_train_batch_size (and per_device_eval_batch_size)")
+    p.add_argument("--eval-batch-size", type=int, default=None,
+                   help="per_device_eval_batch_size, if not --batch-size")
     p.add_argument("--shuffle", action="store_true",
                    help="train_sampling_strategy='random' (default: 'sequential')")
     p.add_argument("--resume-from", default=None, metavar="CHECKPOINT",
@@ -109,7 +111,7 @@ def main() -> None:
                                           "stage": args.zero_stage}
     targs = TrainingArguments(
         output_dir=args.output_dir, per_device_train_batch_size=args.batch_size,
-        per_device_eval_batch_size=args.batch_size,
+        per_device_eval_batch_size=args.eval_batch_size or args.batch_size,
         max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler_type="constant",
         gradient_accumulation_steps=args.grad_accum,
         max_grad_norm=args.max_grad_norm,

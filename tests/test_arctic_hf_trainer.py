@@ -146,6 +146,21 @@ def test_gradient_accumulation_weighs_tokens_like_hf(tmp_path, stage):
     assert sp["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6, abs=0)
 
 
+@pytest.mark.slow
+def test_two_data_parallel_sp_groups_weigh_tokens_over_both(tmp_path):
+    """4 ranks: two SP=2 groups (dp=2) with one sample each, against the plain Trainer with
+    batches of 2: accumulated, uneven micro-batches weighed by the tokens of all ranks
+    (average_tokens_across_devices); the eval loss is the mean over samples, as the plain
+    Trainer's over batches of 1 (HF averages eval batches, not tokens)."""
+    dp2 = ACCUMULATE + ["--eval-batch-size", "1"]
+    sp, plain = _sp_and_plain(tmp_path, _torchrun("--zero-stage", "3", *dp2, nproc=4),
+                              dp2 + ["--batch-size", "2"])
+    print(f"\nplain {plain['loss']}\nSP=2 x dp=2 {sp['loss']}")
+    assert sp["global_step"] == plain["global_step"] == 3
+    assert sp["loss"] == pytest.approx(plain["loss"], rel=1e-6, abs=0)
+    assert sp["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6, abs=0)
+
+
 @pytest.mark.hf_facing
 @pytest.mark.parametrize("option,needle", [
     ({"label_smoothing_factor": 0.1}, "label_smoothing_factor=0.1"),
@@ -261,9 +276,9 @@ RESUME = ["--train-samples", "4", "--max-steps", "8", "--save-steps", "3", "--op
           "--lr", "0.1", "--max-grad-norm", "0"]
 
 
-def _torchrun(*args) -> list[str]:
-    return [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", SCRIPT,
-            *args]
+def _torchrun(*args: str, nproc: int = 2) -> list[str]:
+    return [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(nproc),
+            SCRIPT, *args]
 
 
 def _resumed(tmp_path: Path, cmd: list[str], name: str, *extra: str) -> tuple[dict, dict]:
