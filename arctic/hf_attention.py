@@ -167,6 +167,11 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
     does not implement (:func:`arctic.hf_features.check_model_features`), no attention module
     exists, or ``fuse_projections`` is asked for without chunking or on a module it does not
     support. Inputs must then be this rank's shard, with ``position_ids``.
+
+    The model's ``loss_function`` becomes :class:`arctic.loss.SPCausalLMLoss`:
+    ``model(..., labels=)`` on the pieces (HF's unshifted labels, cut as the inputs are) gives
+    HF's loss of the whole sequence, equal on the SP ranks. Everything this changes on the
+    model is undone by :func:`arctic.remove_sequence_parallel`.
     """
     check_mesh(mesh)
     if attn_implementation not in IMPLEMENTATIONS:
