@@ -197,8 +197,9 @@ class SequenceParallelTrainer(Trainer):
 
     def predict(self, test_dataset, ignore_keys=None, metric_key_prefix="test"):
         raise ValueError("SequenceParallelTrainer.predict is not supported: the tiled loss never "
-                         "materialises the logits. Use evaluate() for the loss, or predict "
-                         "with a model that sequence parallelism was not applied to")
+                         "materialises the logits. Use evaluate() for the loss; for "
+                         "predictions, use the trained model itself (sequence parallelism is "
+                         "off outside train() and evaluate()), e.g. with a plain Trainer")
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
