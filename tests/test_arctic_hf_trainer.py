@@ -254,7 +254,7 @@ def test_every_training_argument_is_honoured_or_refused(tmp_path):
     tf.refuse_unsupported_arguments(TrainingArguments(output_dir=str(tmp_path), report_to=[],
                                                       use_cpu=True))
     values = {**REFUSED_VALUES, "accelerator_config": AcceleratorConfig(split_batches=True)}
-    for name in tf.REFUSALS:
+    for name in tf.REFUSALS.keys() & installed:  # (some are newer than the oldest release)
         message = _refused_with(tmp_path, name, values[name])
         assert f"TrainingArguments({name}=" in message, message
     # A field the table does not know is refused away from its default, kept at it.
