@@ -408,11 +408,46 @@ class _TiledHeadForward:
     def __init__(self, head: nn.Module, tiles, group, transform: LogitTransform) -> None:
         self.head, self.tiles, self.group, self.transform = head, tiles, group, transform
 
-    def __call__(self, hidden_BSE: Tensor, shift_labels_BS: Tensor) -> tuple[Tensor, Tensor]:
-        return tiled_logits_loss(hidden_BSE, self.head.weight, shift_labels_BS,
+    def __call__(self, hidden_BSE: Tensor, shift_labels_BS: Tensor,
+                 logits_fn: Callable | None = None, labels_BS: Tensor | None = None):
+        loss = tiled_logits_loss(hidden_BSE, self.head.weight, shift_labels_BS,
                                  tiles=self.tiles, group=self.group,
                                  logit_scale=self.transform.scale,
                                  logit_softcap=self.transform.softcap)
+        if logits_fn is None:
+            return loss
+        # Inside the head's call: ZeRO-3 has gathered its weight for it.
+        return (*loss, _reduced_logits(hidden_BSE, self.head.weight, logits_fn, labels_BS,
+                                       self.tiles, self.group, self.transform))
+
+
+def _reduced_logits(hidden_BSE: Tensor, weight_VE: Tensor, logits_fn: Callable,
+                    labels_BS: Tensor | None, tiles, group, transform: LogitTransform) -> Tensor:
+    """``logits_fn(logits, labels)`` over tiles of the sequence (``[B, t, V]`` logits, as the
+    model's own head gives them, and the ``[B, t]`` labels of those positions), concatenated
+    along the sequence. Without autograd: evaluation only."""
+    from arctic.tiling import resolve_tiles
+
+    B, S, _ = hidden_BSE.shape
+    n = resolve_tiles(tiles, B * S, 2 * weight_VE.shape[0] * 4, group=group)
+    size = -(-S // max(1, min(n, S)))
+    outs = []
+    with torch.no_grad():
+        for start in range(0, S, size):
+            h = hidden_BSE[:, start:start + size]
+            z = transform_logits_((h @ weight_VE.t()).float(), scale=transform.scale,
+                                  softcap=transform.softcap)
+            out = logits_fn(z, None if labels_BS is None else labels_BS[:, start:start + size])
+            if not torch.is_tensor(out) or out.shape[:2] != h.shape[:2]:
+                raise ValueError(f"preprocess_logits_for_metrics must return a tensor per "
+                                 f"position ([batch, positions, ...]) under sequence "
+                                 f"parallelism: it runs on tiles of the sequence; got "
+                                 f"{type(out).__name__} "
+                                 f"{tuple(out.shape) if torch.is_tensor(out) else ''} for "
+                                 f"logits {tuple(z.shape)}")
+            outs.append(out)
+            del z
+    return torch.cat(outs, dim=1)
 
 
 def _sp_mesh(model: nn.Module):
@@ -436,7 +471,8 @@ class _SPLossForward:
                  shift_labels: Tensor | None = None,
                  num_items_in_batch: Tensor | int | None = None,
                  return_dict: bool | None = None, labels: Tensor | None = None,
-                 ignore_index: int | None = None, **kwargs: Any):
+                 ignore_index: int | None = None, logits_fn: Callable | None = None,
+                 **kwargs: Any):
         if shift_labels is None and labels is None:
             raise ValueError("a model prepared with apply_sp_loss computes its loss from "
                              "shift_labels (arctic.data.prepare_sp_batch's, shifted before "
@@ -462,10 +498,20 @@ class _SPLossForward:
         kwargs.setdefault(use_cache, False)
         hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids,
                                        **kwargs).last_hidden_state
-        loss_sum, num_valid = self.model.get_output_embeddings()(hidden, shift_labels)
+        head = self.model.get_output_embeddings()
+        if logits_fn is None:
+            loss_sum, num_valid = head(hidden, shift_labels)
+            reduced = None
+        else:  # the labels of logits_fn: HF's unshifted ones, when given
+            loss_sum, num_valid, reduced = head(hidden, shift_labels, logits_fn, labels)
         loss = sp_token_loss(loss_sum, num_valid, group=self.group,
                              averaged_over_sp=self.averaged_over_sp,
                              num_items_in_batch=num_items_in_batch)
+        if reduced is not None:
+            if return_dict is False:
+                return (loss, reduced)
+            from transformers.modeling_outputs import CausalLMOutput
+            return CausalLMOutput(loss=loss, logits=reduced)
         if return_dict is None:  # the loss itself
             return loss
         if not return_dict:  # as HF's tuple form: the loss first (no logits are computed)
@@ -484,7 +530,10 @@ def apply_sp_loss(model: nn.Module, *, group, loss_tiles: int | str = "auto",
     that lives on the next rank (:func:`shift_labels_across_pieces`). ``ignore_index=`` names
     the label to ignore, as HF's. ``num_items_in_batch=`` (HF's name) divides the group's
     summed loss by it instead of the group's own count of valid labels: the loss of a
-    micro-batch of an accumulated step.
+    micro-batch of an accumulated step. ``logits_fn=`` (evaluation: the Trainer's
+    ``preprocess_logits_for_metrics``) is called on tiles of this rank's logits and labels
+    (``[B, t, V]``, ``[B, t]``), and its per-position outputs, concatenated, come back as the
+    output's ``logits`` (``return_dict=False``: ``(loss, outputs)``).
     ``return_dict=True`` returns a ``CausalLMOutput`` whose ``loss`` is the SP loss (its
     ``logits`` None: they are never materialised), ``return_dict=False`` the tuple ``(loss,)``.
 

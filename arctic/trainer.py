@@ -24,10 +24,18 @@ What it changes, and nothing else:
 What SP cannot give is refused at construction, before any collective: every
 ``TrainingArguments`` field is classified in :mod:`arctic.trainer_fields` (honoured here,
 done by the Trainer's own code, refused, or without effect on what is trained), and a field
-it does not know is refused away from its default. Refused also: ``compute_loss_func``,
-``compute_metrics`` and ``preprocess_logits_for_metrics`` (each needs the whole logits, which
-are never materialised), a ``train_sampling_strategy`` other than random or sequential,
-``predict()``, ``model_init`` and ``train(trial=...)``. The loaders read ``data_seed`` (else
+it does not know is refused away from its default. Refused also: ``compute_loss_func``
+(it needs the whole logits, which are never materialised), ``compute_metrics`` without
+``preprocess_logits_for_metrics``, a ``train_sampling_strategy`` other than random or
+sequential, ``predict()``, ``model_init`` and ``train(trial=...)``.
+
+Metrics: ``preprocess_logits_for_metrics(logits, labels)`` runs inside the SP loss on tiles
+of each rank's logits (``[B, t, V]``, and the ``[B, t]`` labels of those positions), so it
+must work position by position (an argmax, a top-k, a log-probability of the label); its
+outputs are gathered in sequence order over the SP group and over the data-parallel ranks,
+and ``compute_metrics`` receives them with HF's unshifted labels for the whole sequence. The
+labels are rebuilt from the shifted targets: the first position's and each packed document's
+first token's are -100 (no causal-LM metric reads them). The loaders read ``data_seed`` (else
 ``seed``) and the ``dataloader_*`` fields. Resuming
 (``train(resume_from_checkpoint=...)``) skips the trained batches as the Trainer does:
 the SP cut is the loader's ``collate_fn``, which the loader accelerate rebuilds keeps.
@@ -62,8 +70,8 @@ from arctic.engine import apply_sp_recipe, host_limit_beside_state
 from arctic.removal import (remove_sequence_parallel, restore_sequence_parallel,
                             sequence_parallel_on)
 from arctic.trainer_fields import refuse_unsupported_arguments
-from ulysses import flat_mesh
-from ulysses.mesh import axis_size
+from ulysses import flat_mesh, gather_sequence, shard_sequence
+from ulysses.mesh import axis_group, axis_size
 
 SP_KEYS = ("sequence_parallel_size", "seq_parallel_communication_data_type", "ulysses")
 
@@ -109,6 +117,10 @@ class SequenceParallelTrainer(Trainer):
         remove_sequence_parallel(model)
         self._sp_train_loader = None
         self.add_callback(_ShuffleLikeTheEpoch(self))
+        # preprocess_logits_for_metrics runs inside the SP loss, on tiles of the logits; the
+        # Trainer's loop must not run it again on what comes out.
+        self._sp_preprocess, self.preprocess_logits_for_metrics = \
+            self.preprocess_logits_for_metrics, None
 
     @contextmanager
     def _sequence_parallel(self):
@@ -203,9 +215,36 @@ class SequenceParallelTrainer(Trainer):
 
     def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
         inputs = self._prepare_inputs(inputs)
+        if prediction_loss_only or self._sp_preprocess is None:
+            with torch.no_grad():
+                return model(**inputs).detach(), None, None
+        # Metrics: the preprocessed logits of the whole sequence, in order, on every rank of
+        # the SP group, and HF's unshifted labels rebuilt from the shifted ones.
         with torch.no_grad():
-            loss = model(**inputs).detach()
-        return loss, None, None
+            full = gather_sequence(inputs["shift_labels"], self.sp_mesh, dim=1)
+            labels = torch.cat([torch.full_like(full[:, :1], IGNORE_INDEX), full[:, :-1]], 1)
+            out = model(**inputs, labels=shard_sequence(labels, self.sp_mesh, dim=1),
+                        logits_fn=self._sp_preprocess, return_dict=True)
+            return (out.loss.detach(), gather_sequence(out.logits, self.sp_mesh, dim=1),
+                    labels)
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None,
+                        ignore_keys=None, metric_key_prefix="eval"):
+        # Each SP group's ranks hold the same predictions: gather them over the data-parallel
+        # ranks only (the Trainer resets its gather function at the end of the loop).
+        self.gather_function = self._gather_over_dp
+        return super().evaluation_loop(dataloader, description, prediction_loss_only,
+                                       ignore_keys, metric_key_prefix)
+
+    def _gather_over_dp(self, tensor):
+        if isinstance(tensor, (tuple, list)):
+            return type(tensor)(self._gather_over_dp(t) for t in tensor)
+        dp = axis_size(self.sp_mesh, "dp")
+        if dp == 1:
+            return tensor
+        pieces = [torch.empty_like(tensor) for _ in range(dp)]
+        dist.all_gather(pieces, tensor.contiguous(), group=axis_group(self.sp_mesh, "dp"))
+        return torch.cat(pieces)
 
 
 class _ShuffleLikeTheEpoch(TrainerCallback):
@@ -250,8 +289,14 @@ def _refuse_what_sp_cannot_give(args, kwargs: dict) -> None:
     if kwargs.get("model_init") is not None:
         raise ValueError("SequenceParallelTrainer does not support model_init: sequence "
                          "parallelism is applied to the model given as model=, once")
-    for name in ("compute_loss_func", "compute_metrics", "preprocess_logits_for_metrics"):
-        if kwargs.get(name) is not None:
-            raise ValueError(f"SequenceParallelTrainer does not support {name}: it needs the "
-                             f"model's whole logits, which the tiled SP loss never "
-                             f"materialises (evaluate() reports the loss only). Leave it out")
+    if kwargs.get("compute_loss_func") is not None:
+        raise ValueError("SequenceParallelTrainer does not support compute_loss_func: it needs "
+                         "the model's whole logits, which the tiled SP loss never "
+                         "materialises. Leave it out")
+    if kwargs.get("compute_metrics") is not None and \
+            kwargs.get("preprocess_logits_for_metrics") is None:
+        raise ValueError("SequenceParallelTrainer runs compute_metrics on what "
+                         "preprocess_logits_for_metrics makes of each tile of the logits (the "
+                         "whole [batch, seq, vocab] logits are never materialised); give "
+                         "preprocess_logits_for_metrics too, e.g. lambda logits, labels: "
+                         "logits.argmax(-1)")

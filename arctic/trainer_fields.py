@@ -71,7 +71,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "torch_empty_cache_steps": (TRAINER, "frees the CUDA cache"),
     "eval_strategy": (TRAINER, _PARITY), "eval_steps": (TRAINER, _PARITY),
     "eval_delay": (TRAINER, _PARITY), "eval_on_start": (TRAINER, _PARITY),
-    "prediction_loss_only": (TRAINER, "evaluate() computes the loss only"),
+    "prediction_loss_only": (HONOURED, _PARITY),  # metrics, or the loss only
     "save_strategy": (TRAINER, _T + "test_accelerate_launch_with_the_shipped_yaml"),
     "save_steps": (TRAINER, _RESUME), "save_total_limit": (TRAINER, "checkpoint rotation"),
     "save_only_model": (TRAINER, "what a checkpoint holds"),
@@ -83,11 +83,10 @@ FIELDS: dict[str, tuple[str, str]] = {
     "restore_callback_states_from_checkpoint": (TRAINER, "callback state"),
     "full_determinism": (TRAINER, "seeds and deterministic kernels"),
     "logging_nan_inf_filter": (TRAINER, "the logged loss"),
-    "eval_do_concat_batches": (TRAINER, "metrics inputs: compute_metrics is refused"),
-    "eval_use_gather_object": (TRAINER, "metrics inputs: compute_metrics is refused"),
-    "eval_accumulation_steps": (TRAINER, "metrics inputs: compute_metrics is refused"),
-    "include_for_metrics": (TRAINER, "metrics inputs: compute_metrics is refused"),
-    "batch_eval_metrics": (TRAINER, "metrics inputs: compute_metrics is refused"),
+    "eval_do_concat_batches": (TRAINER, "how the gathered predictions are kept"),
+    "eval_accumulation_steps": (TRAINER, "when the gathered predictions move to the host"),
+    "eval_use_gather_object": (REFUSED, ""), "include_for_metrics": (REFUSED, ""),
+    "batch_eval_metrics": (REFUSED, ""),
     "remove_unused_columns": (TRAINER, "the SP collate reads input_ids, labels, "
                                        "attention_mask and position_ids only"),
     # refused when set (REFUSALS)
@@ -153,6 +152,11 @@ REFUSALS: dict[str, tuple[Callable[[Any], bool], str]] = {
                                                 "even_batches act on accelerate's loaders, "
                                                 "and the SP loaders are not accelerate's"),
     "parallelism_config": (_set, "the SP settings come from the DeepSpeed config"),
+    "eval_use_gather_object": (_set, "the SP predictions are gathered as tensors over the "
+                                     "data-parallel ranks"),
+    "include_for_metrics": (lambda v: _set(v) and list(v) != ["loss"],
+                            "the inputs are sequence pieces; only 'loss' is supported"),
+    "batch_eval_metrics": (_set, "metrics are computed once, over the whole evaluation"),
     "fsdp": (_set, "the SP Trainer runs under DeepSpeed (args.deepspeed)"),
     "fsdp_config": (lambda v: _set(v) and any(
         _set(x) for k, x in dict(v).items() if k not in ("min_num_params", "xla",

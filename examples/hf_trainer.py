@@ -52,6 +52,18 @@ class _UnevenLabels(torch.utils.data.Dataset):
         return {"input_ids": ids, "labels": labels}
 
 
+def _argmax(logits, labels):
+    """preprocess_logits_for_metrics: the predicted token at each position."""
+    return logits.argmax(dim=-1)
+
+
+def _accuracy(prediction) -> dict:
+    """compute_metrics: next-token accuracy over the labelled targets."""
+    preds, labels = prediction.predictions[:, :-1], prediction.label_ids[:, 1:]
+    mask = labels != -100
+    return {"accuracy": float((preds[mask] == labels[mask]).mean()), "targets": int(mask.sum())}
+
+
 def _use_trained_model(trainer, corpus, out: Path) -> dict:
     """What a user does with the model once trained: save it, run it on a whole sequence,
     generate from it. Every rank calls (ZeRO-3 gathers the parameters for each forward)."""
@@ -93,6 +105,9 @@ def main() -> None:
     p.add_argument("--resume-from", default=None, metavar="CHECKPOINT",
                    help="train(resume_from_checkpoint=CHECKPOINT)")
     p.add_argument("--ignore-data-skip", action="store_true")
+    p.add_argument("--metrics", action="store_true",
+                   help="evaluate with compute_metrics (next-token accuracy) and "
+                        "preprocess_logits_for_metrics (argmax)")
     p.add_argument("--use-model", type=Path, default=None, metavar="DIR",
                    help="after training: save_model(DIR), whole-sequence logits, generate()")
     args = p.parse_args()
@@ -121,12 +136,14 @@ def main() -> None:
         seed=0, ignore_data_skip=args.ignore_data_skip,
         gradient_checkpointing=args.gradient_checkpointing,
         deepspeed=None if args.plain else deepspeed)
+    metrics_fns = ({"compute_metrics": _accuracy, "preprocess_logits_for_metrics": _argmax}
+                   if args.metrics else {})
     if args.plain:
         trainer = _Plain(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,
-                         data_collator=_plain_collate)
+                         data_collator=_plain_collate, **metrics_fns)
     else:
         trainer = SequenceParallelTrainer(model=model, args=targs, train_dataset=train,
-                                          eval_dataset=evaluation)
+                                          eval_dataset=evaluation, **metrics_fns)
     trainer.train(resume_from_checkpoint=args.resume_from)
     metrics = trainer.evaluate()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -142,6 +159,7 @@ def main() -> None:
                                                    metrics["eval_loss"],
                                                    "global_step": trainer.state.global_step,
                                                    "loss_by_step": by_step,
+                                                   "metrics": metrics,
                                                    **used,
                                                    "offloaded_bytes": offloaded,
                                                    "hf_checkpointed_layers": sum(

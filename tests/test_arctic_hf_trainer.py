@@ -51,7 +51,7 @@ def _sp_and_plain(tmp_path: Path, sp_cmd: list[str], optim: list[str]) -> tuple[
         sp.kill()  # a no-op once it has finished
 
 
-@pytest.mark.parametrize("optim", [pytest.param(["--optim", "adamw_torch"],
+@pytest.mark.parametrize("optim", [pytest.param(["--optim", "adamw_torch", "--metrics"],
                                                 marks=pytest.mark.hf_facing),
                                    # Adam and clipping hide a wrong gradient scale; SGD does not.
                                    # TrainingArguments(gradient_checkpointing=True) too: HF's
@@ -75,7 +75,17 @@ def test_sp_trainer_matches_plain_trainer(tmp_path, optim):
     assert sp["offloaded_bytes"] > 0 and plain["offloaded_bytes"] == 0
     assert sp["hf_checkpointed_layers"] == 0  # never a second, HF checkpoint around ours
     assert (plain["hf_checkpointed_layers"] > 0) == ("--gradient-checkpointing" in optim)
+    if "--metrics" in optim:  # compute_metrics on preprocess_logits_for_metrics' argmax
+        _check_metrics(sp, plain)
     _check_the_trained_models(sp, plain)
+
+
+def _check_metrics(sp: dict, plain: dict) -> None:
+    got, want = sp["metrics"], plain["metrics"]
+    print(f"\nnext-token accuracy SP {got['eval_accuracy']} over {got['eval_targets']} targets, "
+          f"plain {want['eval_accuracy']} over {want['eval_targets']}")
+    assert got["eval_targets"] == want["eval_targets"] > 0
+    assert got["eval_accuracy"] == want["eval_accuracy"]
 
 
 def _check_the_trained_models(sp: dict, plain: dict) -> None:
@@ -119,7 +129,7 @@ def test_accelerate_launch_with_the_shipped_yaml(tmp_path):
     assert SequenceParallelConfig.from_ds_config(ds_file, world_size=acc["num_processes"]).\
         sequence_parallel_size == 2
     accelerate = str(Path(sys.executable).parent / "accelerate")
-    optim = ["--optim", "adamw_torch"]  # the script's default, said: the adamw plain run
+    optim = ["--optim", "adamw_torch", "--metrics"]  # the adamw parity test's plain run
     sp, plain = _sp_and_plain(tmp_path, [accelerate, "launch", "--config_file", str(config),
                                          SCRIPT, "--save-steps", "5"] + optim, optim)
     assert sp["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=0)
@@ -160,10 +170,11 @@ def test_two_data_parallel_sp_groups_weigh_tokens_over_both(tmp_path):
     batches of 2: accumulated, uneven micro-batches weighed by the tokens of all ranks
     (average_tokens_across_devices); the eval loss is the mean over samples, as the plain
     Trainer's over batches of 1 (HF averages eval batches, not tokens)."""
-    dp2 = ACCUMULATE + ["--eval-batch-size", "1"]
+    dp2 = ACCUMULATE + ["--eval-batch-size", "1", "--metrics"]
     sp, plain = _sp_and_plain(tmp_path, _torchrun("--zero-stage", "3", *dp2, nproc=4),
                               dp2 + ["--batch-size", "2"])
     print(f"\nplain {plain['loss']}\nSP=2 x dp=2 {sp['loss']}")
+    _check_metrics(sp, plain)  # the predictions gathered over the two SP groups
     assert sp["global_step"] == plain["global_step"] == 3
     assert sp["loss"] == pytest.approx(plain["loss"], rel=1e-6, abs=0)
     assert sp["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-6, abs=0)
@@ -178,9 +189,7 @@ def test_two_data_parallel_sp_groups_weigh_tokens_over_both(tmp_path):
      "train_sampling_strategy='group_by_length'"),
     ({"compute_loss_func": lambda outputs, labels, num_items_in_batch=None: 0},
      "compute_loss_func"),
-    ({"compute_metrics": lambda p: {}}, "compute_metrics"),
-    ({"preprocess_logits_for_metrics": lambda logits, labels: logits},
-     "preprocess_logits_for_metrics"),
+    ({"compute_metrics": lambda p: {}}, "give preprocess_logits_for_metrics too"),
 ])
 def test_options_the_tiled_loss_cannot_give_are_refused_at_construction(tmp_path, option,
                                                                         needle):
@@ -210,6 +219,8 @@ REFUSED_VALUES = {
     "gradient_checkpointing_kwargs": {"use_reentrant": True},
     "activation_checkpointing_kwargs": {"every_n_layers": 2},
     "parallelism_config": object(), "fsdp": ["full_shard"], "fsdp_config": {"version": 2},
+    "eval_use_gather_object": True, "include_for_metrics": ["inputs"],
+    "batch_eval_metrics": True,
 }
 
 
