@@ -30,18 +30,41 @@ from ulysses.gqa import expand_kv, reduce_kv
 
 _aten = torch.ops.aten
 
-try:  # pragma: no cover - not installed on CPU CI
-    from flash_attn import flash_attn_interface as _fa
-except ImportError:  # pragma: no cover
-    _fa = None
-try:  # pragma: no cover - FlashAttention-3, built from flash-attention's hopper/ directory
-    import flash_attn_interface as _fa3
-except ImportError:  # pragma: no cover
-    _fa3 = None
-try:  # pragma: no cover - FlashAttention-4, PyPI flash-attn-4
-    from flash_attn.cute import interface as _fa4
-except ImportError:  # pragma: no cover
-    _fa4 = None
+_IMPORT_ERRORS: dict[str, str] = {}
+"""Why an installed kernel package could not be imported, by backend (shown when it is named)."""
+
+
+def _optional(backend: str, load):
+    """The module ``load()`` imports, or None. Not only ImportError: FA3 builds from July to
+    August 2025 register op names that collide with FA2 2.7 and later, which raises a
+    RuntimeError at import; any failure means the package is not usable here."""
+    try:
+        return load()
+    except ImportError:
+        return None
+    except Exception as e:  # pragma: no cover - a broken or colliding install
+        _IMPORT_ERRORS[backend] = f"{type(e).__name__}: {e}"
+        return None
+
+
+def _load_fa():  # pragma: no cover - not installed on CPU CI
+    from flash_attn import flash_attn_interface
+    return flash_attn_interface
+
+
+def _load_fa3():  # pragma: no cover - FlashAttention-3, built from flash-attention's hopper/
+    import flash_attn_interface
+    return flash_attn_interface
+
+
+def _load_fa4():  # pragma: no cover - FlashAttention-4, PyPI flash-attn-4
+    from flash_attn.cute import interface
+    return interface
+
+
+_fa = _optional("flash_attn", _load_fa)
+_fa3 = _optional("fa3", _load_fa3)
+_fa4 = _optional("fa4", _load_fa4)
 
 
 def flash_attn_available() -> bool:
@@ -50,6 +73,11 @@ def flash_attn_available() -> bool:
 
 
 # --- what runs where -------------------------------------------------------------------------
+
+_NO_CUDA = (0, 0)
+"""The capability of a torch without CUDA: nothing runs, and the planner traces CUDA steps on
+fake tensors there with the flash kernels' shapes, so the capability gates stay open."""
+
 
 @functools.lru_cache(maxsize=None)
 def _capability(device: torch.device) -> tuple[int, int]:
@@ -76,8 +104,22 @@ def _head_dim_problem(head_dim: int, limit: int, also: int | None = None) -> str
 def _cuda_problem(backend: str, cap: tuple[int, int], head_dim: int) -> str | None:
     """Why a CUDA fp16/bf16 ``backend`` cannot run on a device of compute capability ``cap``."""
     arch = f"{cap[0]}.{cap[1]}"
-    if backend in ("sdpa_flash", "flash_attn"):
-        return None if head_dim <= 256 else f"needs head_dim <= 256, got {head_dim}"
+    if backend == "sdpa_flash":
+        # torch's own gates (sdp_utils.cpp): check_flash_attention_hardware_support admits
+        # sm80 to sm121; the kernel needs head_dim % 8 == 0 and <= 256; and the backward
+        # (check_requires_grad_and_head_dim_gt192_constraints_on_sm86_89_or_120) refuses
+        # 192 < head_dim <= 224 on sm86, sm89 and sm120. Training always runs the backward.
+        if cap != _NO_CUDA and not (8, 0) <= cap <= (12, 1):
+            return f"needs compute capability 8.0 to 12.1, got {arch}"
+        if cap in ((8, 6), (8, 9), (12, 0)) and 192 < head_dim <= 224:
+            return (f"cannot run the backward for 192 < head_dim <= 224 on sm{cap[0]}"
+                    f"{cap[1]}, got {head_dim}")
+        return _head_dim_problem(head_dim, 256)
+    if backend == "flash_attn":
+        # FlashAttention-2 runs on Ampere and later, head_dim % 8 == 0 (2.7+) and <= 256.
+        if _NO_CUDA < cap < (8, 0):
+            return f"needs compute capability 8.0 or later (Ampere), got {arch}"
+        return _head_dim_problem(head_dim, 256)
     if backend == "sdpa_cudnn":
         # torch's own gates (sdp_utils.cpp can_use_cudnn_attention, check_cudnn_tensor_shapes);
         # head_dim 256 needs cuDNN > 9.22 and a cudnn-frontend build that Python cannot see.
@@ -108,13 +150,18 @@ def problem(backend: str, device: torch.device, dtype: torch.dtype, head_dim: in
     """Why the CUDA ``backend`` cannot run on this device, dtype and head dim; None if it can."""
     missing = {"flash_attn": _fa, "fa3": _fa3, "fa4": _fa4}
     if backend in missing and missing[backend] is None:
-        return {"flash_attn": "flash_attn is not installed",
-                "fa3": "flash_attn_interface (FlashAttention-3) is not installed",
-                "fa4": "flash_attn.cute (FlashAttention-4, flash-attn-4) is not installed",
-                }[backend]
+        package = {"flash_attn": "flash_attn", "fa3": "flash_attn_interface (FlashAttention-3)",
+                   "fa4": "flash_attn.cute (FlashAttention-4, flash-attn-4)"}[backend]
+        if backend in _IMPORT_ERRORS:
+            return f"cannot import {package}: {_IMPORT_ERRORS[backend]}"
+        return f"{package} is not installed"
     if device.type != "cuda":
         return f"needs a CUDA tensor, got {device.type}"
     if backend == "sdpa_efficient":
+        # sdp_utils.cpp check_mem_efficient_hardware_support: bf16 from sm80 only
+        cap = _capability(device)
+        if dtype == torch.bfloat16 and _NO_CUDA < cap < (8, 0):
+            return f"needs compute capability 8.0 or later for bf16, got {cap[0]}.{cap[1]}"
         return None
     if dtype not in (torch.float16, torch.bfloat16):
         return f"needs fp16/bf16, got {dtype}"
@@ -169,14 +216,27 @@ def _sdpa_efficient_forward(q, k, v, causal, scale):
     return out.transpose(1, 2), lse[..., :q.shape[1]].contiguous()
 
 
+def efficient_backward_lse(lse_BHS: torch.Tensor) -> torch.Tensor:
+    """The lse as the memory-efficient backward reads it: rows padded with +inf up to a
+    multiple of 32. On sm75 and later that kernel reads lse in blocks of 32 query rows without
+    a bounds check (``B2bGemm::accumApplyLSEToSmem``), relying on the forward's +inf padding
+    (exp(score - inf) = 0); a trimmed lse would let it read whatever follows, and a -inf
+    there turns a key block's dk/dv into NaN."""
+    S = lse_BHS.shape[-1]
+    padded = -(-S // 32) * 32
+    if padded == S:
+        return lse_BHS.contiguous()
+    return torch.nn.functional.pad(lse_BHS, (0, padded - S), value=float("inf")).contiguous()
+
+
 def _sdpa_efficient_backward(dout, q, k, v, out, lse, causal, scale):
     num_kv = k.shape[2]
     k, v = expand_kv(k, q.shape[2]), expand_kv(v, q.shape[2])
     seed = torch.empty((), dtype=torch.int64, device=q.device)
     dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
         dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
-        out.transpose(1, 2), lse.contiguous(), seed, seed, 0.0, [True, True, True, False], causal,
-        scale=scale)
+        out.transpose(1, 2), efficient_backward_lse(lse), seed, seed, 0.0,
+        [True, True, True, False], causal, scale=scale)
     dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     return dq, reduce_kv(dk, num_kv), reduce_kv(dv, num_kv)
 
@@ -266,7 +326,7 @@ def _flash_attn_forward(q, k, v, causal, scale):  # pragma: no cover - needs CUD
 def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):  # pragma: no cover
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _fa_call(_fa._flash_attn_backward, dout=dout.contiguous(), q=q.contiguous(),
-             k=k.contiguous(), v=v.contiguous(), out=out.contiguous(), softmax_lse=lse,
+             k=k.contiguous(), v=v.contiguous(), out=out.contiguous(), softmax_lse=lse.contiguous(),
              dq=dq, dk=dk, dv=dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
              window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
              deterministic=False, rng_state=None)

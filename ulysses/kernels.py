@@ -76,10 +76,12 @@ def select_backend(device: torch.device, dtype: torch.dtype, head_dim: int,
         return "math"
     if dtype not in (torch.float16, torch.bfloat16):
         return "math" if dtype == torch.float64 else "sdpa_efficient"
-    for backend in cuda_kernels.order(device):
+    for backend in cuda_kernels.order(device) + ("sdpa_efficient",):
         if _problem(backend, device, dtype, head_dim) is None:
             return backend
-    return "sdpa_efficient"  # head_dim > 256
+    raise ValueError(f"no CUDA attention backend runs {dtype} with head_dim {head_dim} on this "
+                     f"GPU: {_problem('sdpa_efficient', device, dtype, head_dim)} "
+                     f"(sdpa_efficient, the last resort); use float16")
 
 
 # --- cpu_flash ------------------------------------------------------------------------------
