@@ -40,8 +40,8 @@ from arctic.hf_binding import of_module
 from arctic.hf_features import loss_arguments
 from arctic.order import record_apply
 from arctic.removal import journaled
-from arctic.tiling import (IGNORE_INDEX, check_logit_transform, tiled_logits_loss,
-                           transform_logits_)
+from arctic.tiling import (IGNORE_INDEX, _tile_logits, check_logit_transform,
+                           tiled_logits_loss, transform_logits_)
 
 
 class _SPTokenLoss(torch.autograd.Function):
@@ -108,28 +108,16 @@ def shift_labels_across_pieces(labels_BS: Tensor, mesh, *, ignore_index: int = I
     another rank: the pieces of the SP group are gathered (integers, ``[B, S]`` in all),
     shifted whole and cut again in the mesh's layout. Labels equal to ``ignore_index`` come
     back as -100, what the losses here ignore."""
-    from ulysses.mesh import flat_mesh
-    from ulysses.sharding import _seq_split, _sp_rank
+    from ulysses.sharding import gather_sequence, shard_sequence
 
-    group = flat_mesh(mesh, "sp").get_group()
-    sp = dist.get_world_size(group)
-    labels_BS = labels_BS.contiguous()
-    pieces = [torch.empty_like(labels_BS) for _ in range(sp)]
-    dist.all_gather(pieces, labels_BS, group=group)
-    B, s = labels_BS.shape
-    split, full = _seq_split(mesh), labels_BS.new_empty(B, s * sp)
-    for rank, piece in enumerate(pieces):
-        at = 0
-        for start, size in split.runs(s * sp, rank):
-            full[:, start:start + size] = piece[:, at:at + size]
-            at += size
+    full = gather_sequence(labels_BS, mesh, dim=1)
     if ignore_index != IGNORE_INDEX and bool((full == IGNORE_INDEX).any()):
         raise ValueError(f"labels hold {IGNORE_INDEX} but ignore_index={ignore_index}: HF's "
                          f"cross-entropy would reject that target; use one ignore value")
     shifted = torch.full_like(full, IGNORE_INDEX)
     shifted[:, :-1] = full[:, 1:]
     shifted[shifted == ignore_index] = IGNORE_INDEX
-    return torch.cat([shifted[:, a:a + n] for a, n in split.runs(s * sp, _sp_rank(mesh))], 1)
+    return shard_sequence(shifted, mesh, dim=1).contiguous()
 
 
 def hf_targets(*, labels: Tensor | None, shift_labels: Tensor | None, ignore_index: int,
@@ -157,11 +145,18 @@ class SPCausalLMLoss:
     group: the token mean over the whole sequence, equal on the group's ranks, with gradients
     for dp x sp averaging (:func:`sp_token_loss`). :func:`arctic.apply_sequence_parallel`
     makes it the model's ``loss_function``, so ``model(input_ids=, position_ids=, labels=)``
-    on the pieces gives the loss of the whole sequence. Other keyword arguments are the
-    model's, which HF's loss ignores too."""
+    on the pieces gives the loss of the whole sequence. HF's forward hands its loss every
+    keyword of the call: a loss argument of the installed transformers that this loss does not
+    compute is refused; the others are the model's (the SP attention already honoured or
+    refused them), which HF's loss passes over too."""
 
-    def __init__(self, mesh, replaced: Callable | None = None) -> None:
+    HANDLED = frozenset({"logits", "labels", "vocab_size", "num_items_in_batch", "ignore_index",
+                         "shift_labels"})
+
+    def __init__(self, mesh, replaced: Callable | None = None,
+                 loss_arguments: frozenset[str] = frozenset()) -> None:
         self.mesh, self.replaced = mesh, replaced
+        self.refused = frozenset(loss_arguments) - self.HANDLED
 
     def __call__(self, logits: Tensor, labels: Tensor | None, vocab_size: int,
                  num_items_in_batch: Tensor | int | None = None, ignore_index: int = IGNORE_INDEX,
@@ -171,6 +166,11 @@ class SPCausalLMLoss:
                              f"not the causal-LM loss that sequence parallelism computes over "
                              f"the pieces of the sequence; compute the loss yourself, or use "
                              f"arctic.apply_sp_loss")
+        asked = sorted(n for n, v in kwargs.items() if n in self.refused and v is not None)
+        if asked:
+            raise ValueError(f"the sequence-parallel causal-LM loss computes labels/"
+                             f"shift_labels, ignore_index and num_items_in_batch as HF does; "
+                             f"{asked} would ask HF's loss for something else: leave them out")
         from ulysses.mesh import flat_mesh
 
         group = flat_mesh(self.mesh, "sp").get_group()
@@ -193,7 +193,7 @@ def install_sp_causal_lm_loss(model: nn.Module, mesh) -> None:
     if isinstance(current, SPCausalLMLoss):
         current = current.replaced or LOSS_MAPPING["ForCausalLM"]
     model.loss_function = SPCausalLMLoss(
-        mesh, None if current is LOSS_MAPPING["ForCausalLM"] else current)
+        mesh, None if current is LOSS_MAPPING["ForCausalLM"] else current, loss_arguments(model))
 
 
 # --- the head's logit transform -----------------------------------------------------------------
@@ -435,8 +435,7 @@ def _reduced_logits(hidden_BSE: Tensor, weight_VE: Tensor, logits_fn: Callable,
     with torch.no_grad():
         for start in range(0, S, size):
             h = hidden_BSE[:, start:start + size]
-            z = transform_logits_((h @ weight_VE.t()).float(), scale=transform.scale,
-                                  softcap=transform.softcap)
+            z = _tile_logits(h, weight_VE, transform.scale, transform.softcap)
             out = logits_fn(z, None if labels_BS is None else labels_BS[:, start:start + size])
             if not torch.is_tensor(out) or out.shape[:2] != h.shape[:2]:
                 raise ValueError(f"preprocess_logits_for_metrics must return a tensor per "

@@ -115,8 +115,7 @@ class SequenceParallelTrainer(Trainer):
         self.model_accepts_loss_kwargs = True
         # SP runs inside train() and evaluate(); elsewhere the model is the user's own.
         remove_sequence_parallel(model)
-        self._sp_train_loader = None
-        self.add_callback(_ShuffleLikeTheEpoch(self))
+        self.add_callback(_ShuffleLikeTheEpoch())
         # preprocess_logits_for_metrics runs inside the SP loss, on tiles of the logits; the
         # Trainer's loop must not run it again on what comes out.
         self._sp_preprocess, self.preprocess_logits_for_metrics = \
@@ -137,11 +136,8 @@ class SequenceParallelTrainer(Trainer):
         if self.train_dataset is None:
             raise ValueError("SequenceParallelTrainer needs a train_dataset")
         # (train_sampling_strategy was checked when the trainer was built)
-        self._sp_train_loader = self._sp_loader(self.train_dataset,
-                                                self.args.per_device_train_batch_size,
-                                                shuffle=self.args.train_sampling_strategy ==
-                                                "random")
-        return self._sp_train_loader
+        return self._sp_loader(self.train_dataset, self.args.per_device_train_batch_size,
+                               shuffle=self.args.train_sampling_strategy == "random")
 
     def _sp_loader(self, dataset, batch_size: int, shuffle: bool) -> SequenceParallelDataLoader:
         # data_seed seeds the sampler when given, as in the Trainer's own sampler; the workers
@@ -253,15 +249,14 @@ class _ShuffleLikeTheEpoch(TrainerCallback):
     resume mid-epoch it iterates a loader that accelerate rebuilt around our batch sampler,
     whose epoch not every transformers version sets (5.13 does not)."""
 
-    def __init__(self, trainer: "SequenceParallelTrainer") -> None:
-        self.trainer = trainer
-
-    def on_epoch_begin(self, args, state, control, **kwargs):
-        loader = self.trainer._sp_train_loader
-        if loader is not None:
+    def on_epoch_begin(self, args, state, control, *, train_dataloader=None, **event):
+        # ``event``: the rest of what the Trainer hands every callback (model, optimizer,
+        # ...), which this one does not need.
+        if isinstance(train_dataloader, SequenceParallelDataLoader):
             accumulate = args.gradient_accumulation_steps
-            per_epoch = max(len(loader) // accumulate + int(len(loader) % accumulate > 0), 1)
-            loader.set_epoch(state.global_step // per_epoch)
+            n = len(train_dataloader)
+            per_epoch = max(n // accumulate + int(n % accumulate > 0), 1)
+            train_dataloader.set_epoch(state.global_step // per_epoch)
 
 
 def _hand_deepspeed_plain_config(args, ds_config: dict) -> None:

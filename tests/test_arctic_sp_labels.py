@@ -105,6 +105,14 @@ def _rank_refusals():
               shift_labels=shard_sequence(shifted, mesh), ignore_index=5)
     except ValueError as e:
         errors.append(str(e))
+    # a loss argument of a (future) transformers that the SP loss does not compute
+    from arctic.loss import SPCausalLMLoss
+
+    newer = SPCausalLMLoss(mesh, loss_arguments=frozenset({"labels", "label_smoothing"}))
+    try:
+        newer(torch.zeros(2, 16, VOCAB), shard_sequence(ids, mesh), VOCAB, label_smoothing=0.1)
+    except ValueError as e:
+        errors.append(str(e))
     model.loss_function = lambda *a, **k: None  # a loss of the user's: SP does not replace it
     apply_sequence_parallel(model, mesh=mesh)
     try:
@@ -116,6 +124,7 @@ def _rank_refusals():
 
 def test_what_the_pieces_cannot_compute_is_refused():
     for errors in dist_pool.run(_rank_refusals, world_size=2):
-        assert len(errors) == 3, errors
+        assert len(errors) == 4, errors
         assert "ignore_index=5" in errors[0] and "ignore_index=5" in errors[1]
-        assert "not the causal-LM loss" in errors[2]
+        assert "['label_smoothing']" in errors[2]
+        assert "not the causal-LM loss" in errors[3]
