@@ -102,6 +102,11 @@ class SequenceParallelConfig:
     the layer input when offloading) and recompute only norms, projections, RoPE and MLP in
     backward (needs activation_checkpointing; :mod:`ulysses.keep`). Costs about
     ``2 * S_local * hidden`` bytes per layer (bf16) more."""
+    kernel_self_check: bool = True
+    """Check each attention kernel against the float64 reference the first time it runs in
+    the process (a tiny forward and backward on the device, once; :mod:`ulysses.self_check`):
+    a kernel that disagrees is refused with a ``ValueError`` instead of training on wrong
+    gradients. Process-wide: the last model set up decides."""
     communication_dtype: Literal["fp32", "bf16", "fp16"] | None = None
     """dtype of the sequence-parallel exchanges (DeepSpeed's
     ``seq_parallel_communication_data_type``): every all-to-all and ring hop, forward and
@@ -135,7 +140,7 @@ class SequenceParallelConfig:
             raise ValueError(f"ulysses.attention_backend must be null or one of {BACKENDS}, got "
                              f"{self.attention_backend!r}")
         for name in ("fuse_projections", "tiled_norms", "tiled_layer", "activation_checkpointing",
-                     "offload_activations", "recompute_attention"):
+                     "offload_activations", "recompute_attention", "kernel_self_check"):
             if not isinstance(getattr(self, name), bool):
                 raise ValueError(f"ulysses.{name} must be true or false, got "
                                  f"{getattr(self, name)!r}")

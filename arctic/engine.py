@@ -31,7 +31,7 @@ from arctic.loss import apply_sp_loss
 from arctic.placement import offload_pool_limit, placement_from_ds_config
 from arctic.tiled_layer import apply_tiled_layers
 from arctic.tiling import apply_tiled_mlp, apply_tiled_norms
-from ulysses import DeepSpeedMPU, flat_mesh
+from ulysses import DeepSpeedMPU, flat_mesh, self_check
 
 
 def _zero3_reduction_settings(ds_config: dict, model: nn.Module, sp_size: int) -> dict:
@@ -76,12 +76,14 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
     the layer inputs offloaded to the host when ``config.offload_activations`` (spilling
     past the host limit to ``config.offload_dir`` when set, with ``config.offload_io``'s
     I/O, and the attention results kept, not recomputed, when ``config.recompute_attention``
-    is False).
+    is False). ``config.kernel_self_check`` turns the kernels' first-use check on or off
+    for the process.
     Parameter sharding (ZeRO, FSDP2) comes after, from the caller. ``host_memory_limit``
     (bytes per rank) caps the offload pool; default: 80% of the host's available memory per
     local rank, agreed over all ranks. Returns ``model``."""
     from arctic.hf_attention import apply_sequence_parallel
 
+    self_check.set_enabled(config.kernel_self_check)
     apply_sequence_parallel(model, mesh=mesh, head_chunk_size=config.head_chunk_size,
                             seq_chunk=config.seq_chunk,
                             attn_implementation=config.attn_implementation,

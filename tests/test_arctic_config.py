@@ -13,6 +13,7 @@ import dist_pool
 from arctic.config import SequenceParallelConfig, load_ds_config, zero_stage
 from helpers import get_mesh
 from helpers import value_error_of as _value_error
+from ulysses import self_check
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 WORLD = {"cpu_demo.json": 2, "cpu_trainer.json": 2, "llama3_8b_5m_8xh100.json": 8,
@@ -170,6 +171,7 @@ def _rank_fingerprint(ds):
         "offload_dir": disk and disk.directory, "offload_io": disk and disk.io,
         "recompute_attention": not (isinstance(ckpt, _CheckpointedForward) and
                                     ckpt.keep is not None),
+        "kernel_self_check": self_check.is_enabled(),
     }
 
 
@@ -213,6 +215,8 @@ KEY_EFFECTS = {
     "recompute_attention": ({"ulysses": {"activation_checkpointing": True,
                                          "recompute_attention": False}},
                             {"activation_checkpointing": True, "recompute_attention": False}),
+    "kernel_self_check": ({"ulysses": {"kernel_self_check": False}},
+                          {"kernel_self_check": False}),
     "attention_backend": ({"ulysses": {"attention_backend": "math"}},
                           {"attn_implementation": "math"}),
     "cpu_checkpointing (DeepSpeed block)": ({"activation_checkpointing": {"cpu_checkpointing":
@@ -241,6 +245,43 @@ def test_every_config_key_has_its_effect():
         got = dist_pool.run(_rank_fingerprint, ds, world_size=2)[0]
         want = {**base, **{k: _auto_io() if v == AUTO_IO else v for k, v in changes.items()}}
         assert got == want, (key, {k: (base[k], got[k]) for k in got if got[k] != want[k]})
+
+
+def _rank_wrong_kernel_through_the_model(check: bool):
+    """A model set up from a config, its ``cpu_flash`` swapped for one whose output is 5%
+    off: refused at the first forward with ``kernel_self_check``, run without it."""
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from arctic.engine import apply_sp_recipe
+    from ulysses import kernels
+
+    config = SequenceParallelConfig.from_ds_config(
+        {"sequence_parallel_size": 2,
+         "ulysses": {"attention_backend": "cpu_flash", "kernel_self_check": check}},
+        world_size=2)
+    cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                      num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64)
+    model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
+    apply_sp_recipe(model, config=config, mesh=config.dims(2).build_mesh("cpu"),
+                    averaged_over_sp=True)
+    good = kernels._FORWARD["cpu_flash"]
+    kernels._FORWARD["cpu_flash"] = lambda *a: (good(*a)[0] * 1.05, good(*a)[1])
+    self_check.forget()
+    try:
+        model.model(input_ids=torch.arange(16)[None], position_ids=torch.arange(16)[None])
+        return None
+    except ValueError as e:
+        return str(e)
+    finally:
+        kernels._FORWARD["cpu_flash"] = good
+        self_check.forget()
+        self_check.set_enabled(True)
+
+
+def test_kernel_self_check_key_decides_whether_a_wrong_kernel_is_refused():
+    checked = dist_pool.run(_rank_wrong_kernel_through_the_model, True, world_size=2)
+    assert all("'cpu_flash' disagrees with the float64 reference" in m for m in checked), checked
+    assert dist_pool.run(_rank_wrong_kernel_through_the_model, False, world_size=2) == [None] * 2
 
 
 def _rank_backend_refusals():

@@ -50,13 +50,51 @@ def gpu(monkeypatch):
     def fa3_forward(q, k, v, k_new=None):  # the 2025 signature the gate looks for
         raise AssertionError("not run")
 
-    def fa4_forward(q, k, v, return_lse=False):
+    def fa_backward(dout, q, k, v, deterministic=False):
         raise AssertionError("not run")
 
-    monkeypatch.setattr(cuda_kernels, "_fa", SimpleNamespace())
-    monkeypatch.setattr(cuda_kernels, "_fa3", SimpleNamespace(_flash_attn_forward=fa3_forward))
-    monkeypatch.setattr(cuda_kernels, "_fa4", SimpleNamespace(_flash_attn_fwd=fa4_forward))
+    monkeypatch.setattr(cuda_kernels, "_fa", SimpleNamespace(_flash_attn_backward=fa_backward))
+    monkeypatch.setattr(cuda_kernels, "_fa3", SimpleNamespace(_flash_attn_forward=fa3_forward,
+                                                              _flash_attn_backward=fa_backward))
+    monkeypatch.setattr(cuda_kernels, "_fa4", NEWEST_FA4)
     return state
+
+
+# Stand-ins for flash-attn-4's interface, with the gates of its releases (flash_attn/cute/
+# interface.py): the newest (August 2026), and October 2025's.
+
+def _fa4_fwd_newest(q, k, v, return_lse=False, _arch=None):
+    arch = _arch
+    assert arch // 10 in [8, 9, 10, 11, 12], "Unsupported compute capability."
+
+
+def _fa4_bwd_newest(q, k, v, out, dout, lse, deterministic=False):
+    arch = 0
+    assert arch // 10 in [9, 10, 11, 12], "Unsupported compute capability."
+    assert arch // 10 in [9, 10, 11], "Learnable sink backward is supported on SM90 and SM100"
+
+
+def _fa4_validate_newest(head_dim, head_dim_v, compute_capability, alignment):
+    if compute_capability == 9:
+        assert 8 <= head_dim <= 256 and head_dim % alignment == 0, "not supported on SM90"
+    elif compute_capability in [10, 11]:
+        assert (head_dim <= 128 or head_dim == 256) and head_dim % alignment == 0, \
+            "not supported on SM100/SM110"
+
+
+def _fa4_fwd_2025(q, k, v, return_lse=False):
+    compute_capability = 0
+    assert compute_capability in [9, 10], "Unsupported compute capability. Supported: 9.x, 10.x"
+
+
+def _fa4_bwd_2025(q, k, v, out, dout, lse):
+    compute_capability = 0
+    assert compute_capability in [9, 10], "Unsupported compute capability. Supported: 9.x, 10.x"
+
+
+NEWEST_FA4 = SimpleNamespace(_flash_attn_fwd=_fa4_fwd_newest, _flash_attn_bwd=_fa4_bwd_newest,
+                             _validate_head_dims=_fa4_validate_newest)
+FA4_2025 = SimpleNamespace(_flash_attn_fwd=_fa4_fwd_2025, _flash_attn_bwd=_fa4_bwd_2025)
 
 
 def test_automatic_choice_admits_the_case_or_raises(gpu):
@@ -114,3 +152,165 @@ def test_a_package_that_fails_to_import_is_named_with_its_error(monkeypatch):
     monkeypatch.setattr(cuda_kernels, "_fa3", None)
     with pytest.raises(ValueError, match="cannot import flash_attn_interface.*RuntimeError"):
         check_supported("fa3", CUDA, torch.bfloat16, 128)
+
+
+def test_fa4_gates_are_read_from_the_installed_release(gpu, monkeypatch):
+    """An October 2025 flash-attn-4 asserts sm90/sm100 only and has no hd256 kernel: it is
+    refused (and automatic choice moves on) where the newest would run."""
+    for cap, head_dim in [((11, 0), 128), ((12, 0), 128), ((10, 0), 256)]:
+        gpu["cap"] = cap
+        check_supported("fa4", CUDA, torch.bfloat16, head_dim)  # the newest runs these
+        monkeypatch.setattr(cuda_kernels, "_fa4", FA4_2025)
+        with pytest.raises(ValueError, match="fa4"):
+            check_supported("fa4", CUDA, torch.bfloat16, head_dim)
+        assert select_backend(CUDA, torch.bfloat16, head_dim) != "fa4"
+        monkeypatch.setattr(cuda_kernels, "_fa4", NEWEST_FA4)
+    monkeypatch.setattr(cuda_kernels, "_fa4", FA4_2025)
+    gpu["cap"] = (10, 0)
+    check_supported("fa4", CUDA, torch.bfloat16, 128)
+    with pytest.raises(ValueError, match=r"runs forward and backward on compute capability "
+                                         r"9.x, 10.x only, got 11.0"):
+        gpu["cap"] = (11, 0)
+        check_supported("fa4", CUDA, torch.bfloat16, 128)
+    # A release whose gates cannot be read is not guessed at.
+    monkeypatch.setattr(cuda_kernels, "_fa4", SimpleNamespace(
+        _flash_attn_fwd=lambda q, k, v, return_lse=False: None, _flash_attn_bwd=len))
+    with pytest.raises(ValueError, match="cannot tell which GPUs"):
+        check_supported("fa4", CUDA, torch.bfloat16, 128)
+
+
+def test_deterministic_mode_is_honoured_or_refused(gpu, monkeypatch):
+    """torch.use_deterministic_algorithms(True): cuDNN's backward has no deterministic mode
+    (refused, never chosen); a package backward without ``deterministic`` is refused; the
+    flash-attn packages are passed deterministic=True. warn_only keeps the usual kernels, as
+    torch's own do."""
+    gpu["cap"] = (9, 0)
+    assert select_backend(CUDA, torch.bfloat16, 128) == "fa3"
+    previous = torch.are_deterministic_algorithms_enabled()
+    try:
+        torch.use_deterministic_algorithms(True)
+        monkeypatch.setattr(cuda_kernels, "_fa3", SimpleNamespace(
+            _flash_attn_forward=cuda_kernels._fa3._flash_attn_forward,
+            _flash_attn_backward=lambda dout, q, k, v: None))
+        assert select_backend(CUDA, torch.bfloat16, 128) == "flash_attn"
+        with pytest.raises(ValueError, match="sdpa_cudnn.*no deterministic backward"):
+            check_supported("sdpa_cudnn", CUDA, torch.bfloat16, 128)
+        with pytest.raises(ValueError, match="fa3.*takes no `deterministic`"):
+            check_supported("fa3", CUDA, torch.bfloat16, 128)
+        check_supported("sdpa_flash", CUDA, torch.bfloat16, 128)  # torch's FA2: deterministic dq
+        seen = {}
+        monkeypatch.setattr(cuda_kernels, "_fa", SimpleNamespace(
+            _flash_attn_backward=lambda dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
+            softmax_scale, causal, deterministic, rng_state: seen.update(det=deterministic)))
+        t = torch.zeros(1, 4, 2, 8)
+        cuda_kernels._flash_attn_backward(t, t, t, t, t, torch.zeros(1, 2, 4), True, 1.0)
+        assert seen == {"det": True}
+        torch.use_deterministic_algorithms(True, warn_only=True)
+        check_supported("sdpa_cudnn", CUDA, torch.bfloat16, 128)
+        cuda_kernels._flash_attn_backward(t, t, t, t, t, torch.zeros(1, 2, 4), True, 1.0)
+        assert seen == {"det": False}
+    finally:
+        torch.use_deterministic_algorithms(previous)
+
+
+class _Recorder:
+    """Stand-ins for the aten attention ops: which ran, and what the backward got."""
+
+    def __init__(self):
+        self.calls, self.lse = [], None
+
+    def _scaled_dot_product_flash_attention(self, q, k, v, *a, **kw):
+        self.calls.append("flash")
+        B, H, S, D = q.shape
+        return q.clone(), torch.zeros(B, H, S)
+
+    def _scaled_dot_product_flash_attention_backward(self, dout, q, k, v, *a, **kw):
+        self.calls.append("flash_backward")
+        return q.clone(), k.clone(), v.clone()
+
+    def _scaled_dot_product_cudnn_attention(self, q, k, v, *a, **kw):
+        self.calls.append("cudnn")
+        B, H, S, D = q.shape
+        return q.clone(), torch.zeros(B, H, S, 1)
+
+    def _scaled_dot_product_cudnn_attention_backward(self, dout, q, k, v, out, lse, *a, **kw):
+        self.calls.append("cudnn_backward")
+        self.lse = lse
+        return q.clone(), k.clone(), v.clone()
+
+
+@pytest.mark.parametrize("Sq, Sk", [(1, 1), (1, 7)])
+def test_cudnn_never_gets_a_single_query_or_key_row(monkeypatch, Sq, Sk):
+    """pytorch#193893: cuDNN 9.19-9.25 corrupts one-row (decode-shaped) GQA pieces on
+    Blackwell; a window of 2 or tiny ring blocks make such pieces. FA2 takes them."""
+    aten = _Recorder()
+    monkeypatch.setattr(cuda_kernels, "_aten", aten)
+    q, k = torch.randn(1, Sq, 4, 8), torch.randn(1, Sk, 2, 8)
+    out, lse = cuda_kernels._sdpa_cudnn_forward(q, k, k, False, 1.0)
+    cuda_kernels._sdpa_cudnn_backward(out, q, k, k, out, lse, False, 1.0)
+    assert aten.calls == ["flash", "flash_backward"]
+    q, k = torch.randn(1, 3, 4, 8), torch.randn(1, 3, 2, 8)
+    cuda_kernels._sdpa_cudnn_backward(q, q, k, k, q, torch.zeros(1, 4, 3), False, 1.0)
+    assert aten.calls[-1] == "cudnn_backward"  # more than one row each: cuDNN's
+
+
+def _read_like_cudnn(lse_BHS1: torch.Tensor, ragged: bool) -> torch.Tensor:
+    """Each (b, h, s) as cuDNN's backward reads it (MHA.cpp): through the tensor's strides, or
+    in the ragged graph from a batch offset of ``b * S * stride(-2)``."""
+    B, H, S, _ = lse_BHS1.shape
+    flat = torch.as_strided(lse_BHS1, (lse_BHS1.untyped_storage().nbytes() // 4,), (1,), 0)
+    st = lse_BHS1.stride()
+    got = torch.empty(B, H, S)
+    for b in range(B):
+        base = b * S * st[2] if ragged else b * st[0]
+        for h in range(H):
+            for s in range(S):
+                got[b, h, s] = flat[lse_BHS1.storage_offset() + base + h * st[1] + s * st[2]]
+    return got
+
+
+@pytest.mark.parametrize("ragged", [False, True], ids=["dense", "avoid-recompile"])
+def test_cudnn_backward_lse_layout_follows_the_graph(monkeypatch, ragged):
+    """TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 makes torch's cuDNN backward place batch rows by
+    lse.stride(-2); a [B, H, S] lse would give every row after the first the wrong values."""
+    monkeypatch.setattr(cuda_kernels, "_cudnn_ragged_env", lambda: ragged)
+    aten = _Recorder()
+    monkeypatch.setattr(cuda_kernels, "_aten", aten)
+    B, S, H, D = 3, 5, 4, 8
+    q, lse = torch.randn(B, S, H, D), torch.randn(B, H, S)
+    kv = q[:, :, :2].contiguous()
+    cuda_kernels._sdpa_cudnn_backward(q, q, kv, kv, q, lse, True, 1.0)
+    assert torch.equal(_read_like_cudnn(aten.lse, ragged), lse)
+    # torch takes the ragged graph only for BSHD-contiguous q, k, v: a strided piece is dense.
+    cuda_kernels._sdpa_cudnn_backward(q, q[:, :2], q[:, :2], q[:, :2], q[:, :2], lse[..., :2],
+                                      True, 1.0)
+    assert aten.lse.is_contiguous()
+
+
+def test_a_fetched_host_block_is_tied_to_the_copy_stream(monkeypatch):
+    """host_blocks.fetch: the device block is written on the side stream; if the caller
+    drops it (an exception) before get(), the allocator must not reuse its memory while the
+    copy still runs, so the block is marked used by that stream (record_stream)."""
+    from ulysses import host_blocks
+
+    class Stream:
+        def wait_stream(self, other):
+            pass
+
+        def wait_event(self, event):
+            pass
+
+        def record_event(self):
+            return SimpleNamespace(query=lambda: True, synchronize=lambda: None)
+
+    side, marked = Stream(), []
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: Stream())
+    monkeypatch.setattr(torch.cuda, "stream", lambda s: __import__("contextlib").nullcontext())
+    monkeypatch.setattr(torch.Tensor, "record_stream",
+                        lambda self, stream: marked.append((self, stream)))
+    blocks = host_blocks.HostBlocks(torch.empty(0))
+    blocks._cuda, blocks._side = True, side
+    host = torch.randn(4, 3)
+    fetched = blocks.fetch(host)
+    assert [(t is fetched._dev, s is side) for t, s in marked] == [(True, True)]
+    assert torch.equal(fetched.get(), host)

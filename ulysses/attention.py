@@ -24,6 +24,7 @@ from ulysses.hybrid import check_hybrid, inner_attention
 from ulysses.kernels import attention_with_lse, check_qkv, default_scale, select_backend
 from ulysses.mesh import axis_group, axis_rank, axis_size, check_mesh
 from ulysses.segments import SegmentedAttention, check_segments
+from ulysses.self_check import verify_call
 from ulysses.seq_chunk import check_seq_chunk, resolve_seq_chunk
 from ulysses.sharding import HeadLayout, head_layout
 from ulysses.sinks import check_sinks
@@ -154,6 +155,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
                              scale=scale, backend=backend, unpadded_len=unpadded_len,
                              segments=segments, window=window,
                              comm_dtype=comm_dtype)
+    verify_call(backend, q, causal=causal, window=window, sinks=sinks is not None,
+                ring=axis_size(mesh, "ring") > 1)
     if sinks is not None:  # [H] -> [h]: this rank's query heads (autograd scatters the grad)
         first = sum(layout.q_sizes[:rank])
         sinks = sinks[first:first + layout.q_sizes[rank]]

@@ -23,6 +23,8 @@ from __future__ import annotations
 
 import functools
 import inspect
+import os
+import re
 
 import torch
 
@@ -134,20 +136,83 @@ def _cuda_problem(backend: str, cap: tuple[int, int], head_dim: int) -> str | No
         if cap[0] != 9:
             return f"needs a Hopper GPU (compute capability 9.x), got {arch}"
         return _head_dim_problem(head_dim, 256)
-    # fa4: its backward runs on 9.x-12.x (interface.py _flash_attn_bwd), and its head dims
-    # depend on the architecture (_validate_head_dims; sm12x is not validated there: 128 kept).
-    if "return_lse" not in _params(_fa4._flash_attn_fwd):
-        return "needs a flash-attn-4 whose forward can return lse (August 2025 or later)"
-    if not 9 <= cap[0] <= 12:
-        return f"needs compute capability 9.x to 12.x, got {arch}"
-    if cap[0] == 9:
-        return _head_dim_problem(head_dim, 256)
-    return _head_dim_problem(head_dim, 128, also=256 if cap[0] in (10, 11) else None)
+    return _fa4_problem(cap, head_dim)
 
+
+_ARCH_GATE = re.compile(r"assert\s+(?:arch\s*//\s*10|compute_capability)\s+in\s+\[([\d,\s]+)\]")
+"""flash-attn-4's own capability check, first in its ``_flash_attn_fwd`` and ``_flash_attn_bwd``:
+``assert compute_capability in [9, 10]`` (October 2025), ``assert arch // 10 in [9, 10, 11]``
+(February 2026), ``[9, 10, 11, 12]`` (sm120, March 2026), ``[8, 9, 10, 11, 12]`` (forward)."""
+
+
+@functools.lru_cache(maxsize=None)
+def _declared_majors(fn) -> frozenset[int] | None:
+    """The compute-capability majors a flash-attn-4 entry point admits, read from its own
+    first capability assert; None when its source cannot be read or has none."""
+    try:
+        source = inspect.getsource(getattr(fn, "_init_fn", fn))
+    except (OSError, TypeError):
+        return None
+    found = _ARCH_GATE.search(source)
+    return None if found is None else frozenset(int(x) for x in found.group(1).split(","))
+
+
+def _fa4_problem(cap: tuple[int, int], head_dim: int) -> str | None:
+    """flash-attn-4's gates, read from the installed release rather than assumed from the
+    newest: lse from the forward (``return_lse``), the capabilities its forward and backward
+    assert, and the head dims its ``_validate_head_dims`` admits (sm90, sm100/sm110; from
+    March 2026, head_dim 256 on sm100/sm110 from late April 2026). Releases without that
+    validator, and sm12x which it does not cover, keep head_dim <= 128."""
+    if "return_lse" not in _params(_fa4._flash_attn_fwd):
+        return "needs a flash-attn-4 whose forward can return lse (October 2025 or later)"
+    majors = [_declared_majors(_fa4._flash_attn_fwd), _declared_majors(_fa4._flash_attn_bwd)]
+    if None in majors:
+        return ("cannot tell which GPUs this flash-attn-4 release runs on (no capability check "
+                "found in its _flash_attn_fwd/_flash_attn_bwd source); name another backend")
+    runs = sorted(majors[0] & majors[1])
+    if cap[0] not in runs:
+        return (f"this flash-attn-4 release runs forward and backward on compute capability "
+                f"{', '.join(f'{m}.x' for m in runs)} only, got {cap[0]}.{cap[1]}")
+    validate = getattr(_fa4, "_validate_head_dims", None)
+    if validate is None or cap[0] not in (9, 10, 11) or head_dim % 8:
+        return _head_dim_problem(head_dim, 128)
+    try:  # (head_dim, head_dim_v, major, alignment: 16 bytes of fp16/bf16)
+        validate(head_dim, head_dim, cap[0], 8)
+    except AssertionError as e:
+        return f"does not take head_dim {head_dim} on sm{cap[0]}x: {e}"
+    return None
+
+
+
+def deterministic() -> bool:
+    """Whether ``torch.use_deterministic_algorithms(True)`` asks for deterministic kernels.
+    With ``warn_only=True`` torch's own attention backwards run their usual (atomic) kernels
+    and warn (attention_backward.cu), and so do the packages' here."""
+    return (torch.are_deterministic_algorithms_enabled()
+            and not torch.is_deterministic_algorithms_warn_only_enabled())
+
+
+_BACKWARDS = {"flash_attn": lambda: _fa._flash_attn_backward,
+              "fa3": lambda: _fa3._flash_attn_backward, "fa4": lambda: _fa4._flash_attn_bwd}
+
+
+def _determinism_problem(backend: str) -> str | None:
+    """Deterministic mode: torch's flash and memory-efficient backwards honour it themselves
+    (attention_backward.cu: FA2's deterministic dq, one key split); its cuDNN backward does
+    not (it only warns under warn_only); the flash-attn packages do when their backward takes
+    ``deterministic``, which is then passed."""
+    if backend == "sdpa_cudnn":
+        return ("has no deterministic backward (torch runs cuDNN's usual one under "
+                "torch.use_deterministic_algorithms(True)); use sdpa_flash or sdpa_efficient")
+    if backend in _BACKWARDS and "deterministic" not in _params(_BACKWARDS[backend]()):
+        return ("cannot run deterministically: this release's backward takes no "
+                "`deterministic` argument (torch.use_deterministic_algorithms(True) is on)")
+    return None
 
 
 def problem(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int) -> str | None:
-    """Why the CUDA ``backend`` cannot run on this device, dtype and head dim; None if it can."""
+    """Why the CUDA ``backend`` cannot run on this device, dtype and head dim (and, under
+    ``torch.use_deterministic_algorithms(True)``, deterministically); None if it can."""
     missing = {"flash_attn": _fa, "fa3": _fa3, "fa4": _fa4}
     if backend in missing and missing[backend] is None:
         package = {"flash_attn": "flash_attn", "fa3": "flash_attn_interface (FlashAttention-3)",
@@ -157,6 +222,8 @@ def problem(backend: str, device: torch.device, dtype: torch.dtype, head_dim: in
         return f"{package} is not installed"
     if device.type != "cuda":
         return f"needs a CUDA tensor, got {device.type}"
+    if deterministic() and (why := _determinism_problem(backend)):
+        return why
     if backend == "sdpa_efficient":
         # sdp_utils.cpp check_mem_efficient_hardware_support: bf16 from sm80 only
         cap = _capability(device)
@@ -241,24 +308,52 @@ def _sdpa_efficient_backward(dout, q, k, v, out, lse, causal, scale):
     return dq, reduce_kv(dk, num_kv), reduce_kv(dv, num_kv)
 
 
+def _cudnn_avoids_a_row(q, k) -> bool:
+    """Pieces cuDNN is not given, FA2 is (same (out, lse); sdpa_cudnn's gates admit nothing FA2
+    does not): a single key, which cuDNN rejects (sdp_utils.cpp check_cudnn_tensor_shapes),
+    and a single query row, which cuDNN 9.19-9.25 corrupts with GQA on Blackwell
+    (pytorch/pytorch#193893; torch refuses it from its check_cudnn_sdpa_decode on)."""
+    return k.shape[1] == 1 or q.shape[1] == 1
+
+
+@functools.lru_cache(maxsize=None)
+def _cudnn_ragged_env() -> bool:
+    """torch's TORCH_CUDNN_SDPA_AVOID_RECOMPILE switch, read as torch reads it (c10
+    check_env: exactly "1"), once (torch keeps it in a static)."""
+    return os.environ.get("TORCH_CUDNN_SDPA_AVOID_RECOMPILE") == "1"
+
+
+def cudnn_backward_lse(lse_BHS: torch.Tensor, *bshd: torch.Tensor) -> torch.Tensor:
+    """The lse as cuDNN's backward reads it, ``[B, H, S, 1]``.
+
+    With TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 and q, k, v, out all BSHD-contiguous (and no
+    bias), torch runs the ragged graph (MHA.cpp use_ragged_in_dense): its forward allocates
+    lse as ``[B, S, H, 1].transpose(1, 2)`` and the backward places each batch row at
+    ``b * S * lse.stride(-2)``. A plain ``[B, H, S, 1]`` has stride(-2) 1 there, so every
+    batch row after the first would read the wrong rows: the lse is laid out as ``[B, S, H]``
+    for that graph. Elsewhere the graph takes the tensor's own strides."""
+    if _cudnn_ragged_env() and all(t.is_contiguous() for t in bshd):
+        return lse_BHS.transpose(1, 2).contiguous().unsqueeze(-1).transpose(1, 2)
+    return lse_BHS.contiguous().unsqueeze(-1)
+
+
 def _sdpa_cudnn_forward(q, k, v, causal, scale):
-    if k.shape[1] == 1:
-        # cuDNN rejects a single key (sdp_utils.cpp check_cudnn_tensor_shapes); FA2 has the
-        # same (out, lse), and the backward below routes this case the same way.
+    if _cudnn_avoids_a_row(q, k):
         return _sdpa_flash_forward(q, k, v, causal, scale)
     # [B, S, H|K, D] -> [B, H|K, S, D] views: the cuDNN graph takes any strides, and K from k.
     out_BHSD, lse_BHS1, *_ = _aten._scaled_dot_product_cudnn_attention(
         q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None, True, 0.0, causal, False,
         scale=scale)
     # out is allocated in q's memory order (MHA.cpp alloc_with_matching_layout), so the
-    # transpose back is BSHD-contiguous. lse: [B, H, S, 1] -> [B, H, S].
+    # transpose back is BSHD-contiguous. lse: [B, H, S, 1] -> [B, H, S] (contiguous: the
+    # ragged graph of TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 returns it strided as [B, S, H]).
     B, H, S, _ = out_BHSD.shape
-    return out_BHSD.transpose(1, 2), lse_BHS1.reshape(B, H, S)
+    return out_BHSD.transpose(1, 2), lse_BHS1.reshape(B, H, S).contiguous()
 
 
 def _sdpa_cudnn_backward(dout, q, k, v, out, lse, causal, scale):
     Sq, Sk = q.shape[1], k.shape[1]
-    if Sk == 1:
+    if _cudnn_avoids_a_row(q, k):
         return _sdpa_flash_backward(dout, q, k, v, out, lse, causal, scale)
     # cuDNN caches the backward graph by q/k/v shapes and strides only (MHA.cpp
     # MHACacheKeyWrapper), and before 9.5.1 wants dout strided like out: both contiguous, so
@@ -269,7 +364,7 @@ def _sdpa_cudnn_backward(dout, q, k, v, out, lse, causal, scale):
     seed = torch.empty((), dtype=torch.int64, device=q.device)
     dq, dk, dv = _aten._scaled_dot_product_cudnn_attention_backward(
         dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2),
-        out.transpose(1, 2), lse.contiguous().unsqueeze(-1), seed, seed, None, None, None,
+        out.transpose(1, 2), cudnn_backward_lse(lse, q, k, v, out), seed, seed, None, None, None,
         Sq, Sk, 0.0, causal, scale=scale)
     return dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
 
@@ -329,7 +424,7 @@ def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):  # pragma: no 
              k=k.contiguous(), v=v.contiguous(), out=out.contiguous(), softmax_lse=lse.contiguous(),
              dq=dq, dk=dk, dv=dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
              window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
-             deterministic=False, rng_state=None)
+             deterministic=deterministic(), rng_state=None)
     return dq, dk, dv
 
 
@@ -355,7 +450,7 @@ def _fa3_backward(dout, q, k, v, out, lse, causal, scale):  # pragma: no cover
     _fa_call(_fa3._flash_attn_backward, dout=dout, q=q, k=k, v=v, out=out,
              softmax_lse=lse.contiguous(), **none, dq=dq, dk=dk, dv=dv, softmax_scale=scale,
              causal=causal, is_causal=causal, window_size_left=-1, window_size_right=-1,
-             softcap=0.0, deterministic=False, sm_margin=0)
+             softcap=0.0, deterministic=deterministic(), sm_margin=0)
     return dq, dk, dv
 
 
@@ -371,7 +466,7 @@ def _fa4_forward(q, k, v, causal, scale):  # pragma: no cover - needs sm90+ + fl
 def _fa4_backward(dout, q, k, v, out, lse, causal, scale):  # pragma: no cover
     res = _fa_call(_fa4._flash_attn_bwd, q=q.contiguous(), k=k.contiguous(), v=v.contiguous(),
                    out=out.contiguous(), dout=dout.contiguous(), lse=lse.contiguous(),
-                   softmax_scale=scale, causal=causal)
+                   softmax_scale=scale, causal=causal, deterministic=deterministic())
     return res[0], res[1], res[2]  # (dq, dk, dv[, dsink])
 
 

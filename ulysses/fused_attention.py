@@ -71,6 +71,7 @@ from ulysses.mesh import axis_group, axis_rank, axis_size, check_mesh
 from ulysses.seq_chunk import (SeqChunking, check_seq_chunk, resolve_seq_chunk, seq_chunking)
 from ulysses.seq_chunk import run_backward as run_seq_backward
 from ulysses.seq_chunk import run_forward as run_seq_forward
+from ulysses.self_check import verify_call
 from ulysses.sharding import head_layout
 
 
@@ -351,6 +352,8 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
                              scale=default_scale(D, softmax_scale), backend=backend,
                              unpadded_len=None, segments=segments,
                              window=window, comm_dtype=comm_dtype)
+    verify_call(backend, x, head_dim=D, causal=causal, window=window, sinks=False,
+                ring=axis_size(mesh, "ring") > 1)
     schedule = tuple(build_schedule(layout, c))
     chunks = ChunkConfig(group=axis_group(mesh, "ulysses"), rank=axis_rank(mesh, "ulysses"),
                          layout=layout, schedule=schedule, attn=attn,

@@ -8,7 +8,8 @@ Lifetimes across the two streams:
 
 - a fetched block is allocated on the compute stream and written on the side stream after
   the side stream waited for all compute issued so far (its memory may be a freed block that
-  compute still reads); compute waits for the copy's event before the first read;
+  compute still reads); compute waits for the copy's event before the first read, and the
+  block is marked used by the side stream, so dropped unread its memory waits for the copy;
 - a written-back device block is marked used by the side stream (``record_stream``), so the
   caching allocator does not hand its memory out before the copy has read it;
 - a parked device block may be a pool buffer reused right after (an exchange's receive
@@ -120,6 +121,9 @@ class HostBlocks:
             return Fetched(dev, None)
         with self._start():
             dev.copy_(host, non_blocking=True)
+        # The copy writes dev on the side stream: if the caller drops it before get() (an
+        # exception), its memory must not be handed out again until the copy has run.
+        dev.record_stream(self._side)
         return Fetched(dev, self._done(host))
 
     def store(self, host: Tensor, x: Tensor) -> None:

@@ -268,6 +268,8 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
     """
     check_qkv(q, k, v, causal=causal)
     backend = select_backend(q.device, q.dtype, q.shape[-1], backend)
+    from ulysses.self_check import verify  # self_check builds on this module
+    verify(backend, q, causal=causal)
     attn = LocalAttention(causal=causal, scale=default_scale(q.shape[-1], softmax_scale),
                           backend=backend)
     out, lse = attention_with_lse(q, k, v, attn)

@@ -37,6 +37,7 @@ from ulysses.all_to_all import check_comm_dtype
 from ulysses.band import (Piece, acc_dtype, band_pieces, check_window, merge_into,
                           piece_backward, piece_forward)
 from ulysses.kernels import attention_with_lse, check_qkv, default_scale, select_backend
+from ulysses.self_check import verify_call
 
 
 @dataclass(frozen=True, slots=True)
@@ -255,5 +256,6 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup,
                          scale=default_scale(q.shape[-1], softmax_scale),
                          backend=select_backend(q.device, q.dtype, q.shape[-1], backend),
                          zigzag=zigzag, window=window, comm_dtype=comm_dtype)
+    verify_call(attn.backend, q, causal=causal, window=window, sinks=False, ring=size > 1)
     out, _ = attention_with_lse(q, k, v, attn)
     return out
