@@ -112,6 +112,10 @@ def test_automatic_choice_admits_the_case_or_raises(gpu):
                 assert _admits(backend, cap, head_dim, dtype), (backend, cap, head_dim, dtype)
                 chosen[cap, head_dim, dtype] = backend
     # Pre-Ampere never gets a flash kernel; a head_dim not a multiple of 8 never does either.
+    # The cases: a T4, a V100, an H100 at head_dim 100, an sm86 card at 224.
+    assert chosen[(7, 5), 128, torch.float16] == "sdpa_efficient"
+    assert chosen[(7, 0), 64, torch.float16] == "sdpa_efficient"
+    assert chosen[(9, 0), 100, torch.bfloat16] == "sdpa_efficient"
     assert chosen[(7, 5), 64, torch.float16] == "sdpa_efficient"
     assert chosen[(8, 0), 100, torch.bfloat16] == "sdpa_efficient"
     assert chosen[(8, 6), 224, torch.bfloat16] == "flash_attn"  # the package's backward runs

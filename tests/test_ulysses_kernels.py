@@ -205,7 +205,8 @@ def _fa3_beta_fwd(q, k, v, softmax_scale, causal, descale_q=None, descale_k=None
 def _fa4_fwd(q, k, v, qv=None, cu_seqlens_q=None, softmax_scale=None, causal=False,
              softcap=None, window_size_left=None, window_size_right=None, pack_gqa=None,
              return_lse=False, out=None, lse=None):
-    """flash-attn-4 (2026 head): lse only when asked for; four results."""
+    """flash-attn-4 (2026 head): lse only when asked for; four results. Its capability
+    check (the gate reads it from the source): ``assert arch // 10 in [8, 9, 10, 11, 12]``."""
     out, lse = _math_fwd(q, k, v, causal, softmax_scale)
     return out, lse if return_lse else None, None, None
 
@@ -213,6 +214,7 @@ def _fa4_fwd(q, k, v, qv=None, cu_seqlens_q=None, softmax_scale=None, causal=Fal
 def _fa4_bwd(q, k, v, out, dout, lse, softmax_scale=None, causal=False, softcap=0.0,
              window_size_left=None, window_size_right=None, cu_seqlens_q=None,
              deterministic=False, dq=None, dk=None, dv=None, learnable_sink=None):
+    """Its capability check: ``assert arch // 10 in [9, 10, 11, 12]``."""
     grads = tuple(torch.empty_like(t) for t in (q, k, v))
     _math_bwd_into(dout, q, k, v, out, lse, causal, softmax_scale, *grads)
     return grads
@@ -228,7 +230,17 @@ FA3 = {"2025": SimpleNamespace(_flash_attn_forward=_fa3_2025_fwd,
        "2026": SimpleNamespace(_flash_attn_forward=_fa3_2026_fwd,
                                _flash_attn_backward=_fa3_2026_bwd),
        "beta": SimpleNamespace(_flash_attn_forward=_fa3_beta_fwd)}
-FA4 = {"2026": SimpleNamespace(_flash_attn_fwd=_fa4_fwd, _flash_attn_bwd=_fa4_bwd),
+def _fa4_validate_head_dims(head_dim, head_dim_v, compute_capability, alignment):
+    """flash-attn-4's own head-dim rules (2026): sm90 8..256; sm100/sm110 <= 128 or 256."""
+    if compute_capability == 9:
+        assert 8 <= head_dim <= 256 and head_dim % alignment == 0, "not supported on SM90"
+    elif compute_capability in [10, 11]:
+        assert (head_dim <= 128 or head_dim == 256) and head_dim % alignment == 0, \
+            "not supported on SM100/SM110"
+
+
+FA4 = {"2026": SimpleNamespace(_flash_attn_fwd=_fa4_fwd, _flash_attn_bwd=_fa4_bwd,
+                               _validate_head_dims=_fa4_validate_head_dims),
        "2025-06": SimpleNamespace(_flash_attn_fwd=_fa4_2025_06_fwd)}
 
 
@@ -307,10 +319,12 @@ CUDA = torch.device("cuda", 0)
      "needs head_dim a multiple of 8 and <= 256, got 320"),
     ("fa4", CUDA, (10, 0), 91501, (), BF16, 64,
      "flash_attn.cute (FlashAttention-4, flash-attn-4) is not installed"),
-    ("fa4", CUDA, (8, 0), 91501, ALL, BF16, 64, "needs compute capability 9.x to 12.x, got 8.0"),
+    ("fa4", CUDA, (8, 0), 91501, ALL, BF16, 64, "this flash-attn-4 release runs forward and "
+                                                "backward on compute capability 9.x, 10.x, "
+                                                "11.x, 12.x only, got 8.0"),
     ("fa4", CUDA, (10, 0), 91501, ALL, torch.float32, 64, "needs fp16/bf16, got torch.float32"),
     ("fa4", CUDA, (10, 0), 91501, ALL, BF16, 192,
-     "needs head_dim a multiple of 8 and <= 128 (or 256), got 192"),
+     "does not take head_dim 192 on sm10x: not supported on SM100/SM110"),
     ("sdpa_cudnn", CUDA, (9, 0), 0, (), BF16, 64, "needs cuDNN >= 9.0, this torch reports none"),
     ("sdpa_cudnn", CUDA, (9, 0), 8907, (), BF16, 64,
      "needs cuDNN >= 9.0, this torch reports 8907"),
@@ -338,7 +352,7 @@ def test_explicit_cuda_backends_pass_their_check(gpu):
 
 @pytest.mark.parametrize("module,version,reason", [
     ("_fa3", "beta", "needs a FlashAttention-3 build from 2025 or later (this is the 2024 beta)"),
-    ("_fa4", "2025-06", "needs a flash-attn-4 whose forward can return lse (August 2025 or "
+    ("_fa4", "2025-06", "needs a flash-attn-4 whose forward can return lse (October 2025 or "
                         "later)")])
 def test_old_fa3_fa4_interfaces_are_refused(gpu, monkeypatch, module, version, reason):
     gpu((9, 0), 91501, ALL)

@@ -176,6 +176,7 @@ def test_a_causal_ring_checks_the_unmasked_kernel_too(stand_in):
 def _ranks_with_a_wrong_kernel(world, ring):
     """Every rank installs the wrong stand-in (workers persist: restored after)."""
     self_check.forget()
+    self_check.set_enabled(True)  # another test's config may have turned it off here
     kernels._FORWARD["cpu_flash"] = _scaled_out
     try:
         mesh = get_mesh(world, world // ring, ring)

@@ -179,7 +179,7 @@ def _fa4_problem(cap: tuple[int, int], head_dim: int) -> str | None:
     try:  # (head_dim, head_dim_v, major, alignment: 16 bytes of fp16/bf16)
         validate(head_dim, head_dim, cap[0], 8)
     except AssertionError as e:
-        return f"does not take head_dim {head_dim} on sm{cap[0]}x: {e}"
+        return f"does not take head_dim {head_dim} on sm{cap[0]}x: {str(e).splitlines()[0]}"
     return None
 
 
