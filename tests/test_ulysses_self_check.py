@@ -208,3 +208,19 @@ def test_the_check_is_not_seen_by_the_callers_modes(stand_in):
         self_check.verify("cpu_flash", q, causal=True)
     assert flops.get_total_flops() == 0
     assert list(self_check._verdicts.values()) == [None]
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("backend", ["sdpa_flash", "sdpa_efficient", "sdpa_cudnn"])
+def test_the_cuda_kernels_pass_their_check(backend):
+    """Each SDPA kernel this GPU admits passes at the check's odd length, with a window and
+    sinks too; the cost of a first check is a few milliseconds."""
+    device = torch.device("cuda")
+    try:
+        kernels.check_supported(backend, device, torch.bfloat16, 64)
+    except ValueError as e:
+        pytest.skip(str(e))
+    for kw in (dict(causal=True), dict(causal=False), dict(causal=True, window=16, sinks=True)):
+        result = self_check.compare_with_reference(backend, device, torch.bfloat16, 64, **kw)
+        assert result["ok"], (kw, result)
+        print(f"{backend} {kw}: {result['seconds'] * 1e3:.2f} ms, errors {result['errors']}")
