@@ -205,14 +205,16 @@ def test_deterministic_mode_is_honoured_or_refused(gpu, monkeypatch):
         seen = {}
         monkeypatch.setattr(cuda_kernels, "_fa", SimpleNamespace(
             _flash_attn_backward=lambda dout, q, k, v, out, softmax_lse, dq, dk, dv, dropout_p,
-            softmax_scale, causal, deterministic, rng_state: seen.update(det=deterministic)))
+            softmax_scale, causal, deterministic, rng_state: seen.update(
+                det=deterministic, lse_contiguous=softmax_lse.is_contiguous())))
         t = torch.zeros(1, 4, 2, 8)
-        cuda_kernels._flash_attn_backward(t, t, t, t, t, torch.zeros(1, 2, 4), True, 1.0)
-        assert seen == {"det": True}
+        strided_lse = torch.zeros(1, 4, 2).transpose(1, 2)  # FA2 reads lse as contiguous
+        cuda_kernels._flash_attn_backward(t, t, t, t, t, strided_lse, True, 1.0)
+        assert seen == {"det": True, "lse_contiguous": True}
         torch.use_deterministic_algorithms(True, warn_only=True)
         check_supported("sdpa_cudnn", CUDA, torch.bfloat16, 128)
-        cuda_kernels._flash_attn_backward(t, t, t, t, t, torch.zeros(1, 2, 4), True, 1.0)
-        assert seen == {"det": False}
+        cuda_kernels._flash_attn_backward(t, t, t, t, t, strided_lse, True, 1.0)
+        assert seen == {"det": False, "lse_contiguous": True}
     finally:
         torch.use_deterministic_algorithms(previous)
 
