@@ -1,0 +1,278 @@
+"""``benchmarks/gpu_acceptance.py`` without a GPU: its dry run lists every step, it refuses to
+run without CUDA, pytest's summaries and the backend grid's results become the right rows, the
+report holds every status, and the budget kills a step (with its children) at its limit."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+REPO = Path(__file__).resolve().parent.parent
+GiB = 1 << 30
+# The command imports its siblings from benchmarks/, its directory when it runs as a script;
+# appended, so that the other benchmarks' modules shadow nothing.
+sys.path.append(str(REPO / "benchmarks"))
+
+import gpu_acceptance as ga  # noqa: E402
+from _acceptance_checks import (WINDOW_CASE, caps, cuda_test_files, grid_backends,  # noqa: E402
+                                grid_case, grid_cases, grid_rows, step_record_rows)
+from _acceptance_runner import (Budget, Ran, Row, Runner, parse_pytest_summary,  # noqa: E402
+                                pytest_row, write_report)
+
+
+def test_dry_run_lists_every_group_its_commands_and_the_grid(capsys, tmp_path):
+    out = tmp_path / "report.json"
+    assert ga.main(["--dry-run", "--out", str(out)]) == 0
+    text = capsys.readouterr().out
+    for group in ga.GROUPS:
+        assert f"\n== {group}\n" in text
+    files = [str(p.relative_to(REPO)) for p in cuda_test_files()]
+    assert "tests/test_ulysses_kernels_cuda.py" in files
+    for name in files:
+        assert f"-m pytest -q -rs {name}\n" in text
+    for command in ("benchmarks/gpu_acceptance.py --grid-worker",
+                    "benchmarks/offload_disk.py --device cuda",
+                    "benchmarks/scale_gpu.py", "--seq-chunk 4", "--cap-gib CAP",
+                    "-m arctic.plan", "--tokens-per-rank 64K --stack alst --stack ours "
+                    "--stack ours-keep-attention --backend auto --kernels",
+                    "--tokens-per-rank 128K"):
+        assert command in text, command
+    backends = grid_backends()
+    assert "math" not in backends and "cpu_flash" not in backends
+    assert {"sdpa_flash", "sdpa_efficient", "sdpa_cudnn"} <= set(backends)
+    # backend x {bf16, fp16} x {64, 128} x (3 lengths x causal/full + the window with sinks)
+    assert f"{len(backends) * 2 * 2 * 7} cases: {', '.join(backends)} x bf16, fp16" in text
+    assert "lengths (45, 301, 1000)" in text and "window 37, sinks" in text
+    assert not out.exists() and not out.with_suffix(".md").exists()
+
+
+def test_only_leaves_the_other_groups_out(capsys):
+    assert ga.main(["--dry-run", "--only", "fits"]) == 0
+    text = capsys.readouterr().out
+    assert "== tests: not chosen with --only" in text and "-m pytest" not in text
+    assert "== fits\n" in text and "--cap-gib" in text
+
+
+def test_refuses_without_cuda(monkeypatch, capsys):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    assert ga.main([]) == 2
+    err = capsys.readouterr().err
+    assert "needs a CUDA device" in err and "--dry-run" in err
+
+
+def test_cuda_test_files_are_the_ones_with_a_cuda_skip_marker(tmp_path):
+    # Split in two, so that this file does not look like a CUDA test file itself.
+    marker = "skip" "if(not torch.cuda.is_available(), reason='GPU')"
+    (tmp_path / "test_gpu.py").write_text(f"@pytest.mark.{marker}\ndef test_x(): pass\n")
+    (tmp_path / "test_module.py").write_text(f"pytestmark = pytest.mark.{marker}\n")
+    (tmp_path / "test_cpu.py").write_text("device = 'cuda' if torch.cuda.is_available() else 0\n")
+    (tmp_path / "helpers.py").write_text(f"@pytest.mark.{marker}\n")
+    assert cuda_test_files(tmp_path) == [tmp_path / "test_gpu.py", tmp_path / "test_module.py"]
+    assert REPO / "tests" / "test_benchmarks_gpu_acceptance.py" not in cuda_test_files()
+
+
+@pytest.mark.parametrize("line,want", [
+    ("12 passed, 3 skipped in 4.56s", dict(passed=12, skipped=3, failed=0)),
+    ("1 failed, 2 passed in 1.00s", dict(passed=2, failed=1)),
+    ("==== 1 failed, 2 passed, 1 warning in 1.00s ====", dict(passed=2, failed=1)),
+    ("5 passed, 2 errors in 65.43s (0:01:05)", dict(passed=5, error=2)),
+    ("no tests ran in 0.01s", dict(passed=0, failed=0, skipped=0)),
+])
+def test_pytest_summary_line(line, want):
+    counts = parse_pytest_summary(f"tests/x.py ..F\nsome 3 passed words\n{line}\n")
+    assert {k: counts[k] for k in want} == want
+
+
+def test_no_summary_is_none():
+    assert parse_pytest_summary("Traceback (most recent call last):\nImportError\n") is None
+
+
+def _ran(output: str, rc: int | None = 0, **kw) -> Ran:
+    return Ran(command="cmd", rc=rc, seconds=1.0, output=output, limit_s=60.0, **kw)
+
+
+def test_pytest_rows_pass_fail_and_skip():
+    skipped = pytest_row("f", _ran("SKIPPED [3] tests/f.py:20: needs a CUDA device\n"
+                                   "3 skipped in 0.50s\n"))
+    assert (skipped.status, skipped.reason) == ("skipped", "needs a CUDA device")
+    passed = pytest_row("f", _ran("SKIPPED [1] tests/f.py:9: fa3 is not installed\n"
+                                  "12 passed, 1 skipped in 4.56s\n"))
+    assert passed.status == "passed" and passed.figures == {
+        "passed": 12, "skipped": 1, "skips": "1x fa3 is not installed"}
+    failed = pytest_row("f", _ran("1 failed, 2 passed in 1.00s\n", rc=1))
+    assert failed.status == "failed" and failed.figures["failed"] == 1
+    crashed = pytest_row("f", _ran("Segmentation fault\n", rc=-11))
+    assert (crashed.status, crashed.reason) == ("failed", "no pytest summary (rc -11)")
+
+
+def _results(key: tuple, status: str, **fields) -> list[dict]:
+    return [dict(c, status=status, **fields) for c in grid_cases()
+            if (c["backend"], c["dtype"], c["head_dim"]) == key]
+
+
+def test_grid_rows_per_backend_dtype_and_head_dim():
+    ok, bad, skip, cut = (("sdpa_flash", "bf16", 64), ("sdpa_flash", "bf16", 128),
+                          ("sdpa_flash", "fp16", 64), ("sdpa_flash", "fp16", 128))
+    errors = dict(out=1e-3, dq=2e-3)
+    results = _results(ok, "passed", errors=errors, tolerance=3e-2, seconds=0.01)
+    results[0]["errors"] = dict(out=1e-3, dq=9e-3)
+    failing = _results(bad, "passed", errors=errors, tolerance=3e-2, seconds=0.01)
+    failing[3].update(status="failed", errors=dict(out=1e-3, dq=5e-2))
+    results += failing + _results(skip, "skipped", reason="no kernel")
+    results += _results(cut, "passed", errors=errors, tolerance=1e-2, seconds=0.01)[:3]
+    killed = _ran("", rc=None)
+    rows = {r.name: r for r in grid_rows(results, killed)}
+    assert len(rows) == len(grid_cases()) // 7
+    good = rows["sdpa_flash bf16 d64"]
+    assert good.status == "passed" and good.figures["cases"] == "7/7 passed"
+    assert good.figures["worst rel. error"] == "out 1.00e-03, dq 9.00e-03"
+    wrong = rows["sdpa_flash bf16 d128"]
+    assert wrong.status == "failed" and wrong.reason == "dq 5.00e-02 > 0.03 (S=301 full)"
+    assert rows["sdpa_flash fp16 d64"].status == "skipped"
+    assert rows["sdpa_flash fp16 d64"].reason == "no kernel"
+    partial = rows["sdpa_flash fp16 d128"]
+    assert partial.status == "timed out" and partial.reason.startswith("4 of 7 cases not reached")
+    assert rows["sdpa_efficient bf16 d64"].status == "timed out"
+    crashed = grid_rows(results, _ran("CUDA error", rc=1))
+    assert [r.status for r in crashed][-1] == "failed"
+
+
+def test_grid_case_skips_fails_and_passes():
+    device, case = torch.device("cpu"), dict(grid_cases()[0], backend="math")
+
+    def answer(ok):
+        return lambda *a, **kw: dict(ok=ok, errors=dict(out=0.5), tolerance=0.1, seconds=0.0)
+
+    def raises(error):
+        def compare(*a, **kw):
+            raise error
+        return compare
+
+    assert grid_case(case, device, answer(True))["status"] == "passed"
+    assert grid_case(case, device, answer(False))["errors"] == dict(out=0.5)
+    assert grid_case(case, device, raises(ValueError("no window")))["status"] == "skipped"
+    assert grid_case(case, device, raises(RuntimeError("boom"))) == {
+        "status": "failed", "reason": "RuntimeError: boom"}
+    unknown = grid_case(dict(case, backend="nope"), device, answer(True))
+    assert unknown["status"] == "skipped" and "unknown attention backend" in unknown["reason"]
+
+
+def test_grid_case_calls_self_check_as_its_contract_says():
+    """The real ``compare_with_reference`` on the CPU kernel: the keywords the worker passes."""
+    from ulysses.self_check import compare_with_reference
+
+    base = dict(grid_cases()[0], backend="cpu_flash", head_dim=64)
+    plain = grid_case(base, torch.device("cpu"), compare_with_reference)
+    assert plain["status"] == "passed" and {"out", "dq", "dk", "dv"} <= set(plain["errors"])
+    windowed = grid_case({**base, **WINDOW_CASE, "seq_len": 45}, torch.device("cpu"),
+                         compare_with_reference)
+    assert windowed["status"] == "passed" and "dsinks" in windowed["errors"]
+
+
+def test_report_has_a_row_per_status(tmp_path, monkeypatch):
+    copies = tmp_path / "device_out"
+    copies.mkdir()
+    monkeypatch.setenv("OUT", str(copies))
+    rows = [Row(group="tests", name="a", status="passed", seconds=1.25,
+                figures={"passed": 3}),
+            Row(group="backends", name="b", status="failed", reason="dq 5e-2 > 3e-2"),
+            Row(group="backends", name="c", status="skipped", reason="fa3 | not installed"),
+            Row(group="step", name="d", status="timed out", reason="killed at 300 s"),
+            Row(group="step", name="e", status="not run", reason="budget spent")]
+    out = tmp_path / "gpu_acceptance_x.json"
+    written = write_report(out, {"device": "Fake GPU", "torch": "2.x"}, rows)
+    record = json.loads(out.read_text())
+    assert record["summary"] == {"passed": 1, "failed": 1, "skipped": 1, "timed out": 1,
+                                 "not run": 1}
+    assert [r["status"] for r in record["rows"]] == [r.status for r in rows]
+    table = out.with_suffix(".md").read_text()
+    assert "| tests | a | passed | 1.2 | passed 3 |" in table
+    assert "| backends | b | failed: dq 5e-2 > 3e-2 |" in table
+    assert "| backends | c | skipped: fa3 \\| not installed |" in table
+    assert "| step | e | not run: budget spent |" in table
+    assert sorted(p.name for p in copies.iterdir()) == sorted(p.name for p in written)
+
+
+def test_a_step_past_its_limit_is_killed_with_its_children(tmp_path):
+    """The child and the grandchild it leaves holding the output both go at the limit."""
+    pid_file = tmp_path / "grandchild"
+    script = ("import subprocess, sys, time; "
+              "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+              f"open({str(pid_file)!r}, 'w').write(str(p.pid)); print('started', flush=True); "
+              "time.sleep(60)")
+    runner = Runner(Budget(60, reserve_s=0), dict(os.environ), tmp_path / "log", min_s=0.5)
+    start = time.monotonic()
+    ran = runner.run([sys.executable, "-c", script], cap_s=3.0)
+    assert time.monotonic() - start < 20
+    assert ran.timed_out and "started" in ran.output
+    row = ran.early_row("step", "slow")
+    assert (row.status, row.reason) == ("timed out", "killed at its 3 s limit")
+    pid = int(pid_file.read_text())
+    for _ in range(50):  # gone, or a zombie waiting for init
+        status = Path(f"/proc/{pid}/status")
+        if not status.exists() or "zombie" in status.read_text():
+            break
+        time.sleep(0.1)
+    else:
+        os.kill(pid, signal.SIGKILL)
+        pytest.fail(f"the grandchild {pid} outlived the timeout")
+    assert "[rc None," in (tmp_path / "log").read_text()
+
+
+def test_a_spent_budget_runs_nothing(tmp_path):
+    marker = tmp_path / "ran"
+    budget = Budget(100, reserve_s=10)
+    assert budget.limit(30) == 30 and 89 < budget.limit(1000) <= 90
+    ran = Runner(Budget(10, reserve_s=10), dict(os.environ), tmp_path / "log").run(
+        [sys.executable, "-c", f"open({str(marker)!r}, 'w')"], cap_s=60)
+    row = ran.early_row("fits", "cap")
+    assert row.status == "not run" and row.reason.startswith("budget spent")
+    assert not marker.exists()
+
+
+def test_step_json_becomes_mfu_and_kernel_rows():
+    record = {"runs": [{"stack": "ours", "backend": "auto", "kernel": "sdpa_cudnn",
+                        "step_s": 2.0, "tokens_per_s_per_rank": 32768.0, "mfu": 0.4123,
+                        "mfu_executed": 0.55, "max_memory_allocated": 12 * GiB}],
+              "kernels": [{"backend": "fa3", "skipped": "not installed", "seq_len": 524288},
+                          {"backend": "sdpa_flash", "seconds": 1.5, "tflops": 321.04,
+                           "seq_len": 524288}]}
+    run, fa3, flash = step_record_rows(record, "64K")
+    assert run.name == "ours, auto (sdpa_cudnn), 64K/rank"
+    assert run.figures == {"MFU": "41.2%", "MFU executed": "55.0%", "step s": 2.0,
+                           "tok/s/rank": 32768, "max alloc GiB": 12.0}
+    assert (fa3.status, fa3.reason) == ("skipped", "not installed")
+    assert flash.name == "kernel sdpa_flash alone, S=512K causal fwd+bwd"
+    assert flash.figures == {"TFLOP/s": 321.0}
+
+
+def test_caps_bracket_the_planners_verdict():
+    """The fit cap is the smallest quarter GiB whose planner budget (less 5%, over the 1.12
+    headroom) holds the peak; the other is under the peak itself."""
+    peak, gpu = int(11.49 * GiB), 80 * GiB
+    budget = int(gpu * 0.95 / 1.12)
+    fit, oom = caps(peak, gpu, budget)
+    assert (fit, oom) == (13.75, 10.25)
+    assert fit * GiB * 0.95 / 1.12 >= peak > (fit - 0.25) * GiB * 0.95 / 1.12
+    assert oom * GiB < peak
+
+
+def test_every_wheel_is_pinned():
+    pins = ga.constraint_pins()
+    assert all(ga._norm(name) in pins for name in ga.WHEELS)
+
+
+def test_a_step_that_raises_becomes_a_failed_row():
+    def step_rows(ctx):
+        return [{}["runs"]]
+
+    (row,) = ga.run_step("step", step_rows, ctx=None)
+    assert (row.group, row.name, row.status) == ("step", "step_rows", "failed")
+    assert row.reason == "gpu_acceptance.py raised KeyError: 'runs'"
