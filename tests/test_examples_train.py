@@ -63,7 +63,7 @@ def test_readme_main_job_runs_and_loss_decreases(tmp_path):
 
 def test_killed_run_resumes_step_for_step(tmp_path):
     # The uninterrupted run and the one to kill start together (their imports overlap).
-    common = ["--num_gpus", "2", "examples/train.py", "--seq-len", "256", "--max-steps", "14"]
+    common = ["--num_gpus", "2", "examples/train.py", "--seq-len", "256", "--max-steps", "9"]
     uninterrupted = subprocess.Popen(  # its own port: DeepSpeed's shared memory is named by it
         _launcher() + ["--master_port", "29517"] + common + ["--log-file",
                                                              str(tmp_path / "ref.jsonl")],
@@ -71,19 +71,19 @@ def test_killed_run_resumes_step_for_step(tmp_path):
         start_new_session=True)
 
     ckpt, log = tmp_path / "ckpt", tmp_path / "run.jsonl"
-    run = common + ["--save-dir", str(ckpt), "--save-every", "3", "--log-file", str(log)]
+    run = common + ["--save-dir", str(ckpt), "--save-every", "2", "--log-file", str(log)]
     proc = subprocess.Popen(_launcher() + run, cwd=REPO, env=ENV, stdout=subprocess.DEVNULL,
                             stderr=subprocess.DEVNULL, start_new_session=True)
     deadline = time.time() + 240
     while time.time() < deadline and proc.poll() is None:
-        if log.exists() and len(log.read_text().splitlines()) >= 7:
+        if log.exists() and len(log.read_text().splitlines()) >= 5:
             break
         time.sleep(0.05)
     assert proc.poll() is None, "the run ended before it could be killed"
     os.killpg(proc.pid, signal.SIGKILL)  # the launcher and both ranks, no clean shutdown
     proc.wait(timeout=30)
     killed_at = max(_losses(log))
-    assert killed_at < 14, killed_at
+    assert killed_at < 9, killed_at
 
     try:
         out, _ = uninterrupted.communicate(timeout=300)
