@@ -113,7 +113,7 @@ def test_find_max_verdict_and_plot(tmp_path):
 
 
 @pytest.mark.slow  # 35 s; the plot: test_find_max_verdict_and_plot; the search:
-# test_search_winner_fits_and_every_other_factorization_does_not
+# test_search_tries_sequence_chunks_on_the_best_ulysses_split (a stand-in planner)
 def test_searched_plot_draws_each_factorization(tmp_path):
     """With the search, --plot draws every traced factorization at its own settings beside
     the chosen ones (and the JSON records each line): tiny Llama on 2 GPUs, ring 1 x
@@ -456,6 +456,8 @@ def test_a_bent_line_is_traced_instead():
     assert "how: traced (the line through 48K and 96K was" in proc.stdout, proc.stdout
 
 
+@pytest.mark.slow  # 65 s; the search's logic, in the default run:
+# test_search_tries_sequence_chunks_on_the_best_ulysses_split (a stand-in planner)
 def test_search_winner_fits_and_every_other_factorization_does_not(tmp_path):
     """--find-max searches ring x Ulysses over 4 ranks (tiny Llama: 8 query / 4 kv heads, so
     every split is valid): the winner fits at its length, and each other factorization,

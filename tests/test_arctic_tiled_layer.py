@@ -108,6 +108,7 @@ def test_tiled_layer_saves_the_attention_output_only():
     assert out[False] - out[True] == hidden, out
 
 
+@pytest.mark.slow  # 24 s; the saved tensor: test_tiled_layer_saves_the_attention_output_only
 def test_planner_finds_one_hidden_tensor_less_at_the_peak(tmp_path):
     """Llama-3-8B, 2 layers, 1M tokens on ring 8 (131,072 tokens per rank): the backward peak
     of the tail held the MLP's input gradient beside the norm's; tiled, one [s, 4096] bf16
