@@ -103,7 +103,8 @@ def _sp_attention(module: nn.Module, query, key, value, attention_mask, **kwargs
                             head_chunk_size=sp.head_chunk_size, backend=sp.backend,
                             buffer_pool=sp.pool, segments=sp.batch.segments(),
                             window=call.window, sinks=call.sinks,
-                            comm_dtype=sp.communication_dtype, seq_chunk=sp.seq_chunk)
+                            comm_dtype=sp.communication_dtype, seq_chunk=sp.seq_chunk,
+                            softcap=call.softcap)
     return out, None
 
 

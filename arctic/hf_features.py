@@ -21,11 +21,12 @@ A model asks in two places:
 What is honoured (``tests/test_arctic_hf_families.py`` compares each with the unmodified model on
 one process): ``scaling``; ``sliding_window`` (per layer, as the model passes it; causal
 windows of :mod:`ulysses.band`, with head chunking, fused projections, packed documents and
-rings); ``s_aux`` attention sinks (GPT-OSS; :mod:`ulysses.sinks`). What is refused: attention
-dropout, attention logit softcapping (Gemma2's ``attn_logit_softcapping``: no kernel here
-applies a softcap inside the softmax), non-causal attention, chunked attention (Llama4's
-``attention_chunk_size``), explicit masks, flash-attn varlen packing arguments and
-``seq_idx`` (documents come from ``position_ids``), and returned attention weights.
+rings); ``s_aux`` attention sinks (GPT-OSS; :mod:`ulysses.sinks`); ``softcap``, attention
+logit softcapping inside the softmax (Gemma2's ``attn_logit_softcapping``;
+:mod:`ulysses.softcap`). What is refused: attention dropout, non-causal attention, chunked
+attention (Llama4's ``attention_chunk_size``), explicit masks, flash-attn varlen packing
+arguments and ``seq_idx`` (documents come from ``position_ids``), and returned attention
+weights.
 """
 
 from __future__ import annotations
@@ -35,13 +36,15 @@ from dataclasses import dataclass
 
 from torch import Tensor, nn
 
-HONOURED = ("scaling", "sliding_window", "s_aux")
-"""Attention arguments implemented exactly: the softmax scale, a causal sliding window, and
-GPT-OSS's per-head sink logits."""
-REFUSED = ("dropout", "softcap", "is_causal", "output_attentions", "head_mask",
+from ulysses.softcap import check_softcap
+
+HONOURED = ("scaling", "sliding_window", "s_aux", "softcap")
+"""Attention arguments implemented exactly: the softmax scale, a causal sliding window,
+GPT-OSS's per-head sink logits, and attention logit softcapping."""
+REFUSED = ("dropout", "is_causal", "output_attentions", "head_mask",
            "layer_head_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
            "seq_idx")
-"""Attention arguments refused when they ask for something (a non-zero dropout, a softcap,
+"""Attention arguments refused when they ask for something (a non-zero dropout,
 ``is_causal=False``, returned weights, head masks, flash-attn varlen packing, a packed
 sequence index): the SP attention does not implement them."""
 INERT = ("position_ids", "use_cache", "cache_position", "output_router_logits",
@@ -108,6 +111,9 @@ class AttentionCall:
     """Causal sliding window (keys a query sees, itself included), or ``None``."""
     sinks: Tensor | None
     """Per-head attention-sink logits ``[H]`` (GPT-OSS's ``s_aux``), or ``None``."""
+    softcap: float = 0.0
+    """Attention logit softcapping inside the softmax (Gemma2's ``attn_logit_softcapping``);
+    0: none."""
 
 
 def _refuse(module: nn.Module, feature: str, instead: str) -> ValueError:
@@ -127,11 +133,10 @@ def read_attention_kwargs(module: nn.Module, kwargs: dict, *,
     dropout = kw.pop("dropout", 0.0)
     if dropout:
         raise _refuse(module, f"attention dropout ({dropout})", "set config.attention_dropout=0")
-    softcap = kw.pop("softcap", None)
-    if softcap:
-        raise _refuse(module, f"attention logit softcapping (softcap={softcap})",
-                      "set config.attn_logit_softcapping=None (this changes the model) or "
-                      "train without sequence parallelism")
+    try:
+        softcap = check_softcap(kw.pop("softcap", None))
+    except ValueError as e:
+        raise ValueError(f"{type(module).__name__}: {e}") from None
     if kw.pop("is_causal", None) is False:
         raise _refuse(module, "non-causal attention (is_causal=False)",
                       "sequence parallelism here trains causal decoders only")
@@ -153,7 +158,7 @@ def read_attention_kwargs(module: nn.Module, kwargs: dict, *,
                                or window < 1):
         raise _refuse(module, f"sliding_window={window!r}", "use a positive int or None")
     return AttentionCall(scaling=kw.pop("scaling", None), window=window,
-                         sinks=kw.pop("s_aux", None))
+                         sinks=kw.pop("s_aux", None), softcap=softcap)
 
 
 def check_model_features(model: nn.Module, modules: list[nn.Module]) -> None:
@@ -162,9 +167,6 @@ def check_model_features(model: nn.Module, modules: list[nn.Module]) -> None:
     config, name = model.config, type(model).__name__
     checks = {
         "attention_dropout": ("attention dropout", "set it to 0"),
-        "attn_logit_softcapping": (
-            "attention logit softcapping (no kernel here applies a softcap inside the softmax)",
-            "set it to None, which changes the model, or train without sequence parallelism"),
         "attention_chunk_size": (
             "chunked attention (each query sees only its chunk)",
             "set it to None, which changes the model, or train without sequence parallelism"),

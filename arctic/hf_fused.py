@@ -136,7 +136,7 @@ def _fused_forward(self, *args, **kwargs):
         num_heads=sp.num_heads, num_kv_heads=sp.num_kv_heads, mesh=sp.mesh,
         head_chunk_size=sp.head_chunk_size, softmax_scale=call.scaling, backend=sp.backend,
         buffer_pool=sp.pool, segments=sp.batch.segments(), window=call.window,
-        comm_dtype=sp.communication_dtype, seq_chunk=sp.seq_chunk)
+        comm_dtype=sp.communication_dtype, seq_chunk=sp.seq_chunk, softcap=call.softcap)
     return y, None
 
 

@@ -39,10 +39,15 @@ def _config(family: str, feature_on: bool = True):
                                         sliding_window=WINDOW, max_window_layers=1),
         "qwen3": lambda: tf.Qwen3Config(**SMALL, use_sliding_window=feature_on,
                                         sliding_window=WINDOW, max_window_layers=1),
+        # Gemma2 at its default attention softcap (50); gemma2_softcap caps at 1 the scores
+        # that _model makes large, so that the cap changes the result.
         "gemma2": lambda: tf.Gemma2Config(**SMALL, sliding_window=WINDOW if feature_on else S,
-                                          attn_logit_softcapping=None,
+                                          attn_logit_softcapping=50.0 if feature_on else None,
                                           final_logit_softcapping=2.0 if feature_on else None,
                                           query_pre_attn_scalar=24, layer_types=alternate),
+        "gemma2_softcap": lambda: tf.Gemma2Config(
+            **SMALL, sliding_window=WINDOW, attn_logit_softcapping=1.0 if feature_on else None,
+            final_logit_softcapping=None, query_pre_attn_scalar=24, layer_types=alternate),
         "gemma3": lambda: tf.Gemma3TextConfig(**SMALL, sliding_window=WINDOW if feature_on else S,
                                               final_logit_softcapping=None,
                                               query_pre_attn_scalar=24, layer_types=alternate),
@@ -69,6 +74,11 @@ def _model(family: str, feature_on: bool = True, attn: str = "eager"):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config(family, feature_on), attn_implementation=attn)
+    if family == "gemma2_softcap":  # scores of a few units, against a cap of 1
+        with torch.no_grad():
+            for n, p in model.named_parameters():
+                if n.endswith(("q_proj.weight", "k_proj.weight")):
+                    p.mul_(8)
     sinks = [m for n, m in model.named_parameters() if n.endswith("sinks")]
     with torch.no_grad():  # sinks large enough to matter (GPT-OSS)
         for i, s in enumerate(sinks):
@@ -169,7 +179,10 @@ HONOURED = {
     "mistral": "sliding window on every layer",
     "qwen2": "sliding window on layer 1 only (max_window_layers=1), bias",
     "qwen3": "sliding window on layer 1 only, per-head q/k norms",
-    "gemma2": "sliding window on alternate layers, query_pre_attn_scalar, final softcapping",
+    "gemma2": "sliding window on alternate layers, query_pre_attn_scalar, final softcapping, "
+              "attention softcapping at its default (50)",
+    "gemma2_softcap": "attention logit softcapping (1.0, on large scores) with the window on "
+                      "alternate layers",
     "gemma3": "sliding window on alternate layers, query_pre_attn_scalar",
     "cohere2": "sliding window on alternate layers (RoPE only there), logit_scale",
     "gpt_oss": "attention sinks (s_aux) and sliding window on alternate layers",
@@ -200,6 +213,7 @@ def test_packed_documents_reach_the_attention(family, sp):
     ("gemma2", 4, 1, 1, False),     # window with head chunks
     ("mistral", 2, 2, None, False),  # window across a zigzag ring (U=2 x R=2)
     ("gpt_oss", 2, 2, 1, False),    # sinks and window: ring and head chunks
+    ("gemma2_softcap", 2, 2, 1, False),  # softcap with the window: ring and head chunks
 ])
 def test_chunked_fused_and_ring_paths(family, sp, ring, chunk, fuse):
     results = dist_pool.run(_rank_step, family, sp, ring, chunk, fuse, world_size=sp * ring)
@@ -225,7 +239,6 @@ def test_fused_projections_and_tiled_layer(family, sp):
 # --- refusals -------------------------------------------------------------------------------
 
 REFUSED = {
-    "gemma2_attn_softcapping": ["Gemma2ForCausalLM", "attn_logit_softcapping"],
     "llama4_chunked_attention": ["Llama4ForCausalLM", "attention_chunk_size"],
     "attention_dropout": ["LlamaForCausalLM", "attention_dropout"],
     "output_attentions": ["LlamaAttention", "output_attentions"],
@@ -238,7 +251,7 @@ REFUSED = {
 
 def _refused_calls():
     """name -> a call that must raise, on an SP=2 mesh (rank side)."""
-    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Llama4TextConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig, Llama4TextConfig
 
     from arctic.hf_attention import apply_sequence_parallel
 
@@ -259,7 +272,6 @@ def _refused_calls():
     varlen = dict(cu_seq_lens_q=torch.tensor([0, 64]), cu_seq_lens_k=torch.tensor([0, 64]),
                   max_length_q=64, max_length_k=64)
     return {
-        "gemma2_attn_softcapping": lambda: apply(build(Gemma2Config(**SMALL))),
         "llama4_chunked_attention": lambda: apply(build(Llama4TextConfig(
             **{**SMALL, "intermediate_size_mlp": 96}, attention_chunk_size=32))),
         "attention_dropout": lambda: apply(build(LlamaConfig(**{**SMALL,

@@ -41,6 +41,7 @@ def test_step_benchmark_runs_and_counts_flops(tmp_path):
         assert r["kernel"] == "cpu_flash"
 
 
+@pytest.mark.slow  # 11 s; the counts themselves: test_step_benchmark_runs_and_counts_flops
 def test_flops_only_traces_on_fake_tensors(tmp_path):
     """--flops-only counts the same executed attention FLOPs without running anything."""
     out = tmp_path / "flops.json"

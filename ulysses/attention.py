@@ -28,6 +28,7 @@ from ulysses.self_check import verify_call
 from ulysses.seq_chunk import check_seq_chunk, resolve_seq_chunk
 from ulysses.sharding import HeadLayout, head_layout
 from ulysses.sinks import check_sinks
+from ulysses.softcap import check_softcap
 
 
 def _validate(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, causal: bool,
@@ -51,10 +52,11 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, causal: bool,
 def between_exchanges(mesh: DeviceMesh, *, batch: int, local_len: int, causal: bool,
                       scale: float, backend: str, unpadded_len: int | None, segments,
                       window: int | None = None,
-                      comm_dtype: torch.dtype | None = None):
+                      comm_dtype: torch.dtype | None = None, softcap: float = 0.0):
     """The attention that runs between the two all-to-alls, on ``[B, S, h, D]`` tensors:
     within documents (``segments``), the ring (R > 1), or the local kernel; each with a
     causal sliding ``window`` when one is given. ``comm_dtype``: what a ring's hops carry.
+    ``softcap``: logit softcapping inside the softmax (0: none).
 
     Raises ``NotImplementedError`` for segments with a ring and ``ValueError`` for bad
     segments or a bad window, all before any collective.
@@ -64,7 +66,7 @@ def between_exchanges(mesh: DeviceMesh, *, batch: int, local_len: int, causal: b
     kv_len = unpadded_len if unpadded_len is not None and not causal else None
     if segments is None:
         return inner_attention(mesh, causal=causal, scale=scale, backend=backend, kv_len=kv_len,
-                               window=window, comm_dtype=comm_dtype)
+                               window=window, comm_dtype=comm_dtype, softcap=softcap)
     if axis_size(mesh, "ring") > 1:
         raise NotImplementedError("packed documents (segments) with ring_degree > 1: the ring "
                                   "kernels cannot mask across documents; use ring_degree=1")
@@ -72,7 +74,8 @@ def between_exchanges(mesh: DeviceMesh, *, batch: int, local_len: int, causal: b
         raise ValueError("pass either segments or unpadded_len: make the padded tail its own "
                          "segment instead")
     return SegmentedAttention(causal=causal, scale=scale, backend=backend, starts=check_segments(
-        segments, batch, local_len * axis_size(mesh, "ulysses")), window=window)
+        segments, batch, local_len * axis_size(mesh, "ulysses")), window=window,
+        softcap=softcap)
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, causal: bool,
@@ -84,7 +87,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
                       window: int | None = None,
                       sinks: Tensor | None = None,
                       comm_dtype: torch.dtype | None = None,
-                      seq_chunk: int | str | None = None) -> Tensor:
+                      seq_chunk: int | str | None = None, softcap: float | None = None) -> Tensor:
     """Sequence-parallel attention over the mesh's ``"ulysses"`` and ``"ring"`` axes.
 
     Args:
@@ -136,6 +139,10 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
             exchanges do not overlap compute (``chunk_overlap=True`` is refused). With a
             ring every ring rank's kv blocks of a chunk are gathered to the host. Not
             supported with ``segments`` or ``sinks`` (``ValueError``).
+        softcap: attention logit softcapping (Gemma2's ``attn_logit_softcapping``): each
+            scaled score ``z`` becomes ``softcap * tanh(z / softcap)`` inside the softmax,
+            forward and backward; flash-attn 2/3 apply it in their kernels, other backends
+            run :mod:`ulysses.softcap`'s blockwise kernel. None or 0: no cap.
 
     Returns:
         ``out_BsHD``, sharded like ``q``.
@@ -144,6 +151,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     divide ``U`` give uneven splits. Every ``ValueError`` is raised before any collective.
     """
     layout, backend = _validate(q, k, v, mesh, causal, backend, unpadded_len)
+    softcap = check_softcap(softcap)
     check_sinks(sinks, q.shape[2], q.device)
     check_comm_dtype(comm_dtype)
     check_seq_chunk(seq_chunk, head_chunk_size=head_chunk_size, local_len=q.shape[1],
@@ -154,9 +162,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     attn = between_exchanges(mesh, batch=q.shape[0], local_len=q.shape[1], causal=causal,
                              scale=scale, backend=backend, unpadded_len=unpadded_len,
                              segments=segments, window=window,
-                             comm_dtype=comm_dtype)
+                             comm_dtype=comm_dtype, softcap=softcap)
     verify_call(backend, q, causal=causal, window=window, sinks=sinks is not None,
-                ring=axis_size(mesh, "ring") > 1)
+                ring=axis_size(mesh, "ring") > 1, softcap=softcap)
     if sinks is not None:  # [H] -> [h]: this rank's query heads (autograd scatters the grad)
         first = sum(layout.q_sizes[:rank])
         sinks = sinks[first:first + layout.q_sizes[rank]]

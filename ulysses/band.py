@@ -172,29 +172,30 @@ def _flip(*ts: Tensor) -> tuple[Tensor, ...]:
 
 
 def piece_forward(q: Tensor, k: Tensor, v: Tensor, p: Piece, *, scale: float,
-                  backend: str) -> tuple[Tensor, Tensor]:
+                  backend: str, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """``(out [B, q1-q0, H, D], lse [B, H, q1-q0])`` of one piece."""
     qp, kp, vp = q[:, p.q0:p.q1], k[:, p.k0:p.k1], v[:, p.k0:p.k1]
     if p.kind == "anticausal":
         out, lse = attention_forward(*_flip(qp, kp, vp), causal=True, softmax_scale=scale,
-                                     backend=backend)
+                                     backend=backend, softcap=softcap)
         return out.flip(1), lse.flip(-1)
     return attention_forward(qp, kp, vp, causal=p.kind == "causal", softmax_scale=scale,
-                             backend=backend)
+                             backend=backend, softcap=softcap)
 
 
 def piece_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor,
-                   p: Piece, *, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                   p: Piece, *, scale: float, backend: str,
+                   softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """``(dq, dk, dv)`` of one piece's rows and keys, from the final ``out`` and ``lse``."""
     rows, keys = slice(p.q0, p.q1), slice(p.k0, p.k1)
     args = (dout[:, rows], q[:, rows], k[:, keys], v[:, keys], out[:, rows])
     lse_p = lse[:, :, rows]
     if p.kind == "anticausal":
         grads = attention_backward(*_flip(*args), lse_p.flip(-1), causal=True,
-                                   softmax_scale=scale, backend=backend)
+                                   softmax_scale=scale, backend=backend, softcap=softcap)
         return _flip(*grads)
     return attention_backward(*args, lse_p.contiguous(), causal=p.kind == "causal",
-                              softmax_scale=scale, backend=backend)
+                              softmax_scale=scale, backend=backend, softcap=softcap)
 
 
 def merge_into(out: Tensor, lse: Tensor, out_b: Tensor, lse_b: Tensor) -> None:
@@ -224,7 +225,7 @@ def _row_blocks(S: int, window: int):
 
 
 def window_forward(q: Tensor, k: Tensor, v: Tensor, *, window: int, scale: float,
-                   backend: str) -> tuple[Tensor, Tensor]:
+                   backend: str, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """Sliding-window causal attention of ``q_BSHD`` to ``k_BSKD``/``v_BSKD`` (same
     positions). Returns ``(out_BSHD, lse_BHS)``; lse is float32.
 
@@ -238,7 +239,7 @@ def window_forward(q: Tensor, k: Tensor, v: Tensor, *, window: int, scale: float
         o_acc = torch.zeros(B, b - a, H, D, dtype=acc_dtype(q.dtype), device=q.device)
         l_acc = torch.full((B, H, b - a), float("-inf"), dtype=torch.float32, device=q.device)
         for p in band_pieces([(a, b - a, a)], keys, window):
-            o_p, l_p = piece_forward(q, k, v, p, scale=scale, backend=backend)
+            o_p, l_p = piece_forward(q, k, v, p, scale=scale, backend=backend, softcap=softcap)
             r = slice(p.q0 - a, p.q1 - a)
             merge_into(o_acc[:, r], l_acc[:, :, r], o_p, l_p)
             del o_p, l_p
@@ -247,7 +248,8 @@ def window_forward(q: Tensor, k: Tensor, v: Tensor, *, window: int, scale: float
 
 
 def window_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
-                    window: int, scale: float, backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                    window: int, scale: float, backend: str,
+                    softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """The backward of :func:`window_forward` from its ``out`` and ``lse``: ``(dq, dk, dv)``
     shaped like ``q, k, v``."""
     S = q.shape[1]
@@ -260,7 +262,7 @@ def window_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
         dq_acc = torch.zeros(q[:, a:b].shape, dtype=acc, device=q.device)
         for p in band_pieces([(a, b - a, a)], keys, window):
             dq_p, dk_p, dv_p = piece_backward(dout, q, k, v, out, lse, p, scale=scale,
-                                              backend=backend)
+                                              backend=backend, softcap=softcap)
             dq_acc[:, p.q0 - a:p.q1 - a] += dq_p
             dk[:, p.k0:p.k1] += dk_p
             dv[:, p.k0:p.k1] += dv_p
@@ -278,14 +280,17 @@ class WindowAttention:
     window: int
     scale: float
     backend: str
+    softcap: float = 0.0
+    """Logit softcapping inside the softmax; 0: none."""
 
     def forward(self, q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor) -> tuple[Tensor, Tensor]:
         """Returns ``(out_BSHD, lse_BHS)``."""
         if self.window >= q_BSHD.shape[1]:
             return attention_forward(q_BSHD, k_BSKD, v_BSKD, causal=True,
-                                     softmax_scale=self.scale, backend=self.backend)
+                                     softmax_scale=self.scale, backend=self.backend,
+                                     softcap=self.softcap)
         return window_forward(q_BSHD, k_BSKD, v_BSKD, window=self.window, scale=self.scale,
-                              backend=self.backend)
+                              backend=self.backend, softcap=self.softcap)
 
     def backward(self, dout_BSHD: Tensor, q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,
                  out_BSHD: Tensor, lse_BHS: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -293,6 +298,7 @@ class WindowAttention:
         if self.window >= q_BSHD.shape[1]:
             return attention_backward(dout_BSHD, q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS,
                                       causal=True, softmax_scale=self.scale,
-                                      backend=self.backend)
+                                      backend=self.backend, softcap=self.softcap)
         return window_backward(dout_BSHD, q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS,
-                               window=self.window, scale=self.scale, backend=self.backend)
+                               window=self.window, scale=self.scale, backend=self.backend,
+                               softcap=self.softcap)

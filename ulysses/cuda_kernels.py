@@ -407,10 +407,10 @@ def _fa_call(fn, **arguments):
     return fn(**{k: v for k, v in arguments.items() if k in params})
 
 
-def _flash_attn_forward(q, k, v, causal, scale):  # pragma: no cover - needs CUDA + flash_attn
+def _flash_attn_forward(q, k, v, causal, scale, softcap=0.0):  # pragma: no cover - CUDA + FA2
     res = _fa_call(_fa._flash_attn_forward, q=q.contiguous(), k=k.contiguous(),
                    v=v.contiguous(), dropout_p=0.0, softmax_scale=scale, causal=causal,
-                   window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+                   window_size_left=-1, window_size_right=-1, softcap=softcap, alibi_slopes=None,
                    return_softmax=False)
     # >= 2.7 returns (out, lse, S_dmask, rng_state); <= 2.6 returns (out, q, k, v, out_padded,
     # lse, S_dmask, rng_state).
@@ -418,19 +418,19 @@ def _flash_attn_forward(q, k, v, causal, scale):  # pragma: no cover - needs CUD
     return out, lse
 
 
-def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale):  # pragma: no cover
+def _flash_attn_backward(dout, q, k, v, out, lse, causal, scale, softcap=0.0):
     dq, dk, dv = torch.empty_like(q), torch.empty_like(k), torch.empty_like(v)
     _fa_call(_fa._flash_attn_backward, dout=dout.contiguous(), q=q.contiguous(),
              k=k.contiguous(), v=v.contiguous(), out=out.contiguous(), softmax_lse=lse.contiguous(),
              dq=dq, dk=dk, dv=dv, dropout_p=0.0, softmax_scale=scale, causal=causal,
-             window_size_left=-1, window_size_right=-1, softcap=0.0, alibi_slopes=None,
+             window_size_left=-1, window_size_right=-1, softcap=softcap, alibi_slopes=None,
              deterministic=deterministic(), rng_state=None)
     return dq, dk, dv
 
 
 # --- FlashAttention-3 and -4 ------------------------------------------------------------------
 
-def _fa3_forward(q, k, v, causal, scale):  # pragma: no cover - needs sm90 + FA3
+def _fa3_forward(q, k, v, causal, scale, softcap=0.0):  # pragma: no cover - sm90 + FA3
     # hopper/flash_attn_interface.py _flash_attn_forward: releases before late 2025 take every
     # argument positionally with no default, and the newest names the output ``out_``.
     none = dict.fromkeys(("k_new", "v_new", "qv", "out", "out_", "cu_seqlens_q", "cu_seqlens_k",
@@ -438,11 +438,11 @@ def _fa3_forward(q, k, v, causal, scale):  # pragma: no cover - needs sm90 + FA3
                           "max_seqlen_k", "page_table", "kv_batch_idx", "leftpad_k", "rotary_cos",
                           "rotary_sin", "seqlens_rotary", "q_descale", "k_descale", "v_descale"))
     res = _fa_call(_fa3._flash_attn_forward, q=q, k=k, v=v, **none, softmax_scale=scale,
-                   causal=causal, window_size_left=-1, window_size_right=-1)
+                   causal=causal, window_size_left=-1, window_size_right=-1, softcap=softcap)
     return res[0], res[1]  # (out, softmax_lse [B, H, S] fp32, *accumulators)
 
 
-def _fa3_backward(dout, q, k, v, out, lse, causal, scale):  # pragma: no cover
+def _fa3_backward(dout, q, k, v, out, lse, causal, scale, softcap=0.0):  # pragma: no cover
     dq, dk, dv = (torch.empty(t.shape, dtype=t.dtype, device=t.device) for t in (q, k, v))
     none = dict.fromkeys(("cu_seqlens_q", "cu_seqlens_k", "sequed_q", "sequed_k", "max_seqlen_q",
                           "max_seqlen_k"))
@@ -450,7 +450,7 @@ def _fa3_backward(dout, q, k, v, out, lse, causal, scale):  # pragma: no cover
     _fa_call(_fa3._flash_attn_backward, dout=dout, q=q, k=k, v=v, out=out,
              softmax_lse=lse.contiguous(), **none, dq=dq, dk=dk, dv=dv, softmax_scale=scale,
              causal=causal, is_causal=causal, window_size_left=-1, window_size_right=-1,
-             softcap=0.0, deterministic=deterministic(), sm_margin=0)
+             softcap=softcap, deterministic=deterministic(), sm_margin=0)
     return dq, dk, dv
 
 
@@ -473,6 +473,9 @@ def _fa4_backward(dout, q, k, v, out, lse, causal, scale):  # pragma: no cover
 FORWARD = {"sdpa_flash": _sdpa_flash_forward, "sdpa_efficient": _sdpa_efficient_forward,
            "sdpa_cudnn": _sdpa_cudnn_forward, "flash_attn": _flash_attn_forward,
            "fa3": _fa3_forward, "fa4": _fa4_forward}
+SOFTCAP_FORWARD = {"flash_attn": _flash_attn_forward, "fa3": _fa3_forward}
+SOFTCAP_BACKWARD = {"flash_attn": _flash_attn_backward, "fa3": _fa3_backward}
+"""The CUDA backends whose kernels take ``softcap`` (FA2 from 2.6, FA3)."""
 BACKWARD = {"sdpa_flash": _sdpa_flash_backward, "sdpa_efficient": _sdpa_efficient_backward,
             "sdpa_cudnn": _sdpa_cudnn_backward, "flash_attn": _flash_attn_backward,
             "fa3": _fa3_backward, "fa4": _fa4_backward}

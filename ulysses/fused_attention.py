@@ -73,6 +73,7 @@ from ulysses.seq_chunk import run_backward as run_seq_backward
 from ulysses.seq_chunk import run_forward as run_seq_forward
 from ulysses.self_check import verify_call
 from ulysses.sharding import head_layout
+from ulysses.softcap import check_softcap
 
 
 @dataclass(frozen=True, slots=True)
@@ -300,7 +301,8 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
                     chunk_overlap: bool | None = None, segments=None,
                     window: int | None = None,
                     comm_dtype: torch.dtype | None = None,
-                    seq_chunk: int | str | None = None) -> Tensor:
+                    seq_chunk: int | str | None = None,
+                    softcap: float | None = None) -> Tensor:
     """A Llama-style attention block, ``o_proj(attn(rope(q_proj(x)), rope(k_proj(x)),
     v_proj(x)))``, sequence-parallel and head-chunked, with no all-heads q/k/v.
 
@@ -320,7 +322,7 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
         head_chunk_size: an int from :func:`ulysses.chunk_schedule.valid_chunk_sizes`, or
             ``"auto"`` (within ``chunk_budget_bytes``).
         causal, softmax_scale, backend, buffer_pool, chunk_overlap, segments, window,
-        comm_dtype, seq_chunk:
+        comm_dtype, seq_chunk, softcap:
             as for :func:`ulysses.ulysses_attention`. With ``seq_chunk`` each step's heads are
             projected, and their gradients taken back, one sequence block at a time
             (``_ProjectedChunks.send_rows``/``take_rows``): no seq-local tensor of a step's
@@ -335,6 +337,7 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
                    q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight)
     D = _validate(x, cos, sin, weights, num_heads, num_kv_heads)
     check_comm_dtype(comm_dtype)
+    softcap = check_softcap(softcap)
     check_mesh(mesh)
     B, s, _ = x.shape
     U = axis_size(mesh, "ulysses")
@@ -351,9 +354,9 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
     attn = between_exchanges(mesh, batch=B, local_len=s, causal=causal,
                              scale=default_scale(D, softmax_scale), backend=backend,
                              unpadded_len=None, segments=segments,
-                             window=window, comm_dtype=comm_dtype)
+                             window=window, comm_dtype=comm_dtype, softcap=softcap)
     verify_call(backend, x, head_dim=D, causal=causal, window=window, sinks=False,
-                ring=axis_size(mesh, "ring") > 1)
+                ring=axis_size(mesh, "ring") > 1, softcap=softcap)
     schedule = tuple(build_schedule(layout, c))
     chunks = ChunkConfig(group=axis_group(mesh, "ulysses"), rank=axis_rank(mesh, "ulysses"),
                          layout=layout, schedule=schedule, attn=attn,

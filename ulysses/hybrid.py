@@ -32,7 +32,7 @@ def check_hybrid(local_rows: int, mesh: DeviceMesh) -> None:
 
 def inner_attention(mesh: DeviceMesh, *, causal: bool, scale: float, backend: str,
                     kv_len: int | None, window: int | None = None,
-                    comm_dtype: torch.dtype | None = None
+                    comm_dtype: torch.dtype | None = None, softcap: float = 0.0
                     ) -> LocalAttention | WindowAttention | RingAttention:
     """The attention to run on full-ring-rank, local-head tensors.
 
@@ -40,14 +40,16 @@ def inner_attention(mesh: DeviceMesh, *, causal: bool, scale: float, backend: st
     block to its real keys, the local kernel trims its one block. The ring's row layout is
     the mesh's (:func:`ulysses.mesh.mesh_dims`). ``window``: a causal
     sliding window (:mod:`ulysses.band`), over the whole sequence on a ring too.
-    ``comm_dtype``: what the ring's hops carry (:class:`RingAttention`).
+    ``comm_dtype``: what the ring's hops carry (:class:`RingAttention`). ``softcap``: logit
+    softcapping inside the softmax (0: none).
     """
     R = axis_size(mesh, "ring")
     if R == 1:
         if window is not None:
-            return WindowAttention(window=window, scale=scale, backend=backend)
-        return LocalAttention(causal=causal, scale=scale, backend=backend, kv_len=kv_len)
+            return WindowAttention(window=window, scale=scale, backend=backend, softcap=softcap)
+        return LocalAttention(causal=causal, scale=scale, backend=backend, kv_len=kv_len,
+                              softcap=softcap)
     return RingAttention(group=axis_group(mesh, "ring"), rank=axis_rank(mesh, "ring"), size=R,
                          causal=causal, scale=scale, backend=backend,
-                         zigzag=mesh_dims(mesh).zigzag,
-                         kv_len=kv_len, window=window, comm_dtype=comm_dtype)
+                         zigzag=mesh_dims(mesh).zigzag, kv_len=kv_len, window=window,
+                         comm_dtype=comm_dtype, softcap=softcap)

@@ -28,6 +28,7 @@ from ulysses import cuda_kernels
 from ulysses.gqa import expand_kv, reduce_kv
 from ulysses.keep import kept_or_computed
 from ulysses.sinks import apply_sinks, sinks_grad
+from ulysses.softcap import softcap_backward, softcap_forward
 
 Backend = Literal["cpu_flash", "sdpa_flash", "sdpa_efficient", "sdpa_cudnn", "flash_attn", "fa3",
                   "fa4", "math"]
@@ -109,19 +110,24 @@ def _cpu_flash_backward(dout, q, k, v, out, lse, causal, scale):
 
 # --- math (float64 reference) ----------------------------------------------------------------
 
-def _math_scores(q, k, causal, scale):
-    """fp64 ``q64_BHSD``, ``k64_BHSD`` (kv expanded) and masked scores ``scale * q k^T``."""
+def _math_scores(q, k, causal, scale, softcap=0.0):
+    """fp64 ``q64_BHSD``, ``k64_BHSD`` (kv expanded), masked scores ``scale * q k^T`` (capped
+    to ``softcap * tanh(z / softcap)`` when ``softcap``) and the cap's derivative."""
     q64 = q.double().transpose(1, 2)                                 # [B, H, Sq, D]
     k64 = expand_kv(k.double(), q.shape[2]).transpose(1, 2)         # [B, H, Sk, D]
     scores = q64 @ k64.transpose(-1, -2) * scale                     # [B, H, Sq, Sk]
+    slope = None
+    if softcap:
+        t = torch.tanh(scores / softcap)
+        scores, slope = t * softcap, 1 - t * t
     if causal:
         mask = torch.ones(scores.shape[-2:], dtype=torch.bool, device=q.device).tril()
         scores = scores.masked_fill(~mask, float("-inf"))
-    return q64, k64, scores
+    return q64, k64, scores, slope
 
 
-def _math_forward(q, k, v, causal, scale):
-    _, _, scores = _math_scores(q, k, causal, scale)
+def _math_forward(q, k, v, causal, scale, softcap=0.0):
+    _, _, scores, _ = _math_scores(q, k, causal, scale, softcap)
     lse = torch.logsumexp(scores, dim=-1)                            # [B, H, Sq]
     v64 = expand_kv(v.double(), q.shape[2]).transpose(1, 2)
     out = (torch.exp(scores - lse.unsqueeze(-1)) @ v64).transpose(1, 2)
@@ -129,10 +135,10 @@ def _math_forward(q, k, v, causal, scale):
     return out.to(q.dtype), lse.to(lse_dtype)
 
 
-def _math_backward(dout, q, k, v, out, lse, causal, scale):
+def _math_backward(dout, q, k, v, out, lse, causal, scale, softcap=0.0):
     # P comes from the given lse, not a fresh softmax: the same contract as the fused kernels,
     # so a wrong lse shows up as a wrong gradient.
-    q64, k64, scores = _math_scores(q, k, causal, scale)
+    q64, k64, scores, slope = _math_scores(q, k, causal, scale, softcap)
     probs = torch.exp(scores - lse.double().unsqueeze(-1))
     v64 = expand_kv(v.double(), q.shape[2]).transpose(1, 2)
     do64 = dout.double().transpose(1, 2)
@@ -140,6 +146,8 @@ def _math_backward(dout, q, k, v, out, lse, causal, scale):
     dp = do64 @ v64.transpose(-1, -2)                                # [B, H, Sq, Sk]
     delta = (do64 * out.double().transpose(1, 2)).sum(-1, keepdim=True)
     ds = probs * (dp - delta)
+    if slope is not None:
+        ds = ds * slope
     dq = (ds @ k64 * scale).transpose(1, 2)
     dk = (ds.transpose(-1, -2) @ q64 * scale).transpose(1, 2)
     num_kv = k.shape[2]
@@ -155,23 +163,38 @@ def default_scale(head_dim: int, softmax_scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
 
+_SOFTCAP_FORWARD = {"math": _math_forward, **cuda_kernels.SOFTCAP_FORWARD}
+_SOFTCAP_BACKWARD = {"math": _math_backward, **cuda_kernels.SOFTCAP_BACKWARD}
+"""Backends whose own kernel applies a logit softcap (flash-attn 2 and 3, the reference);
+every other backend's softcapped calls run :mod:`ulysses.softcap`'s blockwise kernel."""
+
+
 def attention_forward(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, *, causal: bool,
-                      softmax_scale: float, backend: str) -> tuple[Tensor, Tensor]:
+                      softmax_scale: float, backend: str,
+                      softcap: float = 0.0) -> tuple[Tensor, Tensor]:
     """Run ``backend``'s forward. Returns ``(out_BSHD, lse_BHS)``; ``lse`` is float32.
 
     ``causal`` needs ``Sq == Sk`` (the backends disagree on how to align a rectangular mask);
-    :func:`check_qkv` enforces it.
+    :func:`check_qkv` enforces it. ``softcap``: scores ``z`` become ``softcap * tanh(z /
+    softcap)`` inside the softmax (0: none).
     """
+    if softcap:
+        forward = _SOFTCAP_FORWARD.get(backend, softcap_forward)
+        return forward(q_BSHD, k_BSKD, v_BSKD, causal, softmax_scale, softcap)
     return _FORWARD[backend](q_BSHD, k_BSKD, v_BSKD, causal, softmax_scale)
 
 
 def attention_backward(dout_BSHD: Tensor, q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,
                        out_BSHD: Tensor, lse_BHS: Tensor, *, causal: bool, softmax_scale: float,
-                       backend: str) -> tuple[Tensor, Tensor, Tensor]:
+                       backend: str, softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
     """Run ``backend``'s backward from the forward's ``out`` and ``lse``.
 
     Returns ``(dq_BSHD, dk_BSKD, dv_BSKD)``, shaped like ``q``, ``k``, ``v``.
     """
+    if softcap:
+        backward = _SOFTCAP_BACKWARD.get(backend, softcap_backward)
+        return backward(dout_BSHD, q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, causal,
+                        softmax_scale, softcap)
     return _BACKWARD[backend](dout_BSHD, q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, causal,
                               softmax_scale)
 
@@ -188,6 +211,8 @@ class LocalAttention:
     backend: str
     kv_len: int | None = None
     """Attend to the first ``kv_len`` keys only (a padded tail); ``None``: all keys."""
+    softcap: float = 0.0
+    """Logit softcapping inside the softmax (:func:`attention_forward`); 0: none."""
 
     def forward(self, q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor) -> tuple[Tensor, Tensor]:
         """Returns ``(out_BSHD, lse_BHS)``."""
@@ -195,7 +220,8 @@ class LocalAttention:
         if n is not None:
             k_BSKD, v_BSKD = k_BSKD[:, :n], v_BSKD[:, :n]
         return attention_forward(q_BSHD, k_BSKD, v_BSKD, causal=self.causal,
-                                 softmax_scale=self.scale, backend=self.backend)
+                                 softmax_scale=self.scale, backend=self.backend,
+                                 softcap=self.softcap)
 
     def backward(self, dout_BSHD: Tensor, q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,
                  out_BSHD: Tensor, lse_BHS: Tensor) -> tuple[Tensor, Tensor, Tensor]:
@@ -205,7 +231,7 @@ class LocalAttention:
             k_BSKD, v_BSKD = k_BSKD[:, :n], v_BSKD[:, :n]
         dq, dk, dv = attention_backward(dout_BSHD, q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS,
                                         causal=self.causal, softmax_scale=self.scale,
-                                        backend=self.backend)
+                                        backend=self.backend, softcap=self.softcap)
         if n is not None and n < S:
             # [B, n, K, D] -> [B, S, K, D]: unattended keys have zero gradient.
             dk, dv = (torch.nn.functional.pad(t, (0, 0, 0, 0, 0, S - n)) for t in (dk, dv))

@@ -38,6 +38,7 @@ from ulysses.band import (Piece, acc_dtype, band_pieces, check_window, merge_int
                           piece_backward, piece_forward)
 from ulysses.kernels import attention_with_lse, check_qkv, default_scale, select_backend
 from ulysses.self_check import verify_call
+from ulysses.softcap import check_softcap
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +63,8 @@ class RingAttention:
     comm_dtype: torch.dtype | None = None
     """The dtype the hops carry (kv blocks, and the dk/dv accumulators in backward); None: the
     blocks' own (the accumulators travel in float32 for half inputs)."""
+    softcap: float = 0.0
+    """Logit softcapping inside the softmax; 0: none."""
 
     def forward(self, q_BLhD: Tensor, k_BLkD: Tensor, v_BLkD: Tensor) -> tuple[Tensor, Tensor]:
         """Returns ``(out_BLhD, lse_BhL)`` over the whole ring-global sequence."""
@@ -172,7 +175,8 @@ def _forward(q, k, v, cfg: RingAttention) -> tuple[Tensor, Tensor]:
     for t in _hops_run(cfg, L, q):
         hop = _Hop(cur, spare, cfg, comm) if t + 1 < cfg.size else None
         for p in _pieces(cfg, t, L):
-            out_b, lse_b = piece_forward(q, *cur, p, scale=cfg.scale, backend=cfg.backend)
+            out_b, lse_b = piece_forward(q, *cur, p, scale=cfg.scale, backend=cfg.backend,
+                                         softcap=cfg.softcap)
             merge_into(out[:, p.q0:p.q1], lse[:, :, p.q0:p.q1], out_b, lse_b)
             del out_b, lse_b
         if hop is not None:
@@ -200,7 +204,7 @@ def _backward(dout, q, k, v, out, lse, cfg: RingAttention) -> tuple[Tensor, Tens
             dkv = tuple(d.to(acc) for d in dkv_hop.wait())
         for p in _pieces(cfg, t, L):
             dq_b, dk_b, dv_b = piece_backward(dout, q, *cur, out, lse, p, scale=cfg.scale,
-                                              backend=cfg.backend)
+                                              backend=cfg.backend, softcap=cfg.softcap)
             dq[:, p.q0:p.q1] += dq_b
             dkv[0][:, p.k0:p.k1] += dk_b
             dkv[1][:, p.k0:p.k1] += dv_b
@@ -225,7 +229,8 @@ def check_ring_rows(rows: int, size: int, zigzag: bool) -> None:
 def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup, causal: bool,
                    softmax_scale: float | None = None, zigzag: bool = True,
                    backend: str | None = None, window: int | None = None,
-                   comm_dtype: torch.dtype | None = None) -> Tensor:
+                   comm_dtype: torch.dtype | None = None,
+                   softcap: float | None = None) -> Tensor:
     """Ring attention over ``group``, shaped like ``flash_attn_func``.
 
     Args:
@@ -243,11 +248,13 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup,
         comm_dtype: the dtype the hops carry: kv blocks, and the dk/dv partial sums (summed in
             float32 for half inputs, rounded to it for each hop); None: the inputs' dtype for
             kv, float32 partial sums for half inputs.
+        softcap: attention logit softcapping inside the softmax (None or 0: none).
 
     Returns:
         ``out_BLHD``, sharded like ``q``.
     """
     check_qkv(q, k, v, causal=causal)
+    softcap = check_softcap(softcap)
     window = check_window(window, causal)
     check_comm_dtype(comm_dtype)
     size = dist.get_world_size(group)
@@ -255,7 +262,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup,
     attn = RingAttention(group=group, rank=dist.get_rank(group), size=size, causal=causal,
                          scale=default_scale(q.shape[-1], softmax_scale),
                          backend=select_backend(q.device, q.dtype, q.shape[-1], backend),
-                         zigzag=zigzag, window=window, comm_dtype=comm_dtype)
-    verify_call(attn.backend, q, causal=causal, window=window, sinks=False, ring=size > 1)
+                         zigzag=zigzag, window=window, comm_dtype=comm_dtype, softcap=softcap)
+    verify_call(attn.backend, q, causal=causal, window=window, sinks=False, ring=size > 1,
+                softcap=softcap)
     out, _ = attention_with_lse(q, k, v, attn)
     return out

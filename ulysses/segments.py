@@ -32,12 +32,16 @@ class SegmentedAttention:
     """Per batch row, the first position of each document (beginning with 0)."""
     window: int | None = None
     """Causal sliding window within each document (:mod:`ulysses.band`); None: none."""
+    softcap: float = 0.0
+    """Logit softcapping inside the softmax; 0: none."""
 
     def _inner(self) -> LocalAttention | WindowAttention:
         """What attends one document."""
         if self.window is not None:
-            return WindowAttention(window=self.window, scale=self.scale, backend=self.backend)
-        return LocalAttention(causal=self.causal, scale=self.scale, backend=self.backend)
+            return WindowAttention(window=self.window, scale=self.scale, backend=self.backend,
+                                   softcap=self.softcap)
+        return LocalAttention(causal=self.causal, scale=self.scale, backend=self.backend,
+                              softcap=self.softcap)
 
     def _segments(self, seq_len: int):
         for b, row in enumerate(self.starts):

@@ -7,10 +7,10 @@ mask features) runs in a process, :func:`verify` runs the same inner attention o
 problem on that device, forward and backward, and compares it with the ``math`` backend on
 float64 copies of the same inputs. The problem is chosen to reach the kernels' edge cases:
 two batch rows, an odd length (45, not a multiple of 32 or 128), GQA (4 query heads on 2 kv
-heads), and the sliding window and sinks when the call asks for them. A mismatch is a
-``ValueError`` naming the backend, the versions of torch, cuDNN and the flash-attn packages,
-and what to do; the verdict is cached for the process (a failed one raises again on every
-call), so the cost is paid once: a few milliseconds of kernels.
+heads), and the sliding window, sinks and logit softcap when the call asks for them. A
+mismatch is a ``ValueError`` naming the backend, the versions of torch, cuDNN and the
+flash-attn packages, and what to do; the verdict is cached for the process (a failed one
+raises again on every call), so the cost is paid once: a few milliseconds of kernels.
 
 It runs before any collective of the call that asks, on each rank alone. It draws its inputs
 from its own generator (the global RNG streams are untouched, so a run with the check gives
@@ -47,7 +47,8 @@ pieces all run (:mod:`ulysses.band`)."""
 
 _enabled = True
 _verdicts: dict[tuple, str | None] = {}
-"""(backend, device, dtype, head_dim, causal, windowed, sinks) -> None (passed) or the message."""
+"""(backend, device, dtype, head_dim, causal, windowed, sinks, softcap) -> None (passed) or the
+message."""
 
 
 def set_enabled(enabled: bool) -> None:
@@ -102,18 +103,18 @@ def _run(attn, t: dict[str, Tensor | None]) -> dict[str, Tensor]:
     return result
 
 
-def _attention(backend: str, head_dim: int, causal: bool, window: int | None):
+def _attention(backend: str, head_dim: int, causal: bool, window: int | None, softcap: float):
     scale = default_scale(head_dim, None)
     if window is not None:
-        return WindowAttention(window=window, scale=scale, backend=backend)
-    return LocalAttention(causal=causal, scale=scale, backend=backend)
+        return WindowAttention(window=window, scale=scale, backend=backend, softcap=softcap)
+    return LocalAttention(causal=causal, scale=scale, backend=backend, softcap=softcap)
 
 
 def compare_with_reference(backend: str, device: torch.device, dtype: torch.dtype,
                            head_dim: int, *, seq_len: int = CHECK_LEN, batch: int = CHECK_BATCH,
                            heads: int = CHECK_HEADS, kv_heads: int = CHECK_KV_HEADS,
                            causal: bool = True, window: int | None = None,
-                           sinks: bool = False) -> dict:
+                           sinks: bool = False, softcap: float = 0.0) -> dict:
     """Run ``backend`` once, forward and backward, and measure it against ``math`` in float64.
 
     Returns ``{"backend", "ok", "errors": {name: error}, "tolerance", "seconds"}``; each error
@@ -125,12 +126,12 @@ def compare_with_reference(backend: str, device: torch.device, dtype: torch.dtyp
     t = _inputs(device, dtype, head_dim, seq_len, batch, heads, kv_heads, sinks)
     start = time.perf_counter()
     with torch.no_grad():
-        got = _run(_attention(backend, head_dim, causal, window), t)
+        got = _run(_attention(backend, head_dim, causal, window, softcap), t)
         if device.type == "cuda":
             torch.cuda.synchronize(device)
         seconds = time.perf_counter() - start
         wide = {k: None if v is None else v.double() for k, v in t.items()}
-        ref = _run(_attention("math", head_dim, causal, window), wide)
+        ref = _run(_attention("math", head_dim, causal, window, softcap), wide)
     errors = {}
     for name, r in ref.items():
         g = got[name].double()
@@ -153,7 +154,7 @@ def _skipped(x: Tensor) -> bool:
 
 
 def verify(backend: str, like: Tensor, *, causal: bool, window: int | None = None,
-           sinks: bool = False, head_dim: int | None = None) -> None:
+           sinks: bool = False, head_dim: int | None = None, softcap: float = 0.0) -> None:
     """Check ``backend`` on ``like``'s device and dtype, with ``head_dim`` (default: ``like``'s
     last dim), the first time this process runs it with these mask features (``causal``, a
     ``window``, ``sinks``); ``ValueError`` if it disagrees with the float64 reference or fails
@@ -161,37 +162,40 @@ def verify(backend: str, like: Tensor, *, causal: bool, window: int | None = Non
     if not _enabled or backend == "math" or _skipped(like):
         return
     head_dim = like.shape[-1] if head_dim is None else head_dim
-    key = (backend, str(like.device), like.dtype, head_dim, causal, window is not None, sinks)
+    key = (backend, str(like.device), like.dtype, head_dim, causal, window is not None, sinks,
+           softcap)
     if key not in _verdicts:
         # Out of sight of the caller's dispatch modes (FLOP counters, memory trackers): the
         # check is not the model's work.
         with _disable_current_modes():
             _verdicts[key] = _verdict(backend, like.device, like.dtype, head_dim, causal,
-                                      None if window is None else CHECK_WINDOW, sinks)
+                                      None if window is None else CHECK_WINDOW, sinks, softcap)
     if _verdicts[key] is not None:
         raise ValueError(_verdicts[key])
 
 
 def verify_call(backend: str, like: Tensor, *, causal: bool, window: int | None, sinks: bool,
-                ring: bool, head_dim: int | None = None) -> None:
+                ring: bool, head_dim: int | None = None, softcap: float = 0.0) -> None:
     """:func:`verify` for every mask a call runs its kernel with: a causal ring (``ring``)
     also runs unmasked blocks off the diagonal."""
-    verify(backend, like, causal=causal, window=window, sinks=sinks, head_dim=head_dim)
+    verify(backend, like, causal=causal, window=window, sinks=sinks, head_dim=head_dim,
+           softcap=softcap)
     if ring and causal:
-        verify(backend, like, causal=False, sinks=sinks, head_dim=head_dim)
+        verify(backend, like, causal=False, sinks=sinks, head_dim=head_dim, softcap=softcap)
 
 
 def _verdict(backend: str, device: torch.device, dtype: torch.dtype, head_dim: int,
-             causal: bool, window: int | None, sinks: bool) -> str | None:
+             causal: bool, window: int | None, sinks: bool, softcap: float) -> str | None:
     case = (f"{dtype}, head_dim {head_dim}, {'causal' if causal else 'not causal'}"
-            f"{', window' if window else ''}{', sinks' if sinks else ''}, on {device}")
+            f"{', window' if window else ''}{', sinks' if sinks else ''}"
+            f"{f', softcap {softcap:g}' if softcap else ''}, on {device}")
     fix = (f"Choose another kernel (attention_backend=..., ulysses.attention_backend in the "
            f"config; ulysses.BACKENDS lists them) or a release of the kernel's package that "
            f"passes; turning this check off (ulysses.kernel_self_check: false) would train "
            f"on the wrong results. Versions: {versions()}.")
     try:
         result = compare_with_reference(backend, device, dtype, head_dim, causal=causal,
-                                         window=window, sinks=sinks)
+                                         window=window, sinks=sinks, softcap=softcap)
     except Exception as e:  # a kernel that cannot run this case is as wrong as a bad result
         return (f"attention backend {backend!r} failed its first-use check ({case}): "
                 f"{type(e).__name__}: {e}. {fix}")

@@ -163,7 +163,8 @@ def _attend(q_LnD: Tensor, kv: dict, t: int, blocks: Blocks, host: HostBlocks,
             rho, u = keys[i + 1]
             nxt = [host.fetch(h) for h in kv[rho][u]]
         for p in blocks.pieces(t, key):
-            o_p, l_p = piece_forward(q_LnD, k_u, v_u, p, scale=seq.scale, backend=seq.backend)
+            o_p, l_p = piece_forward(q_LnD, k_u, v_u, p, scale=seq.scale, backend=seq.backend,
+                                     softcap=seq.softcap)
             merge_into(o_acc[:, p.q0:p.q1], l_acc[:, :, p.q0:p.q1], o_p, l_p)
             del o_p, l_p
         del k_u, v_u
@@ -237,7 +238,7 @@ def _grad_block(dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, kv: dict, dkv
         nxt = fetch(keys[i + 1]) if i + 1 < len(keys) else None
         for p in blocks.pieces(t, key):
             dq_p, dk_p, dv_p = piece_backward(dout, q, k_u, v_u, out, lse, p, scale=seq.scale,
-                                              backend=seq.backend)
+                                              backend=seq.backend, softcap=seq.softcap)
             dq[:, p.q0:p.q1] += dq_p
             dk_u[:, p.k0:p.k1] += dk_p
             dv_u[:, p.k0:p.k1] += dv_p

@@ -115,6 +115,8 @@ class SeqChunking:
     """The ring (hybrid Ulysses x Ring) whose ranks' kv blocks this rank also attends to:
     its group, this rank's index, its size, the row layout (zigzag or contiguous) and the
     dtype its hops carry; None: no ring."""
+    softcap: float = 0.0
+    """Logit softcapping inside the softmax; 0: none."""
 
 
 def seq_chunking(attn, num_blocks: int) -> SeqChunking:
@@ -122,12 +124,14 @@ def seq_chunking(attn, num_blocks: int) -> SeqChunking:
     :func:`ulysses.attention.between_exchanges`; ValueError for one it cannot cut (packed
     documents)."""
     if isinstance(attn, WindowAttention):
-        return SeqChunking(num_blocks, True, attn.scale, attn.backend, None, attn.window)
+        return SeqChunking(num_blocks, True, attn.scale, attn.backend, None, attn.window,
+                           softcap=attn.softcap)
     if isinstance(attn, LocalAttention):
-        return SeqChunking(num_blocks, attn.causal, attn.scale, attn.backend, attn.kv_len)
+        return SeqChunking(num_blocks, attn.causal, attn.scale, attn.backend, attn.kv_len,
+                           softcap=attn.softcap)
     if isinstance(attn, RingAttention):
         return SeqChunking(num_blocks, attn.causal, attn.scale, attn.backend, attn.kv_len,
-                           attn.window, ring=attn)
+                           attn.window, ring=attn, softcap=attn.softcap)
     raise ValueError(f"seq_chunk needs the local kernel or a ring between the exchanges, got "
                      f"{type(attn).__name__} (packed documents)")
 
