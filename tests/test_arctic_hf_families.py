@@ -125,7 +125,7 @@ def _cached_reference(*key):
 
 
 def _rank_step(family, ulysses, ring=1, chunk=None, fuse=False, documents=False,
-               tiled_layer=False):
+               tiled_layer=False, seq_chunk=None):
     """One SP training step of ``family``: loss and DDP-averaged gradients."""
     import torch.distributed as dist
 
@@ -137,7 +137,7 @@ def _rank_step(family, ulysses, ring=1, chunk=None, fuse=False, documents=False,
     world = ulysses * ring
     mesh = get_mesh(world, ulysses, ring)
     model = apply_sequence_parallel(_model(family), mesh=mesh, head_chunk_size=chunk,
-                                    fuse_projections=fuse)
+                                    fuse_projections=fuse, seq_chunk=seq_chunk)
     if tiled_layer:
         from arctic import apply_tiled_layers
 
@@ -217,6 +217,18 @@ def test_packed_documents_reach_the_attention(family, sp):
 ])
 def test_chunked_fused_and_ring_paths(family, sp, ring, chunk, fuse):
     results = dist_pool.run(_rank_step, family, sp, ring, chunk, fuse, world_size=sp * ring)
+    _check(results, _cached_reference(family), _cached_reference(family, False))
+
+
+@pytest.mark.parametrize("family,sp,ring", [
+    ("gpt_oss", 2, 1),          # sinks and window, 2 sequence blocks per piece
+    ("gpt_oss", 2, 2),          # the same across a zigzag ring (U=2 x R=2)
+    ("gemma2_softcap", 2, 1),   # softcap and window
+])
+def test_sequence_chunks_with_sinks_and_softcap(family, sp, ring):
+    """The sequence-chunked loop (seq_chunk=2, one head per chunk) applies the sinks to each
+    query block's merged result and takes their gradient block by block."""
+    results = dist_pool.run(_rank_step, family, sp, ring, 1, seq_chunk=2, world_size=sp * ring)
     _check(results, _cached_reference(family), _cached_reference(family, False))
 
 

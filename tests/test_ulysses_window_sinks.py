@@ -134,7 +134,11 @@ CASES = {
     "r4_zigzag_window": (4, 1, 4, True, 2, 1, None, 13, False, None),
     "r2_contiguous_window_sinks": (2, 1, 2, False, 2, 2, None, 40, True, None),
     "u2_documents_window_sinks": (2, 2, 1, True, 4, 4, 2, 11, True, ((0, 50, 97), (0, 30))),
+    "u4_seq_chunk_window_sinks": (4, 4, 1, True, 8, 2, 1, 37, True, None),
+    "u2r2_zigzag_seq_chunk_window_sinks": (4, 2, 2, True, 4, 2, 1, 21, True, None),
 }
+SEQ_CHUNK = {"u4_seq_chunk_window_sinks": 3, "u2r2_zigzag_seq_chunk_window_sinks": 2}
+"""Cases run by the sequence-chunked loop (:mod:`ulysses.seq_chunk`), blocks per piece."""
 S = 128
 
 
@@ -145,7 +149,8 @@ def _rank_case(name):
     sinks = _sinks(H).requires_grad_() if with_sinks else None
     local = [shard_sequence(t, mesh, dim=1).requires_grad_() for t in (q, k, v)]
     out = ulysses_attention(*local, mesh=mesh, causal=True, head_chunk_size=chunk,
-                            window=window, sinks=sinks, segments=starts)
+                            window=window, sinks=sinks, segments=starts,
+                            seq_chunk=SEQ_CHUNK.get(name))
     out.backward(shard_sequence(dout, mesh, dim=1))
     full = [gather_sequence(t, mesh, dim=1)
             for t in (out.detach(), *(x.grad for x in local))]

@@ -138,7 +138,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
             cut. Needs ``head_chunk_size`` (``"auto"`` picks c as without blocks); its
             exchanges do not overlap compute (``chunk_overlap=True`` is refused). With a
             ring every ring rank's kv blocks of a chunk are gathered to the host. Not
-            supported with ``segments`` or ``sinks`` (``ValueError``).
+            supported with ``segments`` (``ValueError``).
         softcap: attention logit softcapping (Gemma2's ``attn_logit_softcapping``): each
             scaled score ``z`` becomes ``softcap * tanh(z / softcap)`` inside the softmax,
             forward and backward; flash-attn 2/3 apply it in their kernels, other backends
@@ -155,7 +155,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     check_sinks(sinks, q.shape[2], q.device)
     check_comm_dtype(comm_dtype)
     check_seq_chunk(seq_chunk, head_chunk_size=head_chunk_size, local_len=q.shape[1],
-                    segments=segments, sinks=sinks, chunk_overlap=chunk_overlap)
+                    segments=segments, chunk_overlap=chunk_overlap)
     group = axis_group(mesh, "ulysses")
     rank = axis_rank(mesh, "ulysses")
     scale = default_scale(q.shape[-1], softmax_scale)

@@ -74,7 +74,7 @@ class _HeadChunkedFn(torch.autograd.Function):
             if seq is None:
                 lse = run_forward(_SlicedChunks(q, k, v), out, cfg, pool, sinks)
             else:
-                lse = run_seq_forward(_SlicedChunks(q, k, v), out, cfg, pool, seq)
+                lse = run_seq_forward(_SlicedChunks(q, k, v), out, cfg, pool, seq, sinks)
             pool.end_call()
             return out, lse
 
@@ -98,7 +98,7 @@ class _HeadChunkedFn(torch.autograd.Function):
         if ctx.seq is None:
             dsinks = run_backward(src, out, lse, ctx.cfg, ctx.pool, sinks)
         else:
-            dsinks = run_seq_backward(src, out, lse, ctx.cfg, ctx.pool, ctx.seq)
+            dsinks = run_seq_backward(src, out, lse, ctx.cfg, ctx.pool, ctx.seq, sinks)
         dq, dk, dv = src.dq, src.dk.to(k.dtype), src.dv.to(v.dtype)
         ctx.pool.end_call()
         if dsinks is not None:
@@ -129,7 +129,7 @@ def head_chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, group, rank: int,
         comm_dtype: the dtype the exchanges carry (None: the inputs').
         seq_chunk: blocks per rank's piece for the sequence-chunked loop
             (:mod:`ulysses.seq_chunk`: every exchange one block, device buffers O(block));
-            None: the head-chunk loop. Not with ``sinks`` or documents.
+            None: the head-chunk loop. Not with documents.
 
     Returns:
         ``out_BsHD``.
@@ -139,9 +139,6 @@ def head_chunked_attention(q: Tensor, k: Tensor, v: Tensor, *, group, rank: int,
                       overlap=overlap, comm_dtype=comm_dtype)
     seq: SeqChunking | None = None
     if seq_chunk is not None:
-        if sinks is not None:
-            raise ValueError("seq_chunk with attention sinks is not supported yet; use "
-                             "seq_chunk=None")
         seq = seq_chunking(attn, seq_chunk)
     if pool is None:
         pool = BufferPool(keep_between_calls=False)

@@ -60,6 +60,7 @@ from ulysses.band import piece_backward, piece_forward
 from ulysses.buffer_pool import BufferPool
 from ulysses.chunk_loop import ChunkConfig, ChunkSource, _steps_run, as_BSnD, to_heads, to_seq
 from ulysses.host_blocks import HostBlocks
+from ulysses.sinks import apply_sinks, sinks_grad
 from ulysses.ring import _Hop
 from ulysses.seq_chunk_sizes import (SeqChunking, Blocks, block_bounds, block_buffer_bytes,
                                      check_seq_chunk, resolve_seq_chunk, seq_chunking)
@@ -172,9 +173,11 @@ def _attend(q_LnD: Tensor, kv: dict, t: int, blocks: Blocks, host: HostBlocks,
 
 
 def run_forward(src: ChunkSource, out: Tensor, cfg: ChunkConfig, pool: BufferPool,
-                seq: SeqChunking) -> Tensor:
+                seq: SeqChunking, sinks: Tensor | None = None) -> Tensor:
     """Fill ``out_BsHD`` block by block; returns ``lse_BhS`` (fp32, this rank's h query
-    heads), as :func:`ulysses.chunk_loop.run_forward` does (without sinks)."""
+    heads), as :func:`ulysses.chunk_loop.run_forward` does. ``sinks`` (``[h]``) are applied
+    to each query block's merged ``(out, lse)``, as the unchunked loop applies them to a
+    chunk's."""
     U, me, steps = len(cfg.layout.q_sizes), cfg.rank, cfg.schedule
     B, s, _, D = out.shape
     blocks, host = Blocks(seq, U, s, out), HostBlocks(out, pool.stats)
@@ -194,6 +197,8 @@ def run_forward(src: ChunkSource, out: Tensor, cfg: ChunkConfig, pool: BufferPoo
             o_t = out.new_empty(B, U * b, 0, D)
             if n:
                 o_t, l_t = _attend(q_t, kv, t, blocks, host, out.dtype)
+                if sinks is not None:
+                    o_t, l_t = apply_sinks(o_t, l_t, sinks[j * n:(j + 1) * n])
                 # [B, n, U b] -> rows r s + [a_t, a_t + b) of the [B, n, S] lse
                 lse[:, j * n:(j + 1) * n].unflatten(-1, (U, s))[..., blocks.rows(t)] = \
                     l_t.unflatten(-1, (U, b))
@@ -250,10 +255,13 @@ def _grad_block(dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, kv: dict, dkv
 
 
 def run_backward(src: ChunkSource, out: Tensor, lse: Tensor, cfg: ChunkConfig,
-                 pool: BufferPool, seq: SeqChunking) -> None:
+                 pool: BufferPool, seq: SeqChunking,
+                 sinks: Tensor | None = None) -> Tensor | None:
     """Per chunk and query block: redo the exchanges of q, out and dout, run the pieces'
     kernel backward with the saved lse, and hand dq (and, once per kv chunk, the summed dk/dv)
-    back to the source, as :func:`ulysses.chunk_loop.run_backward` does (without sinks)."""
+    back to the source, as :func:`ulysses.chunk_loop.run_backward` does. With ``sinks`` the
+    saved ``out``/lse are the sinks-applied ones (what the kernels' backward takes) and their
+    gradient is summed over the query blocks; returns it (float32 ``[h]``), else None."""
     U, me, steps = len(cfg.layout.q_sizes), cfg.rank, cfg.schedule
     B, s, _, D = out.shape
     blocks, host = Blocks(seq, U, s, out), HostBlocks(out, pool.stats)
@@ -263,6 +271,8 @@ def run_backward(src: ChunkSource, out: Tensor, lse: Tensor, cfg: ChunkConfig,
     acc = torch.promote_types(acc_dtype(out.dtype), wire)
     # What a ring carries of the dk/dv sums: its comm dtype, else the sums' own.
     hop = acc if seq.ring is None or seq.ring.comm_dtype is None else seq.ring.comm_dtype
+    dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float32,
+                                                    device=sinks.device)
     kv = dkv = None
     for j in _steps_run(steps, out):
         st = steps[j]
@@ -284,6 +294,9 @@ def run_backward(src: ChunkSource, out: Tensor, lse: Tensor, cfg: ChunkConfig,
                 # rows r s + [a_t, a_t + b) of the [B, n, S] lse -> [B, n, U b]
                 lse_t = lse[:, j * n:(j + 1) * n].unflatten(-1, (U, s))[..., rows].flatten(-2)
                 dq_t = _grad_block(dout_t, q_t, out_t, lse_t, kv, dkv, t, blocks, host, acc)
+                if sinks is not None:
+                    dsinks[j * n:(j + 1) * n] += sinks_grad(dout_t, out_t, lse_t,
+                                                            sinks[j * n:(j + 1) * n])
                 del lse_t
             del q_t, dout_t, out_t
             for p in pend:
@@ -307,3 +320,4 @@ def run_backward(src: ChunkSource, out: Tensor, lse: Tensor, cfg: ChunkConfig,
         if st.kv_done[me]:
             kv = dkv = None
     host.close()
+    return dsinks

@@ -28,10 +28,10 @@ __all__ = ["Blocks", "SeqChunking", "block_bounds", "block_buffer_bytes", "check
 
 
 def check_seq_chunk(seq_chunk, *, head_chunk_size, local_len: int | None, segments=None,
-                    sinks=None, chunk_overlap: bool | None = None) -> None:
+                    chunk_overlap: bool | None = None) -> None:
     """``ValueError`` unless ``seq_chunk`` is None, ``"auto"`` or an int in ``[1, local_len]``
-    (``local_len`` None: not known yet) used with head chunking, without packed documents,
-    sinks or ``chunk_overlap=True``; and unless ``chunk_overlap`` is None or a bool."""
+    (``local_len`` None: not known yet) used with head chunking, without packed documents or
+    ``chunk_overlap=True``; and unless ``chunk_overlap`` is None or a bool."""
     if chunk_overlap is not None and not isinstance(chunk_overlap, bool):
         raise ValueError(f"chunk_overlap must be None, True or False, got {chunk_overlap!r}")
     if seq_chunk is None:
@@ -50,9 +50,6 @@ def check_seq_chunk(seq_chunk, *, head_chunk_size, local_len: int | None, segmen
     if segments is not None:
         raise ValueError("seq_chunk with packed documents (segments) is not supported yet; "
                          "use seq_chunk=None")
-    if sinks is not None:
-        raise ValueError("seq_chunk with attention sinks is not supported yet; use "
-                         "seq_chunk=None")
     if seq_chunk != "auto" and local_len is not None and seq_chunk > local_len:
         raise ValueError(f"seq_chunk={seq_chunk} is more blocks than this rank's {local_len} "
                          f"rows; use at most {local_len}")
