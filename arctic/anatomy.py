@@ -15,6 +15,18 @@ from torch import nn
 NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
 """The per-token norms of a HF decoder layer that see ``[B, S, E]`` (Llama, Mistral, Qwen2/3)."""
 
+def base_model(model: nn.Module) -> nn.Module:
+    """The decoder under a causal LM's head: HF's ``base_model``, or ``model.model`` where that
+    finds nothing (``Llama4ForCausalLM``'s ``base_model_prefix`` is ``"language_model"``, an
+    attribute of the multimodal model, while its own decoder sits at ``.model``). ``model``
+    itself when it has neither."""
+    base = getattr(model, "base_model", model)
+    inner = getattr(model, "model", None)
+    if base is model and isinstance(inner, nn.Module):
+        return inner
+    return base
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder layers of a HF causal LM: modules with both ``self_attn`` and ``mlp``."""
     return [m for m in model.modules() if isinstance(getattr(m, "mlp", None), nn.Module)

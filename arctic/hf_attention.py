@@ -26,8 +26,9 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface
 
 from arctic.anatomy import attention_modules
-from arctic.hf_batch import BatchState, document_starts, install_batch_hook
-from arctic.hf_features import check_model_features, loss_arguments, read_attention_kwargs
+from arctic.hf_batch import BatchState, chunk_starts, document_starts, install_batch_hook
+from arctic.hf_features import (attention_chunk, check_model_features, loss_arguments,
+                                read_attention_kwargs)
 from arctic.hf_fused import check_fusable, fuse, unfuse
 from arctic.loss import install_sp_causal_lm_loss
 from arctic.order import record_apply
@@ -67,6 +68,9 @@ class SPAttentionSettings:
     """What the exchanges carry; None: the activations' dtype."""
     seq_chunk: int | str | None = None
     """Sequence blocks per piece inside each head chunk (:mod:`ulysses.seq_chunk`)."""
+    chunk_size: int | None = None
+    """Llama4's chunked attention on this layer (``attention_chunk_size`` where ``layer_types``
+    says ``"chunked_attention"``): queries see only their own chunk; None: not chunked."""
     loss_arguments: frozenset[str] = frozenset()
     """The model's loss arguments (``shift_labels``, ``num_items_in_batch``, ...), which
     transformers passes on to every attention call and the attention passes over."""
@@ -99,9 +103,12 @@ def _sp_attention(module: nn.Module, query, key, value, attention_mask, **kwargs
     sp.ran = True
     # [B, H, s, D] -> [B, s, H, D] (views; the all-to-all packs them)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    segments = sp.batch.segments()
+    if sp.chunk_size is not None:
+        segments = chunk_starts(segments, sp.chunk_size, q.shape[0], q.shape[1] * sp.mesh.size())
     out = ulysses_attention(q, k, v, mesh=sp.mesh, causal=True, softmax_scale=call.scaling,
                             head_chunk_size=sp.head_chunk_size, backend=sp.backend,
-                            buffer_pool=sp.pool, segments=sp.batch.segments(),
+                            buffer_pool=sp.pool, segments=segments,
                             window=call.window, sinks=call.sinks,
                             comm_dtype=sp.communication_dtype, seq_chunk=sp.seq_chunk,
                             softcap=call.softcap)
@@ -184,6 +191,11 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
         raise ValueError(f"{type(model).__name__} has no attention module with q/k/v "
                          f"projections to make sequence-parallel")
     check_model_features(model, modules)
+    chunks = {m: attention_chunk(config, m) for m in modules}
+    if any(chunks.values()) and (axis_size(mesh, "ring") > 1 or seq_chunk is not None):
+        raise ValueError(f"{type(model).__name__}'s chunked attention (attention_chunk_size="
+                         f"{config.attention_chunk_size}) runs as documents of that length, "
+                         f"which need ring_degree=1 and seq_chunk=None here")
     H = config.num_attention_heads
     K = getattr(config, "num_key_value_heads", None) or H
     layout = head_layout(H, K, axis_size(mesh, "ulysses"))  # ValueError names valid degrees
@@ -223,7 +235,7 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
             mesh=mesh, num_heads=H, num_kv_heads=K, head_chunk_size=head_chunk_size,
             backend=backend, pool=pool, batch=batch, fuse_projections=fuse_projections,
             communication_dtype=communication_dtype, seq_chunk=seq_chunk,
-            loss_arguments=passed_over)
+            chunk_size=chunks[m], loss_arguments=passed_over)
         if fuse_projections:
             fuse(m)
         else:

@@ -29,7 +29,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 
-from arctic.anatomy import hf_checkpointing
+from arctic.anatomy import base_model, hf_checkpointing
 from arctic.hf_binding import of_module
 from ulysses import gather_sequence
 
@@ -46,6 +46,17 @@ def document_starts(position_ids_BS: Tensor) -> tuple[tuple[int, ...], ...] | No
     if not bool(breaks.any()):
         return None
     return tuple((0,) + tuple((row.nonzero().squeeze(1) + 1).tolist()) for row in breaks)
+
+
+def chunk_starts(starts, chunk: int, batch: int,
+                 full_len: int) -> tuple[tuple[int, ...], ...]:
+    """Llama4's chunked attention as documents: each document (``starts`` per row, None: one
+    per row) cut every ``chunk`` positions from its own start, as transformers'
+    ``chunked_overlay`` compares positions within a packed document; a query then attends
+    causally within its chunk only."""
+    rows = ((0,),) * batch if starts is None else starts
+    return tuple(tuple(p for a, e in zip(row, row[1:] + (full_len,)) for p in range(a, e, chunk))
+                 for row in rows)
 
 
 class _Batch:
@@ -123,7 +134,7 @@ def install_batch_hook(model: nn.Module, state: BatchState) -> None:
     """Record each forward's ``position_ids`` in ``state`` (a pre-hook on the base model, so
     that calling it directly for a tiled loss is checked as well). Applying again replaces the
     hook rather than stacking a second."""
-    base = getattr(model, "base_model", model)
+    base = base_model(model)
     for name in ("_sp_batch_hook", "_sp_batch_done"):
         old = getattr(base, name, None)
         if old is not None:

@@ -23,10 +23,11 @@ one process): ``scaling``; ``sliding_window`` (per layer, as the model passes it
 windows of :mod:`ulysses.band`, with head chunking, fused projections, packed documents and
 rings); ``s_aux`` attention sinks (GPT-OSS; :mod:`ulysses.sinks`); ``softcap``, attention
 logit softcapping inside the softmax (Gemma2's ``attn_logit_softcapping``;
-:mod:`ulysses.softcap`). What is refused: attention dropout, non-causal attention, chunked
-attention (Llama4's ``attention_chunk_size``), explicit masks, flash-attn varlen packing
-arguments and ``seq_idx`` (documents come from ``position_ids``), and returned attention
-weights.
+:mod:`ulysses.softcap`); Llama4's chunked attention (``attention_chunk_size`` on the layers
+``layer_types`` marks chunked: documents of that length, :func:`attention_chunk`). What is
+refused: attention dropout, non-causal attention, Llama4's ``attn_temperature_tuning`` with
+NoPE layers, explicit masks, flash-attn varlen packing arguments and ``seq_idx`` (documents
+come from ``position_ids``), and returned attention weights.
 """
 
 from __future__ import annotations
@@ -161,15 +162,29 @@ def read_attention_kwargs(module: nn.Module, kwargs: dict, *,
                          sinks=kw.pop("s_aux", None), softcap=softcap)
 
 
+def attention_chunk(config, module: nn.Module) -> int | None:
+    """The chunk of Llama4's chunked attention on ``module``'s layer: ``attention_chunk_size``
+    where ``config.layer_types`` says ``"chunked_attention"`` (each query attends causally
+    within its chunk of that many positions); None for a global layer or a model without
+    chunks. ``ValueError`` when the config has a chunk size but no ``layer_types`` to say which
+    layers use it."""
+    size = getattr(config, "attention_chunk_size", None)
+    if not size:
+        return None
+    types = getattr(config, "layer_types", None)
+    if types is None:
+        raise ValueError(f"{type(config).__name__} has attention_chunk_size={size} but no "
+                         f"layer_types saying which layers are chunked; this transformers "
+                         f"release is not supported for chunked attention")
+    return int(size) if types[module.layer_idx] == "chunked_attention" else None
+
+
 def check_model_features(model: nn.Module, modules: list[nn.Module]) -> None:
     """``ValueError`` for what the config of ``model`` (or its attention ``modules``) asks for
     and the SP attention cannot reproduce; called before any collective."""
     config, name = model.config, type(model).__name__
     checks = {
         "attention_dropout": ("attention dropout", "set it to 0"),
-        "attention_chunk_size": (
-            "chunked attention (each query sees only its chunk)",
-            "set it to None, which changes the model, or train without sequence parallelism"),
         "use_bidirectional_attention": (
             "bidirectional attention", "sequence parallelism here trains causal decoders only"),
     }
@@ -178,6 +193,14 @@ def check_model_features(model: nn.Module, modules: list[nn.Module]) -> None:
         if value:
             raise ValueError(f"{name}: config.{key}={value!r} asks for {feature}, which the "
                              f"sequence-parallel attention does not implement; {instead}")
+    if getattr(config, "attn_temperature_tuning", False) and any(
+            not getattr(m, "use_rope", True) for m in modules):
+        raise ValueError(f"{name}: config.attn_temperature_tuning=True scales the queries of its "
+                         f"NoPE layers by each token's position, which the layer counts from 0 "
+                         f"over its own input: under sequence parallelism that is this rank's "
+                         f"piece, so every rank but the first would get the wrong scales. Set "
+                         f"attn_temperature_tuning=False (this changes the model) or train "
+                         f"without sequence parallelism")
     for m in modules:
         if getattr(m, "is_causal", True) is False:
             raise ValueError(f"{name}: {type(m).__name__} is not causal (is_causal=False); "

@@ -36,6 +36,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
+from arctic.anatomy import base_model
 from arctic.hf_binding import of_module
 from arctic.hf_features import loss_arguments
 from arctic.order import record_apply
@@ -350,7 +351,7 @@ def find_logit_transform(model: nn.Module) -> LogitTransform:
                          f"MoE router auxiliary loss, which the tiled SP loss would drop. Set "
                          f"config.output_router_logits=False (the router is then trained "
                          f"without the balancing loss), or train with the model's own loss")
-    head, base = model.get_output_embeddings(), getattr(model, "base_model", model)
+    head, base = model.get_output_embeddings(), base_model(model)
     if head is None or base is model:
         raise ValueError(f"the tiled loss needs a causal LM with a base model and an lm_head "
                          f"(get_output_embeddings); {name} has "
@@ -493,10 +494,11 @@ class _SPLossForward:
                                   ignore_index=IGNORE_INDEX if ignore_index is None
                                   else int(ignore_index), group=self.group)
         # No KV cache in training: it would keep every layer's k/v alive until the step ends.
-        use_cache = of_module(self.model.base_model).name_of("use_cache") or "use_cache"
+        base = base_model(self.model)
+        use_cache = of_module(base).name_of("use_cache") or "use_cache"
         kwargs.setdefault(use_cache, False)
-        hidden = self.model.base_model(input_ids=input_ids, position_ids=position_ids,
-                                       **kwargs).last_hidden_state
+        hidden = base(input_ids=input_ids, position_ids=position_ids,
+                      **kwargs).last_hidden_state
         head = self.model.get_output_embeddings()
         if logits_fn is None:
             loss_sum, num_valid = head(hidden, shift_labels)

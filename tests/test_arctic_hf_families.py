@@ -65,6 +65,12 @@ def _config(family: str, feature_on: bool = True):
         "stablelm": lambda: tf.StableLmConfig(**SMALL, partial_rotary_factor=0.5),
         "nemotron": lambda: tf.NemotronConfig(**SMALL, partial_rotary_factor=0.5),
         "llama": lambda: tf.LlamaConfig(**SMALL),
+        # chunks of 32 positions on layer 0 (4 per sequence, cutting the 2-rank pieces),
+        # global attention on layer 1; MoE on both layers
+        "llama4": lambda: tf.Llama4TextConfig(
+            **SMALL, intermediate_size_mlp=96, num_local_experts=4, attention_chunk_size=32,
+            layer_types=["chunked_attention" if feature_on else "full_attention",
+                         "full_attention"]),
     }[family]
     return build()
 
@@ -188,6 +194,8 @@ HONOURED = {
     "gpt_oss": "attention sinks (s_aux) and sliding window on alternate layers",
     "granite": "logits_scaling and attention_multiplier (scaling)",
     "cohere": "logit_scale",
+    "llama4": "chunked attention on layer 0 (chunks of 32), MoE (apply_sp_loss finds its "
+              "decoder at .model)",
 }
 
 
@@ -199,10 +207,12 @@ def test_family_matches_single_device(family, sp):
 
 
 @pytest.mark.parametrize("sp", [pytest.param(2, marks=pytest.mark.hf_facing), 4])
-@pytest.mark.parametrize("family", ["stablelm", "nemotron", "mistral"])
+@pytest.mark.parametrize("family", ["stablelm", "nemotron", "mistral", "llama4"])
 def test_packed_documents_reach_the_attention(family, sp):
     """StableLM and Nemotron decoder layers pass no keyword arguments on to their attention:
-    the documents must reach it anyway. Mistral: documents inside a sliding window."""
+    the documents must reach it anyway. Mistral: documents inside a sliding window. Llama4:
+    chunks restart at each document's start, as transformers' chunked mask counts positions
+    within a packed document."""
     results = dist_pool.run(_rank_step, family, sp, documents=True, world_size=sp)
     _check(results, _cached_reference(family, True, True), _cached_reference(family))
 
@@ -255,7 +265,8 @@ def test_fused_projections_and_tiled_layer(family, sp):
 # --- refusals -------------------------------------------------------------------------------
 
 REFUSED = {
-    "llama4_chunked_attention": ["Llama4ForCausalLM", "attention_chunk_size"],
+    "llama4_temperature_tuning": ["Llama4ForCausalLM", "attn_temperature_tuning"],
+    "llama4_chunks_on_a_ring": ["Llama4ForCausalLM", "ring_degree=1"],
     "attention_dropout": ["LlamaForCausalLM", "attention_dropout"],
     "output_attentions": ["LlamaAttention", "output_attentions"],
     "varlen_kwargs": ["LlamaAttention", "varlen"],
@@ -271,7 +282,7 @@ def _refused_calls():
 
     from arctic.hf_attention import apply_sequence_parallel
 
-    mesh = get_mesh(2, 2)
+    mesh, ring = get_mesh(2, 2), get_mesh(2, 1, 2)  # built here: new_group is a collective
     ids, pos = _tokens()[:, :64], torch.arange(64)[None]
 
     def apply(model, **kw):
@@ -288,8 +299,11 @@ def _refused_calls():
     varlen = dict(cu_seq_lens_q=torch.tensor([0, 64]), cu_seq_lens_k=torch.tensor([0, 64]),
                   max_length_q=64, max_length_k=64)
     return {
-        "llama4_chunked_attention": lambda: apply(build(Llama4TextConfig(
-            **{**SMALL, "intermediate_size_mlp": 96}, attention_chunk_size=32))),
+        "llama4_temperature_tuning": lambda: apply(build(Llama4TextConfig(
+            **SMALL, intermediate_size_mlp=96, num_local_experts=4, no_rope_layers=[0, 1],
+            attn_temperature_tuning=True))),
+        "llama4_chunks_on_a_ring": lambda: apply_sequence_parallel(build(_config("llama4")),
+                                                                   mesh=ring),
         "attention_dropout": lambda: apply(build(LlamaConfig(**{**SMALL,
                                                                 "attention_dropout": 0.1}))),
         "output_attentions": lambda: apply(_model("llama"))(input_ids=ids, position_ids=pos,
