@@ -80,7 +80,8 @@ def test_predicted_peaks_match_the_memory_benchmark_within_10_percent(tmp_path):
         0.5 * measured["ulysses"]["rank0_device_peak_bytes"]
 
 
-@pytest.mark.parametrize("stack", ["ours", pytest.param("alst", marks=pytest.mark.slow)])
+@pytest.mark.slow  # 26 s (ours); the length line: test_length_line_matches_a_traced_length...
+@pytest.mark.parametrize("stack", ["ours", "alst"])
 def test_depth_extrapolation_matches_a_full_trace(tmp_path, stack):
     """A 9-layer Llama-3-8B-shaped step: traced whole, and traced at 3 and 4 layers then
     extended; the peaks and every breakdown entry agree."""
@@ -95,6 +96,7 @@ def test_depth_extrapolation_matches_a_full_trace(tmp_path, stack):
     assert fast["host_peak_bytes"] == full["host_peak_bytes"]
 
 
+@pytest.mark.slow  # 19 s; the bisection: test_find_max_lands_on_the_longest_fit_in_few_plans
 def test_find_max_verdict_and_plot(tmp_path):
     """--find-max on the tiny Llama with a 48 MiB GPU: what it returns fits, 1.05x of it
     does not; the plot is written."""
