@@ -10,6 +10,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from test_ulysses_kernels import _fa4_validate_head_dims
 from ulysses import cuda_kernels
 from ulysses.kernels import check_supported, select_backend
 
@@ -74,14 +75,6 @@ def _fa4_bwd_newest(q, k, v, out, dout, lse, deterministic=False):
     assert arch // 10 in [9, 10, 11], "Learnable sink backward is supported on SM90 and SM100"
 
 
-def _fa4_validate_newest(head_dim, head_dim_v, compute_capability, alignment):
-    if compute_capability == 9:
-        assert 8 <= head_dim <= 256 and head_dim % alignment == 0, "not supported on SM90"
-    elif compute_capability in [10, 11]:
-        assert (head_dim <= 128 or head_dim == 256) and head_dim % alignment == 0, \
-            "not supported on SM100/SM110"
-
-
 def _fa4_fwd_2025(q, k, v, return_lse=False):
     compute_capability = 0
     assert compute_capability in [9, 10], "Unsupported compute capability. Supported: 9.x, 10.x"
@@ -93,7 +86,7 @@ def _fa4_bwd_2025(q, k, v, out, dout, lse):
 
 
 NEWEST_FA4 = SimpleNamespace(_flash_attn_fwd=_fa4_fwd_newest, _flash_attn_bwd=_fa4_bwd_newest,
-                             _validate_head_dims=_fa4_validate_newest)
+                             _validate_head_dims=_fa4_validate_head_dims)
 FA4_2025 = SimpleNamespace(_flash_attn_fwd=_fa4_fwd_2025, _flash_attn_bwd=_fa4_bwd_2025)
 
 
