@@ -27,6 +27,11 @@ LENGTHS = (45, 301, 1000)
 """Odd lengths: not multiples of the kernels' 32, 64 or 128 tiles."""
 GRID_SHAPE = dict(batch=2, heads=8, kv_heads=2)
 WINDOW_CASE = dict(seq_len=301, causal=True, window=37, sinks=True)
+SOFTCAP_CASES = (dict(seq_len=301, causal=True, window=None, sinks=False, softcap=30.0),
+                 dict(seq_len=301, causal=False, window=None, sinks=False, softcap=30.0),
+                 dict(WINDOW_CASE, softcap=30.0))
+"""Gemma2's logit cap (small enough to bind on these inputs): the kernel's own ``softcap``
+where it takes one (flash_attn, fa3), else the blockwise capped kernel on the GPU."""
 SEQ_CHUNK, SPILL_HOST_GIB = 4, 0.25
 """The host-blocks run: 4 sequence blocks, and a host limit under one layer's input (0.5 GiB
 at 64K tokens), so the layer inputs spill to the disk tier."""
@@ -94,7 +99,7 @@ def grid_backends() -> list[str]:
 
 
 def grid_cases() -> list[dict]:
-    """Backend x dtype x head dim, each over length x causal, and a window with sinks."""
+    """Backend x dtype x head dim, each over length x causal, a window with sinks, and softcap."""
     cases = []
     for backend in grid_backends():
         for dtype in DTYPES:
@@ -103,6 +108,7 @@ def grid_cases() -> list[dict]:
                 cases += [dict(base, seq_len=n, causal=c, window=None, sinks=False)
                           for n in LENGTHS for c in (True, False)]
                 cases.append(dict(base, **WINDOW_CASE))
+                cases += [dict(base, **c) for c in SOFTCAP_CASES]
     return cases
 
 
@@ -114,7 +120,8 @@ def grid_case(case: dict, device: torch.device, compare: Callable[..., dict]) ->
         check_supported(case["backend"], device, dtype, case["head_dim"])
         result = compare(case["backend"], device, dtype, case["head_dim"],
                          seq_len=case["seq_len"], causal=case["causal"],
-                         window=case["window"], sinks=case["sinks"], **GRID_SHAPE)
+                         window=case["window"], sinks=case["sinks"],
+                         softcap=case.get("softcap", 0.0), **GRID_SHAPE)
     except ValueError as e:
         return {"status": "skipped", "reason": str(e)}
     except Exception as e:  # a crashing kernel is a result too; the other cases go on
@@ -138,7 +145,8 @@ def run_grid_worker(path: Path) -> None:
 def _case_text(c: dict) -> str:
     window = f", window {c['window']}" if c["window"] else ""
     sinks = ", sinks" if c["sinks"] else ""
-    return f"S={c['seq_len']} {'causal' if c['causal'] else 'full'}{window}{sinks}"
+    cap = f", softcap {c['softcap']:g}" if c.get("softcap") else ""
+    return f"S={c['seq_len']} {'causal' if c['causal'] else 'full'}{window}{sinks}{cap}"
 
 
 def grid_rows(results: list[dict], ran: Ran) -> list[Row]:
