@@ -24,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import tempfile
@@ -87,9 +88,21 @@ def step(model, ids, device) -> tuple[float, torch.Tensor, int]:
     return seconds, grad, peak
 
 
+def deterministic_on(device: torch.device) -> None:
+    """Bit-for-bit comparisons need a repeatable step. On CUDA the memory-efficient SDPA
+    backward (fp32 here) splits keys and adds dq with atomics, so two identical steps differ
+    in the last bits (seen on an H200: host != checkpoint); torch's deterministic mode makes
+    it use one split, and cuBLAS needs a fixed workspace for it. warn_only: an op without a
+    deterministic kernel warns with its name instead of stopping the run."""
+    if device.type == "cuda":
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True, warn_only=True)
+
+
 def main() -> None:
     args = parse_args()
     device = torch.device(args.device)
+    deterministic_on(device)
     ids = torch.randint(0, 256, (1, args.seq), generator=torch.Generator().manual_seed(1))
     ids = ids.to(device)
     dtype_bytes = 4  # fp32 weights and activations
@@ -112,13 +125,16 @@ def main() -> None:
         disks = [name for name in models if name.startswith("disk_")]
         times = {name: [] for name in models}
         peaks, grads = {}, {}
+        first_host = None
         for _ in range(args.iters + 1):  # the first round warms up and is not timed
             for name, model in models.items():  # alternating, on the same batch
                 seconds, grads[name], peaks[name] = step(model, ids, device)
                 times[name].append(seconds)
+            first_host = grads["host"] if first_host is None else first_host
         stats = {name: models[name].activation_offload.pool.stats for name in ["host", *disks]}
     exact = all(torch.equal(grads["host"], grads[name]) for name in disks)
     same_as_ckpt = torch.equal(grads["host"], grads["checkpoint"])
+    repeatable = torch.equal(grads["host"], first_host)
     med = {name: statistics.median(t[1:]) for name, t in times.items()}
     rows = []
     for name in models:
@@ -139,13 +155,16 @@ def main() -> None:
               f"{r['spilled_mib']:>13.1f}{r['peak_host_mib']:>15.1f}{r['peak_disk_mib']:>15.1f}"
               f"{r['max_allocated_mib']:>15.1f}")
     print(f"gradients: {', '.join(disks)} == host bit for bit: {exact}; host == checkpoint: "
-          f"{same_as_ckpt}")
+          f"{same_as_ckpt}; host's first step == its last: {repeatable}")
     if not exact:
-        raise SystemExit("the disk tier changed the gradients")
+        largest = {name: float((grads[name] - grads["host"]).abs().max()) for name in disks}
+        raise SystemExit(f"the disk tier changed the gradients (largest difference from host "
+                         f"{largest}; host's own run to run "
+                         f"{float((grads['host'] - first_host).abs().max()):.3g})")
     record = {"args": {k: str(v) for k, v in vars(args).items()}, "device": str(device),
               "io": {name: models[name].activation_offload.pool.disk.io for name in disks},
               "torch": torch.__version__, "layer_input_mib": round(layer_input / MIB, 2),
-              "gradients_bit_identical": exact, "rows": rows,
+              "gradients_bit_identical": exact, "host_repeatable": repeatable, "rows": rows,
               "times_s": {k: [round(x, 4) for x in v] for k, v in times.items()}}
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(record, indent=2) + "\n")

@@ -61,6 +61,38 @@ def test_no_overlap_and_uneven(H, K, chunk):
     _check(results, **args)
 
 
+def _rank_gloo_without_list_all_to_all(world, **args):
+    """As on torch < 2.12, where gloo raises on the list all-to-all before communicating."""
+    import importlib
+
+    import torch.distributed as dist
+
+    a2a = importlib.import_module("ulysses.all_to_all")  # the package exports a function so named
+
+    def old_gloo(*a, **kw):
+        raise RuntimeError("Backend gloo does not support alltoall")
+
+    real = dist.all_to_all
+    a2a._LIST_ALL_TO_ALL.clear()
+    dist.all_to_all = old_gloo
+    try:
+        result = _rank_chunked(world, **args)
+        return result, a2a._LIST_ALL_TO_ALL.get("gloo")
+    finally:  # the worker process runs other tests next
+        dist.all_to_all = real
+        a2a._LIST_ALL_TO_ALL.clear()
+
+
+def test_gloo_without_the_list_all_to_all():
+    """gloo before torch 2.12 has no list all-to-all (seen on torch 2.11): the even head-chunk
+    exchange takes all_to_all_single instead, with the same results."""
+    args = dict(H=8, K=2, B=2, S=32, causal=True, dtype_name="fp32", seed=5)
+    results = dist_pool.run(_rank_gloo_without_list_all_to_all, 2, **args, chunk=1,
+                            overlap=True, world_size=2)
+    assert [has for _, has in results] == [False, False]
+    _check([r for r, _ in results], **args)
+
+
 def test_auto_uses_budget():
     layout = head_layout(32, 8, 2)                     # 16 q heads, 4 kv heads per rank
     assert valid_chunk_sizes(layout) == [1, 2, 4, 8, 16]

@@ -253,6 +253,43 @@ def test_cudnn_never_gets_a_single_query_or_key_row(monkeypatch, Sq, Sk):
     assert aten.calls[-1] == "cudnn_backward"  # more than one row each: cuDNN's
 
 
+def _read_like_efficient(out_BHSD: torch.Tensor) -> torch.Tensor:
+    """out as the memory-efficient backward reads it (kernel_backward.h): batch and head
+    through the tensor's strides, row m at ``m * num_heads * head_dim`` (``o_strideM()``)."""
+    B, H, S, D = out_BHSD.shape
+    flat = torch.as_strided(out_BHSD, (out_BHSD.untyped_storage().nbytes() // 4,), (1,), 0)
+    st = out_BHSD.stride()
+    got = torch.empty(B, H, S, D)
+    for b in range(B):
+        for h in range(H):
+            for m in range(S):
+                at = out_BHSD.storage_offset() + b * st[0] + h * st[1] + m * H * D
+                got[b, h, m] = flat[at:at + D]
+    return got
+
+
+def test_efficient_backward_gets_out_with_the_row_stride_it_assumes(monkeypatch):
+    """A head chunk's out is a slice of the wider output: its rows are H_total * D apart, and
+    the kernel would read rows of other heads for it (on an H200: dq 43% wrong)."""
+    seen = {}
+
+    def backward(dout, q, k, v, bias, out, lse, *a, **kw):
+        seen["read"], seen["out"] = _read_like_efficient(out), out.clone()
+        return q.clone(), k.clone(), v.clone(), None
+
+    monkeypatch.setattr(cuda_kernels, "_aten", SimpleNamespace(
+        _scaled_dot_product_efficient_attention_backward=backward))
+    B, S, H, D = 2, 5, 6, 4
+    wide = torch.randn(B, S, H, D)
+    for out in (wide[:, :, 2:3], wide[:, :, 1:4], wide[:, 1:4], wide):
+        h = out.shape[2]
+        q, kv = torch.randn(B, out.shape[1], h, D), torch.randn(B, 3, 1, D)
+        cuda_kernels._sdpa_efficient_backward(out, q, kv, kv, out,
+                                              torch.zeros(B, h, out.shape[1]), False, 1.0)
+        assert torch.equal(seen["read"], seen["out"])
+        assert torch.equal(seen["out"], out.transpose(1, 2))
+
+
 def _read_like_cudnn(lse_BHS1: torch.Tensor, ragged: bool) -> torch.Tensor:
     """Each (b, h, s) as cuDNN's backward reads it (MHA.cpp): through the tensor's strides, or
     in the ragged graph from a batch offset of ``b * S * stride(-2)``."""

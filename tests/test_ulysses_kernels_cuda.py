@@ -83,9 +83,18 @@ def test_ring_and_window_pieces(backend, rows, keys):
                                          backend="math")
     ref = attention_backward(*wide, ref_out, ref_lse, causal=False, softmax_scale=0.1,
                              backend="math")
-    for name, got, want in zip(("out", "lse", "dq", "dk", "dv"), (out, lse, *grads),
-                               (ref_out, ref_lse, *ref)):
+    for name, got, want in zip(("out", "lse", "dq"), (out, lse, grads[0]),
+                               (ref_out, ref_lse, ref[0])):
         _close(got, want, name)
+    # dk, dv: each kv head's gradient is the sum over its 4 query heads of per-head bf16
+    # results (the kernels write them in bf16, then they are summed), so the rounding is that
+    # of the terms, not of the sum: with one key every row's softmax is 1 and dv is 128 rows
+    # of dout summed, where an element that cancels to about 1 still carries the terms'
+    # rounding (0.065 off on an H200, the same for all three SDPA kernels). Measured against
+    # the largest reference magnitude, as the self-check measures.
+    for name, got, want in zip(("dk", "dv"), grads[1:], ref[1:]):
+        err = (got.double() - want).abs().max() / want.abs().max()
+        assert err <= TOL[BF16]["rtol"], f"{name}: {err:.2e} of the largest magnitude"
 
 
 @pytest.fixture(scope="module")

@@ -207,11 +207,13 @@ def exchange_blocks_async(send_blocks: Sequence[Tensor], recv_shapes: Sequence[S
     me = dist.get_rank(group) if world > 1 else 0
     recv_numels = [math.prod(shape) for shape in recv_shapes]
     # gloo's list all-to-all needs equal sizes; it lets this rank's own block skip the send
-    # buffer (copied straight into place). Uneven blocks go through all_to_all_single, whose
-    # cumulative offsets need the self block in the send buffer too.
+    # buffer (copied straight into place). Uneven blocks, and gloo before torch 2.12 (no list
+    # all-to-all), go through all_to_all_single, whose cumulative offsets need the self block
+    # in the send buffer too.
     numels = (send_blocks.numels if isinstance(send_blocks, BlockViews) else
               [b.numel() for b in send_blocks])
-    uniform = len(set(numels) | set(recv_numels)) == 1
+    uniform = len(set(numels) | set(recv_numels)) == 1 and (
+        world == 1 or trace_shortcuts.skip(first) or _has_list_all_to_all(group, first.device))
     skip = me if uniform else -1
     send_numels = [0 if r == skip else n for r, n in enumerate(numels)]
     dtype = first.dtype if dtype is None else dtype
@@ -234,6 +236,32 @@ def exchange_blocks_async(send_blocks: Sequence[Tensor], recv_shapes: Sequence[S
         work = dist.all_to_all_single(recv, send, output_split_sizes=recv_numels,
                                       input_split_sizes=send_numels, group=group, async_op=True)
     return PendingExchange(work, send, recv, recv_shapes, pool)
+
+
+_LIST_ALL_TO_ALL: dict[str, bool] = {}
+"""Per backend name: whether its process groups take the list ``all_to_all``."""
+
+
+def _has_list_all_to_all(group, device: torch.device) -> bool:
+    """gloo has the list all-to-all only from torch 2.12 (pytorch#165435); before, it raises
+    "Backend gloo does not support alltoall" on the calling rank, before any communication.
+    Other backends (NCCL) always had it. For gloo the answer is probed once per process with
+    an exchange of empty tensors: every rank of the group is in this same exchange and runs
+    the same torch, so all of them probe together and reach the same answer."""
+    backend = str(dist.get_backend(group))
+    if backend != "gloo":
+        return True
+    if backend not in _LIST_ALL_TO_ALL:
+        world = dist.get_world_size(group)
+        empty = [torch.empty(0, device=device) for _ in range(2 * world)]
+        try:
+            dist.all_to_all(empty[:world], empty[world:], group=group)
+            _LIST_ALL_TO_ALL[backend] = True
+        except RuntimeError as e:
+            if "does not support alltoall" not in str(e):
+                raise
+            _LIST_ALL_TO_ALL[backend] = False
+    return _LIST_ALL_TO_ALL[backend]
 
 
 def _pack_blocks(send: Tensor, blocks: Sequence[Tensor], numels: list[int], skip: int) -> None:

@@ -296,14 +296,24 @@ def efficient_backward_lse(lse_BHS: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.pad(lse_BHS, (0, padded - S), value=float("inf")).contiguous()
 
 
+def efficient_backward_out(out_BSHD: torch.Tensor) -> torch.Tensor:
+    """``out`` as the memory-efficient backward reads it: its kernel takes out's batch and
+    head strides but not its row stride, which it computes as ``num_heads * head_dim``
+    (``kernel_backward.h``, ``Params::o_strideM()``). A piece sliced from a wider output (a
+    head chunk's heads, a ring block's rows of a strided view) would have other rows read for
+    it, and the row sums ``delta = rowsum(dout * out)`` behind dq and dk go wrong (seen on an
+    H200, torch 2.11: head-chunked dq 43% off). So the rows are made dense."""
+    return out_BSHD.contiguous()
+
+
 def _sdpa_efficient_backward(dout, q, k, v, out, lse, causal, scale):
     num_kv = k.shape[2]
     k, v = expand_kv(k, q.shape[2]), expand_kv(v, q.shape[2])
     seed = torch.empty((), dtype=torch.int64, device=q.device)
     dq, dk, dv, _ = _aten._scaled_dot_product_efficient_attention_backward(
         dout.transpose(1, 2), q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), None,
-        out.transpose(1, 2), efficient_backward_lse(lse), seed, seed, 0.0,
-        [True, True, True, False], causal, scale=scale)
+        efficient_backward_out(out).transpose(1, 2), efficient_backward_lse(lse), seed, seed,
+        0.0, [True, True, True, False], causal, scale=scale)
     dq, dk, dv = dq.transpose(1, 2), dk.transpose(1, 2), dv.transpose(1, 2)
     return dq, reduce_kv(dk, num_kv), reduce_kv(dv, num_kv)
 
