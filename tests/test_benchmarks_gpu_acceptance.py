@@ -21,8 +21,9 @@ GiB = 1 << 30
 sys.path.append(str(REPO / "benchmarks"))
 
 import gpu_acceptance as ga  # noqa: E402
-from _acceptance_checks import (SOFTCAP_CASES, WINDOW_CASE, caps, cuda_test_files, grid_backends,  # noqa: E402
-                                grid_case, grid_cases, grid_rows, step_record_rows)
+from _acceptance_checks import (SOFTCAP_CASES, WINDOW_CASE, caps, cuda_test_files,  # noqa: E402
+                                grid_backends, grid_case, grid_cases, grid_rows,
+                                step_record_rows)
 from _acceptance_runner import (Budget, Ran, Row, Runner, parse_pytest_summary,  # noqa: E402
                                 pytest_row, write_report)
 

@@ -197,8 +197,9 @@ def exchange_blocks_async(send_blocks: Sequence[Tensor], recv_shapes: Sequence[S
     The lower-level form of :func:`all_to_all_async`, for callers that pick each rank's block
     themselves (head chunks, whose heads are not one contiguous range). Blocks may be strided
     views and may be empty, or a :class:`BlockViews` that makes them as read. Received blocks
-    come back as contiguous views of one flat buffer, in rank order. This rank's own block never enters the send buffer: it is copied straight
-    into its place in the receive buffer. Both buffers come from ``pool`` when given.
+    come back as contiguous views of one flat buffer, in rank order. With the list
+    all-to-all (even blocks) this rank's own block never enters the send buffer: it is copied
+    straight into its place in the receive buffer. Both buffers come from ``pool`` when given.
     ``dtype``: the dtype that travels (blocks are cast into the send buffer, and the received
     blocks are in it); default the blocks' own. No autograd.
     """
