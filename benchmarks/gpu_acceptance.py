@@ -170,6 +170,11 @@ def _header(args: argparse.Namespace) -> dict:
     try:  # the device tool's copy of the tree may have no .git, or no git
         commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=REPO,
                                 capture_output=True, text=True).stdout.strip()
+        # The device tool's copy carries the working tree, with a .git that may be older.
+        changed = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"],
+                                 cwd=REPO, capture_output=True, text=True).stdout.strip()
+        if commit and changed:
+            commit += " (the tree differs from it)"
     except OSError:
         commit = ""
     return {"device": props.name, "capability": f"{props.major}.{props.minor}",

@@ -14,8 +14,8 @@ Variants, built from the same weights and run alternately on the same batch:
 Gradients of ``host`` and each disk variant must be bit-identical (and equal to
 ``checkpoint``'s). Reports the median step time per variant, its ratio to ``host`` and to
 ``disk_threads``, the bytes spilled and the peak host and disk bytes of the pool; on CUDA
-also ``max_memory_allocated`` per variant (the disk tier's CUDA path has not run on a GPU
-yet: this is the one command that runs it).
+also ``max_memory_allocated`` per variant. On CUDA the step runs in torch's deterministic
+mode, so that the bit-for-bit comparison is meaningful.
 
     python benchmarks/offload_disk.py [--layers 8 --seq 8192 --device cpu|cuda --dir /nvme]
 """
