@@ -105,7 +105,8 @@ def _sp_attention(module: nn.Module, query, key, value, attention_mask, **kwargs
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     segments = sp.batch.segments()
     if sp.chunk_size is not None:
-        segments = chunk_starts(segments, sp.chunk_size, q.shape[0], q.shape[1] * sp.mesh.size())
+        full = q.shape[1] * axis_size(sp.mesh, "ulysses") * axis_size(sp.mesh, "ring")
+        segments = chunk_starts(segments, sp.chunk_size, q.shape[0], full)
     out = ulysses_attention(q, k, v, mesh=sp.mesh, causal=True, softmax_scale=call.scaling,
                             head_chunk_size=sp.head_chunk_size, backend=sp.backend,
                             buffer_pool=sp.pool, segments=segments,
@@ -192,10 +193,10 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
                          f"projections to make sequence-parallel")
     check_model_features(model, modules)
     chunks = {m: attention_chunk(config, m) for m in modules}
-    if any(chunks.values()) and (axis_size(mesh, "ring") > 1 or seq_chunk is not None):
+    if any(chunks.values()) and seq_chunk is not None:
         raise ValueError(f"{type(model).__name__}'s chunked attention (attention_chunk_size="
                          f"{config.attention_chunk_size}) runs as documents of that length, "
-                         f"which need ring_degree=1 and seq_chunk=None here")
+                         f"which need seq_chunk=None here")
     H = config.num_attention_heads
     K = getattr(config, "num_key_value_heads", None) or H
     layout = head_layout(H, K, axis_size(mesh, "ulysses"))  # ValueError names valid degrees

@@ -217,6 +217,18 @@ def test_packed_documents_reach_the_attention(family, sp):
     _check(results, _cached_reference(family, True, True), _cached_reference(family))
 
 
+@pytest.mark.parametrize("family,sp,ring", [
+    ("llama", 1, 2), ("qwen3", 1, 2), ("gpt_oss", 1, 2), ("llama4", 1, 2),
+    ("llama", 2, 2), ("qwen3", 2, 2), ("gpt_oss", 2, 2), ("llama4", 2, 2),
+])
+def test_packed_documents_on_a_ring(family, sp, ring):
+    """Documents crossing ring blocks and zigzag halves (50, 30 and 48 tokens; ring blocks
+    of 64, zigzag chunks of 32): plain (Llama), with a window on layer 1 (Qwen3), with sinks
+    and windows (GPT-OSS), and Llama4's chunks of 32 restarting at each document."""
+    results = dist_pool.run(_rank_step, family, sp, ring, documents=True, world_size=sp * ring)
+    _check(results, _cached_reference(family, True, True), _cached_reference(family))
+
+
 @pytest.mark.parametrize("family,sp,ring,chunk,fuse", [
     ("mistral", 2, 1, 1, True),     # window, head chunks, fused projections
     ("qwen2", 4, 1, 1, True),       # per-layer window, replicated kv, fused
@@ -266,7 +278,7 @@ def test_fused_projections_and_tiled_layer(family, sp):
 
 REFUSED = {
     "llama4_temperature_tuning": ["Llama4ForCausalLM", "attn_temperature_tuning"],
-    "llama4_chunks_on_a_ring": ["Llama4ForCausalLM", "ring_degree=1"],
+    "llama4_chunks_with_seq_chunk": ["Llama4ForCausalLM", "seq_chunk=None"],
     "attention_dropout": ["LlamaForCausalLM", "attention_dropout"],
     "output_attentions": ["LlamaAttention", "output_attentions"],
     "varlen_kwargs": ["LlamaAttention", "varlen"],
@@ -282,7 +294,7 @@ def _refused_calls():
 
     from arctic.hf_attention import apply_sequence_parallel
 
-    mesh, ring = get_mesh(2, 2), get_mesh(2, 1, 2)  # built here: new_group is a collective
+    mesh = get_mesh(2, 2)  # built here: new_group is a collective
     ids, pos = _tokens()[:, :64], torch.arange(64)[None]
 
     def apply(model, **kw):
@@ -302,8 +314,8 @@ def _refused_calls():
         "llama4_temperature_tuning": lambda: apply(build(Llama4TextConfig(
             **SMALL, intermediate_size_mlp=96, num_local_experts=4, no_rope_layers=[0, 1],
             attn_temperature_tuning=True))),
-        "llama4_chunks_on_a_ring": lambda: apply_sequence_parallel(build(_config("llama4")),
-                                                                   mesh=ring),
+        "llama4_chunks_with_seq_chunk": lambda: apply(build(_config("llama4")),
+                                                      head_chunk_size=1, seq_chunk=2),
         "attention_dropout": lambda: apply(build(LlamaConfig(**{**SMALL,
                                                                 "attention_dropout": 0.1}))),
         "output_attentions": lambda: apply(_model("llama"))(input_ids=ids, position_ids=pos,

@@ -154,11 +154,14 @@ def test_block_matches_unfused_and_reference(case):
     _check(results, _reference(H, K, 2, 32, bias, norm, seed))
 
 
-def test_packed_documents():
-    """Documents in one row (segments): no token attends across a boundary."""
+@pytest.mark.parametrize("world,ulysses", [(2, 2), (2, 1), (4, 2)],
+                         ids=["u2", "u1xr2-ring", "u2xr2-hybrid"])
+def test_packed_documents(world, ulysses):
+    """Documents in one row (segments): no token attends across a boundary; on a ring they
+    cross ring blocks and zigzag halves (chunks of 8 at R = 2)."""
     segments = ((0, 10, 21), (0, 16))
-    results = dist_pool.run(_rank_block_sharded, 2, 2, 8, 2, 2, 32, 1, True, True, False, 7,
-                            segments=segments, world_size=2)
+    results = dist_pool.run(_rank_block_sharded, world, ulysses, 8, 2, 2, 32, 1, True, True,
+                            False, 7, segments=segments, world_size=world)
     _check(results, _reference(8, 2, 2, 32, True, False, 7, segments=segments))
 
 

@@ -58,24 +58,24 @@ def between_exchanges(mesh: DeviceMesh, *, batch: int, local_len: int, causal: b
     causal sliding ``window`` when one is given. ``comm_dtype``: what a ring's hops carry.
     ``softcap``: logit softcapping inside the softmax (0: none).
 
-    Raises ``NotImplementedError`` for segments with a ring and ``ValueError`` for bad
-    segments or a bad window, all before any collective.
+    Raises ``ValueError`` for bad segments or a bad window, before any collective.
     """
     window = check_window(window, causal)
     # Padded keys can only be seen without a causal mask (the padding is the sequence's tail).
     kv_len = unpadded_len if unpadded_len is not None and not causal else None
-    if segments is None:
-        return inner_attention(mesh, causal=causal, scale=scale, backend=backend, kv_len=kv_len,
-                               window=window, comm_dtype=comm_dtype, softcap=softcap)
-    if axis_size(mesh, "ring") > 1:
-        raise NotImplementedError("packed documents (segments) with ring_degree > 1: the ring "
-                                  "kernels cannot mask across documents; use ring_degree=1")
-    if unpadded_len is not None:
-        raise ValueError("pass either segments or unpadded_len: make the padded tail its own "
-                         "segment instead")
-    return SegmentedAttention(causal=causal, scale=scale, backend=backend, starts=check_segments(
-        segments, batch, local_len * axis_size(mesh, "ulysses")), window=window,
-        softcap=softcap)
+    starts = None
+    if segments is not None:
+        if unpadded_len is not None:
+            raise ValueError("pass either segments or unpadded_len: make the padded tail its "
+                             "own segment instead")
+        R = axis_size(mesh, "ring")
+        starts = check_segments(segments, batch, local_len * axis_size(mesh, "ulysses") * R)
+        if R == 1:
+            return SegmentedAttention(causal=causal, scale=scale, backend=backend,
+                                      starts=starts, window=window, softcap=softcap)
+    return inner_attention(mesh, causal=causal, scale=scale, backend=backend, kv_len=kv_len,
+                           window=window, comm_dtype=comm_dtype, softcap=softcap,
+                           starts=starts)
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, causal: bool,
@@ -117,8 +117,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
             for head chunks; with ``seq_chunk``, whose block exchanges do not overlap compute
             yet, only None or False are accepted.
         segments: packed documents: per batch row, the start offsets (in the full sequence,
-            beginning with 0) of its documents; no token attends across a boundary. Needs
-            R = 1 (``NotImplementedError`` otherwise) and no ``unpadded_len``.
+            beginning with 0) of its documents; no token attends across a boundary. On a
+            ring, documents may cross ring blocks and zigzag halves, and block pairs whose
+            documents do not meet are skipped. Needs no ``unpadded_len``.
         window: causal sliding window: a query sees itself and the ``window - 1`` keys before
             it (HF's ``sliding_window``; :mod:`ulysses.band`). Needs ``causal``; works with
             head chunking, rings (blocks outside the window are skipped) and segments.

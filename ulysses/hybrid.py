@@ -32,7 +32,8 @@ def check_hybrid(local_rows: int, mesh: DeviceMesh) -> None:
 
 def inner_attention(mesh: DeviceMesh, *, causal: bool, scale: float, backend: str,
                     kv_len: int | None, window: int | None = None,
-                    comm_dtype: torch.dtype | None = None, softcap: float = 0.0
+                    comm_dtype: torch.dtype | None = None, softcap: float = 0.0,
+                    starts: tuple[tuple[int, ...], ...] | None = None
                     ) -> LocalAttention | WindowAttention | RingAttention:
     """The attention to run on full-ring-rank, local-head tensors.
 
@@ -41,10 +42,14 @@ def inner_attention(mesh: DeviceMesh, *, causal: bool, scale: float, backend: st
     the mesh's (:func:`ulysses.mesh.mesh_dims`). ``window``: a causal
     sliding window (:mod:`ulysses.band`), over the whole sequence on a ring too.
     ``comm_dtype``: what the ring's hops carry (:class:`RingAttention`). ``softcap``: logit
-    softcapping inside the softmax (0: none).
+    softcapping inside the softmax (0: none). ``starts``: packed documents (per batch row,
+    the full-sequence first position of each), on a ring only: with R = 1 documents are
+    :class:`ulysses.segments.SegmentedAttention`'s.
     """
     R = axis_size(mesh, "ring")
     if R == 1:
+        if starts is not None:
+            raise ValueError("documents on one ring rank are SegmentedAttention's")
         if window is not None:
             return WindowAttention(window=window, scale=scale, backend=backend, softcap=softcap)
         return LocalAttention(causal=causal, scale=scale, backend=backend, kv_len=kv_len,
@@ -52,4 +57,4 @@ def inner_attention(mesh: DeviceMesh, *, causal: bool, scale: float, backend: st
     return RingAttention(group=axis_group(mesh, "ring"), rank=axis_rank(mesh, "ring"), size=R,
                          causal=causal, scale=scale, backend=backend,
                          zigzag=mesh_dims(mesh).zigzag, kv_len=kv_len, window=window,
-                         comm_dtype=comm_dtype, softcap=softcap)
+                         comm_dtype=comm_dtype, softcap=softcap, starts=starts)

@@ -20,6 +20,12 @@ Layouts (positions of the ring-global sequence of length ``R * L``):
   by the second local chunk only: c x 2c of work at every step, on every rank.
   :func:`ulysses.sharding.shard_sequence` produces this order.
 
+Packed documents (``starts``): per batch row, the ring-global first position of each
+document. A document may cross ring blocks and zigzag halves; at each step every document's
+queries here attend its keys in the block in hand (causal, windowed or full pieces of
+:mod:`ulysses.band`), row by row of the batch, and a block pair whose documents do not meet
+costs no kernel call.
+
 Shape legend: B batch, L this rank's rows, h / k local query / kv heads, D head dim.
 """
 
@@ -37,6 +43,7 @@ from ulysses.all_to_all import check_comm_dtype
 from ulysses.band import (Piece, acc_dtype, band_pieces, check_window, merge_into,
                           piece_backward, piece_forward)
 from ulysses.kernels import attention_with_lse, check_qkv, default_scale, select_backend
+from ulysses.segments import check_segments
 from ulysses.self_check import verify_call
 from ulysses.softcap import check_softcap
 
@@ -65,6 +72,9 @@ class RingAttention:
     blocks' own (the accumulators travel in float32 for half inputs)."""
     softcap: float = 0.0
     """Logit softcapping inside the softmax; 0: none."""
+    starts: tuple[tuple[int, ...], ...] | None = None
+    """Packed documents: per batch row, the ring-global first position of each document
+    (0 first); no query sees a key of another document. None: one document per row."""
 
     def forward(self, q_BLhD: Tensor, k_BLkD: Tensor, v_BLkD: Tensor) -> tuple[Tensor, Tensor]:
         """Returns ``(out_BLhD, lse_BhL)`` over the whole ring-global sequence."""
@@ -128,6 +138,46 @@ def _pieces(cfg: RingAttention, t: int, L: int) -> list[Piece]:
     return [Piece(q0, L, 0, nk, "causal" if causal else "full")]
 
 
+def _within(runs, a: int, e: int):
+    """The parts of ``runs`` (``(first global position, length, first row)``) in ``[a, e)``."""
+    found = []
+    for g, n, row in runs:
+        lo, hi = max(g, a), min(g + n, e)
+        if lo < hi:
+            found.append((lo, hi - lo, row + lo - g))
+    return found
+
+
+def _document_pieces(cfg: RingAttention, t: int, L: int, row_starts) -> list[Piece]:
+    """Step ``t``'s kernel calls for one batch row of packed documents: per document, its
+    queries here against its keys in the block in hand (causal, windowed or full). A document
+    may cross ring blocks and zigzag halves; documents that do not meet in this block pair
+    give no call."""
+    owner = (cfg.rank - t) % cfg.size
+    mine, theirs = _segments(cfg, cfg.rank, L), _segments(cfg, owner, L)
+    pieces = []
+    for a, e in zip(row_starts, row_starts[1:] + (cfg.size * L,)):
+        qs, ks = _within(mine, a, e), _within(theirs, a, e)
+        if not (qs and ks):
+            continue
+        if cfg.causal:
+            pieces += band_pieces(qs, ks, cfg.window)
+        else:
+            pieces += [Piece(ql, ql + qn, kl, kl + kn, "full")
+                       for _, qn, ql in qs for _, kn, kl in ks]
+    return pieces
+
+
+def _work(cfg: RingAttention, t: int, L: int) -> list[tuple[slice, list[Piece]]]:
+    """Step ``t``'s kernel calls as ``(batch rows, pieces)``: all rows alike, or, with packed
+    documents, each row its own."""
+    if cfg.starts is None:
+        return [(slice(None), _pieces(cfg, t, L))]
+    found = [(slice(b, b + 1), _document_pieces(cfg, t, L, row))
+             for b, row in enumerate(cfg.starts)]
+    return [(rows, pieces) for rows, pieces in found if pieces]
+
+
 class _Hop:
     """One ring hop in flight: tensors sent to the next rank, buffers filled by the previous."""
 
@@ -158,7 +208,8 @@ def _hops_run(cfg: RingAttention, L: int, x: Tensor) -> list[int]:
     the first hops allocate the receive buffers that later hops reuse."""
     if not trace_shortcuts.skip(x):
         return list(range(cfg.size))
-    shapes = [tuple((p.q1 - p.q0, p.k1 - p.k0, p.kind) for p in _pieces(cfg, t, L))
+    shapes = [tuple((rows.start, p.q1 - p.q0, p.k1 - p.k0, p.kind)
+                    for rows, pieces in _work(cfg, t, L) for p in pieces)
               for t in range(cfg.size)]
     return [t for t in range(cfg.size)
             if trace_shortcuts.kept(t, cfg.size, t >= 4 and shapes[t] == shapes[t - 1] ==
@@ -174,11 +225,13 @@ def _forward(q, k, v, cfg: RingAttention) -> tuple[Tensor, Tensor]:
     cur, spare = (k, v), None
     for t in _hops_run(cfg, L, q):
         hop = _Hop(cur, spare, cfg, comm) if t + 1 < cfg.size else None
-        for p in _pieces(cfg, t, L):
-            out_b, lse_b = piece_forward(q, *cur, p, scale=cfg.scale, backend=cfg.backend,
-                                         softcap=cfg.softcap)
-            merge_into(out[:, p.q0:p.q1], lse[:, :, p.q0:p.q1], out_b, lse_b)
-            del out_b, lse_b
+        for rows, pieces in _work(cfg, t, L):
+            for p in pieces:
+                out_b, lse_b = piece_forward(q[rows], cur[0][rows], cur[1][rows], p,
+                                             scale=cfg.scale, backend=cfg.backend,
+                                             softcap=cfg.softcap)
+                merge_into(out[rows, p.q0:p.q1], lse[rows, :, p.q0:p.q1], out_b, lse_b)
+                del out_b, lse_b
         if hop is not None:
             # The block just used becomes the next receive buffer (never the caller's k, v);
             # with a comm dtype other than k's, blocks in hand are cast copies instead.
@@ -202,13 +255,16 @@ def _backward(dout, q, k, v, out, lse, cfg: RingAttention) -> tuple[Tensor, Tens
             dkv = tuple(torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))
         else:
             dkv = tuple(d.to(acc) for d in dkv_hop.wait())
-        for p in _pieces(cfg, t, L):
-            dq_b, dk_b, dv_b = piece_backward(dout, q, *cur, out, lse, p, scale=cfg.scale,
-                                              backend=cfg.backend, softcap=cfg.softcap)
-            dq[:, p.q0:p.q1] += dq_b
-            dkv[0][:, p.k0:p.k1] += dk_b
-            dkv[1][:, p.k0:p.k1] += dv_b
-            del dq_b, dk_b, dv_b
+        for rows, pieces in _work(cfg, t, L):
+            for p in pieces:
+                dq_b, dk_b, dv_b = piece_backward(dout[rows], q[rows], cur[0][rows],
+                                                  cur[1][rows], out[rows], lse[rows], p,
+                                                  scale=cfg.scale, backend=cfg.backend,
+                                                  softcap=cfg.softcap)
+                dq[rows, p.q0:p.q1] += dq_b
+                dkv[0][rows, p.k0:p.k1] += dk_b
+                dkv[1][rows, p.k0:p.k1] += dv_b
+                del dq_b, dk_b, dv_b
         dkv_hop = _Hop(dkv, None, cfg, comm_acc)  # after the last step: at the block's owner
         del dkv
         if hop is not None:
@@ -230,7 +286,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup,
                    softmax_scale: float | None = None, zigzag: bool = True,
                    backend: str | None = None, window: int | None = None,
                    comm_dtype: torch.dtype | None = None,
-                   softcap: float | None = None) -> Tensor:
+                   softcap: float | None = None, segments=None) -> Tensor:
     """Ring attention over ``group``, shaped like ``flash_attn_func``.
 
     Args:
@@ -249,6 +305,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup,
             float32 for half inputs, rounded to it for each hop); None: the inputs' dtype for
             kv, float32 partial sums for half inputs.
         softcap: attention logit softcapping inside the softmax (None or 0: none).
+        segments: packed documents: per batch row, the start offsets of its documents in the
+            ring-global sequence (beginning with 0); no token attends across a boundary.
+            Documents may cross ring blocks and zigzag halves.
 
     Returns:
         ``out_BLHD``, sharded like ``q``.
@@ -259,10 +318,13 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup,
     check_comm_dtype(comm_dtype)
     size = dist.get_world_size(group)
     check_ring_rows(q.shape[1], size, zigzag)
+    starts = None if segments is None else check_segments(segments, q.shape[0],
+                                                          size * q.shape[1])
     attn = RingAttention(group=group, rank=dist.get_rank(group), size=size, causal=causal,
                          scale=default_scale(q.shape[-1], softmax_scale),
                          backend=select_backend(q.device, q.dtype, q.shape[-1], backend),
-                         zigzag=zigzag, window=window, comm_dtype=comm_dtype, softcap=softcap)
+                         zigzag=zigzag, window=window, comm_dtype=comm_dtype, softcap=softcap,
+                         starts=starts)
     verify_call(attn.backend, q, causal=causal, window=window, sinks=False, ring=size > 1,
                 softcap=softcap)
     out, _ = attention_with_lse(q, k, v, attn)
