@@ -193,10 +193,6 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
                          f"projections to make sequence-parallel")
     check_model_features(model, modules)
     chunks = {m: attention_chunk(config, m) for m in modules}
-    if any(chunks.values()) and seq_chunk is not None:
-        raise ValueError(f"{type(model).__name__}'s chunked attention (attention_chunk_size="
-                         f"{config.attention_chunk_size}) runs as documents of that length, "
-                         f"which need seq_chunk=None here")
     H = config.num_attention_heads
     K = getattr(config, "num_key_value_heads", None) or H
     layout = head_layout(H, K, axis_size(mesh, "ulysses"))  # ValueError names valid degrees

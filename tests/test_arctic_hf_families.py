@@ -258,6 +258,18 @@ def test_sequence_chunks_with_sinks_and_softcap(family, sp, ring):
     _check(results, _cached_reference(family), _cached_reference(family, False))
 
 
+@pytest.mark.parametrize("family,sp,ring", [
+    ("gpt_oss", 2, 1),  # sinks and windows
+    ("llama4", 2, 1),   # chunks of 32 restarting at each document
+    pytest.param("gpt_oss", 2, 2, marks=pytest.mark.slow),  # across a zigzag ring
+])
+def test_sequence_chunks_with_packed_documents(family, sp, ring):
+    """seq_chunk=2 (one head per chunk) with packed documents that cross the blocks."""
+    results = dist_pool.run(_rank_step, family, sp, ring, 1, documents=True, seq_chunk=2,
+                            world_size=sp * ring)
+    _check(results, _cached_reference(family, True, True), _cached_reference(family))
+
+
 @pytest.mark.parametrize("sp", [pytest.param(2, marks=pytest.mark.hf_facing), 4])
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_fused_projections_and_tiled_layer(family, sp):
@@ -278,7 +290,6 @@ def test_fused_projections_and_tiled_layer(family, sp):
 
 REFUSED = {
     "llama4_temperature_tuning": ["Llama4ForCausalLM", "attn_temperature_tuning"],
-    "llama4_chunks_with_seq_chunk": ["Llama4ForCausalLM", "seq_chunk=None"],
     "attention_dropout": ["LlamaForCausalLM", "attention_dropout"],
     "output_attentions": ["LlamaAttention", "output_attentions"],
     "varlen_kwargs": ["LlamaAttention", "varlen"],
@@ -314,8 +325,6 @@ def _refused_calls():
         "llama4_temperature_tuning": lambda: apply(build(Llama4TextConfig(
             **SMALL, intermediate_size_mlp=96, num_local_experts=4, no_rope_layers=[0, 1],
             attn_temperature_tuning=True))),
-        "llama4_chunks_with_seq_chunk": lambda: apply(build(_config("llama4")),
-                                                      head_chunk_size=1, seq_chunk=2),
         "attention_dropout": lambda: apply(build(LlamaConfig(**{**SMALL,
                                                                 "attention_dropout": 0.1}))),
         "output_attentions": lambda: apply(_model("llama"))(input_ids=ids, position_ids=pos,

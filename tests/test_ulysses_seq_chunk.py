@@ -452,7 +452,6 @@ def _rank_refusals():
     with count_collectives() as counts:
         errors = {
             "no_chunking": _error(lambda: call(head_chunk_size=None)),
-            "segments": _error(lambda: call(segments=((0, 5),))),
             "too_many": _error(lambda: call(seq_chunk=9)),
             "zero": _error(lambda: call(seq_chunk=0)),
             "float": _error(lambda: call(seq_chunk=2.0)),
@@ -468,8 +467,6 @@ def test_refusals_raise_before_any_collective():
     errors, counts = dist_pool.run(_rank_refusals, world_size=2)[0]
     assert counts == {}, counts
     assert "seq_chunk needs head_chunk_size" in errors["no_chunking"]
-    assert "seq_chunk with packed documents (segments) is not supported yet" in \
-        errors["segments"]
     assert "seq_chunk=9 is more blocks than this rank's 8 rows; use at most 8" in \
         errors["too_many"]
     assert "chunk_overlap=True with seq_chunk: the sequence-chunked loop does not overlap" in \

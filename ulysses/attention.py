@@ -156,7 +156,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     check_sinks(sinks, q.shape[2], q.device)
     check_comm_dtype(comm_dtype)
     check_seq_chunk(seq_chunk, head_chunk_size=head_chunk_size, local_len=q.shape[1],
-                    segments=segments, chunk_overlap=chunk_overlap)
+                    chunk_overlap=chunk_overlap)
     group = axis_group(mesh, "ulysses")
     rank = axis_rank(mesh, "ulysses")
     scale = default_scale(q.shape[-1], softmax_scale)

@@ -143,6 +143,35 @@ def band_pieces(q_segments, k_segments, window: int | None) -> list[Piece]:
     return _coalesce(out)
 
 
+def runs_within(runs, a: int, e: int):
+    """The parts of ``runs`` (``(first global position, length, first row)``) in ``[a, e)``."""
+    found = []
+    for g, n, row in runs:
+        lo, hi = max(g, a), min(g + n, e)
+        if lo < hi:
+            found.append((lo, hi - lo, row + lo - g))
+    return found
+
+
+def document_pieces(q_segments, k_segments, starts, total: int, *, causal: bool,
+                    window: int | None) -> list[Piece]:
+    """The kernel calls between queries and keys (runs as in :func:`band_pieces`) of one
+    batch row of packed documents (``starts``: each document's first global position, 0
+    first; the last ends at ``total``): per document, its queries against its keys, causal
+    (windowed) or full. Documents that do not meet in these runs give no call."""
+    pieces = []
+    for a, e in zip(starts, tuple(starts[1:]) + (total,)):
+        qs, ks = runs_within(q_segments, a, e), runs_within(k_segments, a, e)
+        if not (qs and ks):
+            continue
+        if causal:
+            pieces += band_pieces(qs, ks, window)
+        else:
+            pieces += [Piece(ql, ql + qn, kl, kl + kn, "full")
+                       for _, qn, ql in qs for _, kn, kl in ks]
+    return pieces
+
+
 def _coalesce(pieces: list[Piece]) -> list[Piece]:
     """Merge touching full pieces that share their key range or their row range."""
     merged: list[Piece] = []

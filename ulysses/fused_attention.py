@@ -347,7 +347,7 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
         raise ValueError("fused_attention needs head_chunk_size (an int or 'auto'): the "
                          "projections are fused into the head-chunk loop")
     check_seq_chunk(seq_chunk, head_chunk_size=head_chunk_size, local_len=s,
-                    segments=segments, chunk_overlap=chunk_overlap)
+                    chunk_overlap=chunk_overlap)
     c = resolve_chunk_size(head_chunk_size, layout, B, s * U, D, x.dtype, chunk_budget_bytes)
     blocks = resolve_seq_chunk(seq_chunk, layout, c, B, s, D, x.dtype, chunk_budget_bytes)
     backend = select_backend(x.device, x.dtype, D, backend)

@@ -40,8 +40,8 @@ from torch import Tensor
 
 from ulysses import trace_shortcuts
 from ulysses.all_to_all import check_comm_dtype
-from ulysses.band import (Piece, acc_dtype, band_pieces, check_window, merge_into,
-                          piece_backward, piece_forward)
+from ulysses.band import (Piece, acc_dtype, band_pieces, check_window, document_pieces,
+                          merge_into, piece_backward, piece_forward)
 from ulysses.kernels import attention_with_lse, check_qkv, default_scale, select_backend
 from ulysses.segments import check_segments
 from ulysses.self_check import verify_call
@@ -138,34 +138,13 @@ def _pieces(cfg: RingAttention, t: int, L: int) -> list[Piece]:
     return [Piece(q0, L, 0, nk, "causal" if causal else "full")]
 
 
-def _within(runs, a: int, e: int):
-    """The parts of ``runs`` (``(first global position, length, first row)``) in ``[a, e)``."""
-    found = []
-    for g, n, row in runs:
-        lo, hi = max(g, a), min(g + n, e)
-        if lo < hi:
-            found.append((lo, hi - lo, row + lo - g))
-    return found
-
-
 def _document_pieces(cfg: RingAttention, t: int, L: int, row_starts) -> list[Piece]:
     """Step ``t``'s kernel calls for one batch row of packed documents: per document, its
-    queries here against its keys in the block in hand (causal, windowed or full). A document
-    may cross ring blocks and zigzag halves; documents that do not meet in this block pair
-    give no call."""
+    queries here against its keys in the block in hand. A document may cross ring blocks and
+    zigzag halves; documents that do not meet in this block pair give no call."""
     owner = (cfg.rank - t) % cfg.size
-    mine, theirs = _segments(cfg, cfg.rank, L), _segments(cfg, owner, L)
-    pieces = []
-    for a, e in zip(row_starts, row_starts[1:] + (cfg.size * L,)):
-        qs, ks = _within(mine, a, e), _within(theirs, a, e)
-        if not (qs and ks):
-            continue
-        if cfg.causal:
-            pieces += band_pieces(qs, ks, cfg.window)
-        else:
-            pieces += [Piece(ql, ql + qn, kl, kl + kn, "full")
-                       for _, qn, ql in qs for _, kn, kl in ks]
-    return pieces
+    return document_pieces(_segments(cfg, cfg.rank, L), _segments(cfg, owner, L), row_starts,
+                           cfg.size * L, causal=cfg.causal, window=cfg.window)
 
 
 def _work(cfg: RingAttention, t: int, L: int) -> list[tuple[slice, list[Piece]]]:

@@ -163,11 +163,12 @@ def _attend(q_LnD: Tensor, kv: dict, t: int, blocks: Blocks, host: HostBlocks,
         if i + 1 < len(keys):
             rho, u = keys[i + 1]
             nxt = [host.fetch(h) for h in kv[rho][u]]
-        for p in blocks.pieces(t, key):
-            o_p, l_p = piece_forward(q_LnD, k_u, v_u, p, scale=seq.scale, backend=seq.backend,
-                                     softcap=seq.softcap)
-            merge_into(o_acc[:, p.q0:p.q1], l_acc[:, :, p.q0:p.q1], o_p, l_p)
-            del o_p, l_p
+        for rows, pieces in blocks.work(t, key):
+            for p in pieces:
+                o_p, l_p = piece_forward(q_LnD[rows], k_u[rows], v_u[rows], p, scale=seq.scale,
+                                         backend=seq.backend, softcap=seq.softcap)
+                merge_into(o_acc[rows, p.q0:p.q1], l_acc[rows, :, p.q0:p.q1], o_p, l_p)
+                del o_p, l_p
         del k_u, v_u
     return o_acc.to(dtype), l_acc
 
@@ -241,13 +242,15 @@ def _grad_block(dout: Tensor, q: Tensor, out: Tensor, lse: Tensor, kv: dict, dkv
     for i, key in enumerate(keys):
         k_u, v_u, dk_u, dv_u = (f.get() for f in nxt)
         nxt = fetch(keys[i + 1]) if i + 1 < len(keys) else None
-        for p in blocks.pieces(t, key):
-            dq_p, dk_p, dv_p = piece_backward(dout, q, k_u, v_u, out, lse, p, scale=seq.scale,
-                                              backend=seq.backend, softcap=seq.softcap)
-            dq[:, p.q0:p.q1] += dq_p
-            dk_u[:, p.k0:p.k1] += dk_p
-            dv_u[:, p.k0:p.k1] += dv_p
-            del dq_p, dk_p, dv_p
+        for rows, pieces in blocks.work(t, key):
+            for p in pieces:
+                dq_p, dk_p, dv_p = piece_backward(dout[rows], q[rows], k_u[rows], v_u[rows],
+                                                  out[rows], lse[rows], p, scale=seq.scale,
+                                                  backend=seq.backend, softcap=seq.softcap)
+                dq[rows, p.q0:p.q1] += dq_p
+                dk_u[rows, p.k0:p.k1] += dk_p
+                dv_u[rows, p.k0:p.k1] += dv_p
+                del dq_p, dk_p, dv_p
         host.store(dkv[key[0]][key[1]][0], dk_u)
         host.store(dkv[key[0]][key[1]][1], dv_u)
         del k_u, v_u, dk_u, dv_u

@@ -16,21 +16,22 @@ import torch
 from torch import Tensor
 
 from ulysses import trace_shortcuts
-from ulysses.band import Piece, WindowAttention, acc_dtype, band_pieces
+from ulysses.band import Piece, WindowAttention, acc_dtype, band_pieces, document_pieces
 from ulysses.chunk_schedule import DEFAULT_CHUNK_BUDGET_BYTES
 from ulysses.host_blocks import HostBlocks
 from ulysses.kernels import LocalAttention
 from ulysses.ring import RingAttention
+from ulysses.segments import SegmentedAttention
 from ulysses.sharding import HeadLayout
 
 __all__ = ["Blocks", "SeqChunking", "block_bounds", "block_buffer_bytes", "check_seq_chunk",
            "resolve_seq_chunk", "seq_chunking"]
 
 
-def check_seq_chunk(seq_chunk, *, head_chunk_size, local_len: int | None, segments=None,
+def check_seq_chunk(seq_chunk, *, head_chunk_size, local_len: int | None,
                     chunk_overlap: bool | None = None) -> None:
     """``ValueError`` unless ``seq_chunk`` is None, ``"auto"`` or an int in ``[1, local_len]``
-    (``local_len`` None: not known yet) used with head chunking, without packed documents or
+    (``local_len`` None: not known yet) used with head chunking, without
     ``chunk_overlap=True``; and unless ``chunk_overlap`` is None or a bool."""
     if chunk_overlap is not None and not isinstance(chunk_overlap, bool):
         raise ValueError(f"chunk_overlap must be None, True or False, got {chunk_overlap!r}")
@@ -47,9 +48,6 @@ def check_seq_chunk(seq_chunk, *, head_chunk_size, local_len: int | None, segmen
     if head_chunk_size is None:
         raise ValueError("seq_chunk needs head_chunk_size (an int or 'auto'): sequence blocks "
                          "are cut inside a head chunk")
-    if segments is not None:
-        raise ValueError("seq_chunk with packed documents (segments) is not supported yet; "
-                         "use seq_chunk=None")
     if seq_chunk != "auto" and local_len is not None and seq_chunk > local_len:
         raise ValueError(f"seq_chunk={seq_chunk} is more blocks than this rank's {local_len} "
                          f"rows; use at most {local_len}")
@@ -114,12 +112,17 @@ class SeqChunking:
     dtype its hops carry; None: no ring."""
     softcap: float = 0.0
     """Logit softcapping inside the softmax; 0: none."""
+    starts: tuple[tuple[int, ...], ...] | None = None
+    """Packed documents: per batch row, each document's first position in the full
+    sequence; None: one document per row."""
 
 
 def seq_chunking(attn, num_blocks: int) -> SeqChunking:
     """The :class:`SeqChunking` of ``num_blocks`` blocks for the inner attention ``attn`` of
-    :func:`ulysses.attention.between_exchanges`; ValueError for one it cannot cut (packed
-    documents)."""
+    :func:`ulysses.attention.between_exchanges`."""
+    if isinstance(attn, SegmentedAttention):
+        return SeqChunking(num_blocks, attn.causal, attn.scale, attn.backend, None,
+                           attn.window, softcap=attn.softcap, starts=attn.starts)
     if isinstance(attn, WindowAttention):
         return SeqChunking(num_blocks, True, attn.scale, attn.backend, None, attn.window,
                            softcap=attn.softcap)
@@ -128,9 +131,8 @@ def seq_chunking(attn, num_blocks: int) -> SeqChunking:
                            softcap=attn.softcap)
     if isinstance(attn, RingAttention):
         return SeqChunking(num_blocks, attn.causal, attn.scale, attn.backend, attn.kv_len,
-                           attn.window, ring=attn, softcap=attn.softcap)
-    raise ValueError(f"seq_chunk needs the local kernel or a ring between the exchanges, got "
-                     f"{type(attn).__name__} (packed documents)")
+                           attn.window, ring=attn, softcap=attn.softcap, starts=attn.starts)
+    raise ValueError(f"seq_chunk cannot cut the attention {type(attn).__name__}")
 
 
 # --- block geometry -------------------------------------------------------------------------
@@ -140,6 +142,11 @@ def _kept(sigs: list, x: Tensor) -> list[int]:
     repeat the two before them, and the last (:func:`ulysses.trace_shortcuts.kept`)."""
     return [i for i in range(len(sigs)) if trace_shortcuts.kept(
         i, len(sigs), i >= 2 and sigs[i] == sigs[i - 1] == sigs[i - 2], x)]
+
+
+def _two_of_each_per_row(work: list) -> list:
+    """:func:`_two_of_each` of each batch row's pieces."""
+    return [(rows, _two_of_each(pieces)) for rows, pieces in work]
 
 
 def _two_of_each(pieces: list[Piece]) -> list[Piece]:
@@ -169,18 +176,19 @@ class Blocks:
         self.zigzag = ring is not None and ring.zigzag
         self.bounds = block_bounds(s, seq.num_blocks)
         N = seq.num_blocks
-        cut = _two_of_each if trace_shortcuts.skip(x) else list
+        cut = _two_of_each_per_row if trace_shortcuts.skip(x) else list
         pairs = [(rho, u) for rho in self.ring_order() for u in range(N)]
-        self._pieces = {(t, k): cut(self._cut(t, *k)) for t in range(N) for k in pairs}
+        self._work = {(t, k): cut(self._cut(t, *k)) for t in range(N) for k in pairs}
         sizes = [b for _, b in self.bounds]
         self.staged = _kept(sizes, x)
         """Key blocks a loop over all of them runs; a left-out one has the shapes of the
         last kept one before it (:meth:`fill`)."""
         self.keys, sigs = {}, []
         for t in range(N):
-            seen = [k for k in pairs if self._pieces[t, k]]
-            shapes = [(sizes[k[1]], tuple((p.q1 - p.q0, p.k1 - p.k0, p.kind)
-                                          for p in self._pieces[t, k])) for k in seen]
+            seen = [k for k in pairs if self._work[t, k]]
+            shapes = [(sizes[k[1]], tuple((rows.start, p.q1 - p.q0, p.k1 - p.k0, p.kind)
+                                          for rows, pieces in self._work[t, k]
+                                          for p in pieces)) for k in seen]
             self.keys[t] = [seen[i] for i in _kept(shapes, x)]
             """``(ring rank, key block)`` pairs that query block t sees."""
             sigs.append((sizes[t], tuple(shapes[seen.index(k)] for k in self.keys[t])))
@@ -221,16 +229,28 @@ class Blocks:
                 out.append((self._position(rho, lo), hi - lo, row + lo - start))
         return out
 
-    def _cut(self, t: int, rho: int, u: int) -> list[Piece]:
+    def _cut(self, t: int, rho: int, u: int) -> list[tuple[slice, list[Piece]]]:
+        """The kernel calls between query block t and key block u of ring rank ``rho``, as
+        ``(batch rows, pieces)``: all rows alike, or with packed documents each row its own
+        (a row whose documents do not meet there has none)."""
         seq, keys = self.seq, self.segments(rho, u)
+        if seq.starts is not None:
+            queries, total = self.segments(self.me, t), self.R * self.U * self.s
+            work = [(slice(b, b + 1), document_pieces(queries, keys, row, total,
+                                                      causal=seq.causal, window=seq.window))
+                    for b, row in enumerate(seq.starts)]
+            return [(rows, pieces) for rows, pieces in work if pieces]
         if not seq.causal:  # padding is the sequence's tail: a suffix of each block's rows
             n = sum(length if seq.kv_len is None else min(length, max(0, seq.kv_len - pos))
                     for pos, length, _ in keys)
-            return [Piece(0, self.U * self.bounds[t][1], 0, n, "full")] if n else []
-        return band_pieces(self.segments(self.me, t), keys, seq.window)
+            return [(slice(None), [Piece(0, self.U * self.bounds[t][1], 0, n, "full")])] \
+                if n else []
+        pieces = band_pieces(self.segments(self.me, t), keys, seq.window)
+        return [(slice(None), pieces)] if pieces else []
 
-    def pieces(self, t: int, key: tuple[int, int]) -> list[Piece]:
-        return self._pieces[t, key]
+    def work(self, t: int, key: tuple[int, int]) -> list[tuple[slice, list[Piece]]]:
+        """``(batch rows, pieces)`` of query block t against ``key`` (ring rank, block)."""
+        return self._work[t, key]
 
     def fill(self, kept: dict, host: HostBlocks) -> list:
         """Per block, its host tensors in ``kept`` (indexed by :attr:`staged`); a block a

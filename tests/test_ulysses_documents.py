@@ -1,4 +1,4 @@
-"""Packed documents on the ring and on hybrid Ulysses x Ring meshes.
+"""Packed documents on the ring, on hybrid Ulysses x Ring meshes and in sequence chunks.
 
 The geometry test checks that every ring step's kernel calls cover each visible
 (query, key) pair exactly once, for documents that cross ring blocks and zigzag halves. The
@@ -84,8 +84,15 @@ CASES = {
                                    ((0, 50, 97), (0, 30))),
     "r4_zigzag_sinks": (4, 1, 4, True, 2, 1, None, None, True, ((0, 9, 60, 61), (0, 100))),
     "u2r2_contiguous": (4, 2, 2, False, 4, 4, None, None, False, ((0, 70), (0, 16, 17))),
+    "u2_seq_chunk_window_sinks": (2, 2, 1, True, 4, 2, 1, 21, True, ((0, 20, 45, 97), (0, 64))),
+    "u4_seq_chunk": (4, 4, 1, True, 8, 2, 2, None, False, ((0, 9, 60, 61), (0, 100))),
+    "u2r2_zigzag_seq_chunk_sinks": (4, 2, 2, True, 4, 2, 1, None, True,
+                                    ((0, 20, 45, 97), (0, 33, 100))),
 }
-SLOW = {"r4_zigzag_sinks", "u2r2_contiguous"}
+SEQ_CHUNK = {"u2_seq_chunk_window_sinks": 3, "u4_seq_chunk": 4, "u2r2_zigzag_seq_chunk_sinks": 2}
+"""Cases run by the sequence-chunked loop (:mod:`ulysses.seq_chunk`), blocks per piece:
+documents cross the blocks (pieces of 64, 32 and 32 rows)."""
+SLOW = {"r4_zigzag_sinks", "u2r2_contiguous", "u4_seq_chunk"}
 S = 128
 
 
@@ -96,7 +103,8 @@ def _rank_case(name):
     sinks = _sinks(H).requires_grad_() if with_sinks else None
     local = [shard_sequence(t, mesh, dim=1).requires_grad_() for t in (q, k, v)]
     out = ulysses_attention(*local, mesh=mesh, causal=True, head_chunk_size=chunk,
-                            window=window, sinks=sinks, segments=starts)
+                            window=window, sinks=sinks, segments=starts,
+                            seq_chunk=SEQ_CHUNK.get(name))
     out.backward(shard_sequence(dout, mesh, dim=1))
     full = [gather_sequence(t, mesh, dim=1) for t in (out.detach(), *(x.grad for x in local))]
     return full, None if sinks is None else sinks.grad
@@ -104,7 +112,7 @@ def _rank_case(name):
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
                                   for n in CASES])
-def test_documents_on_the_ring(name):
+def test_documents_across_ranks(name):
     world, U, R, zigzag, H, K, chunk, window, with_sinks, starts = CASES[name]
     q, k, v, dout = make_qkv(3, 2, S, H, K, 8, torch.float32)
     sinks = _sinks(H) if with_sinks else None
