@@ -1,4 +1,5 @@
-"""Causal attention under a sliding window, built from the ``(out, lse)`` kernels.
+"""Attention under a sliding window (causal, or symmetric), built from the ``(out, lse)``
+kernels.
 
 A key at position k is visible to a query at position q when ``k <= q`` and ``q - k < window``:
 the query sees itself and the ``window - 1`` keys before it. This is transformers'
@@ -21,6 +22,10 @@ in three disjoint zones: ``[a - w + 1, b - w + 1)`` bounded below by the window
 of the available keys (the sequence start, a ring block) splits into at most three pieces.
 Keys outside every zone are never computed, so a window costs about ``window`` keys per
 query however long the sequence.
+
+Without a causal mask the window is symmetric: a key is visible when ``|q - k| < window``
+(Gemma3's bidirectional sliding layers). :func:`symmetric_pieces` cuts it the same way, with
+an anticausal zone below, a full zone, and a causal zone (offset ``window - 1``) above.
 
 The backward runs each piece's kernel backward with the *final* ``out`` and ``lse`` (the
 merged ones), which is exact for a softmax split over disjoint key sets, and sums the
@@ -58,16 +63,14 @@ class Piece:
 
 
 def check_window(window, causal: bool) -> int | None:
-    """``window`` as an int (or None); ``ValueError`` unless it is a positive int used with
-    causal attention."""
+    """``window`` as an int (or None); ``ValueError`` unless it is a positive int. Causal: a
+    query sees itself and the ``window - 1`` keys before it; non-causal (symmetric): the keys
+    less than ``window`` positions away on either side, ``|q - k| < window``."""
     if window is None:
         return None
     if isinstance(window, bool) or not isinstance(window, int) or window < 1:
-        raise ValueError(f"window must be None or a positive int (keys a query sees, itself "
-                         f"included), got {window!r}")
-    if not causal:
-        raise ValueError(f"a sliding window (window={window}) needs causal=True: only the "
-                         f"causal sliding window of HF models is implemented")
+        raise ValueError(f"window must be None or a positive int (causal: keys a query sees, "
+                         f"itself included; non-causal: |q - k| < window), got {window!r}")
     return window
 
 
@@ -143,6 +146,42 @@ def band_pieces(q_segments, k_segments, window: int | None) -> list[Piece]:
     return _coalesce(out)
 
 
+def symmetric_pieces(q_segments, k_segments, window: int) -> list[Piece]:
+    """The kernel calls of non-causal attention under a symmetric window (``|q - k| <
+    window``), runs as in :func:`band_pieces`. Rows go in blocks ``[a, b)`` of ``window - 1``;
+    their keys fall in three disjoint zones: ``[a - w + 1, b - w + 1)`` bounded below
+    (anticausal type, ``k >= q - w + 1``), ``[b - w + 1, a + w)`` seen by every row (full),
+    and ``[a + w, b + w - 1)`` bounded above (causal type, ``k <= q + w - 1``)."""
+    out = []
+    w = window
+    for qg, qn, ql in q_segments:
+        T = max(1, w - 1)
+        for a in range(qg, qg + qn, T):
+            b = min(a + T, qg + qn)
+            for kg, kn, kl in k_segments:
+                c0, c1 = kg, kg + kn
+                found = _anticausal_type(a, b, *_clip(a - w + 1, b - w + 1, c0, c1), 1 - w)
+                lo, hi = _clip(b - w + 1, a + w, c0, c1)
+                if lo < hi:
+                    found.append((a, b, lo, hi, "full"))
+                found += _causal_type(a, b, *_clip(a + w, b + w - 1, c0, c1), w - 1)
+                out += [Piece(q - qg + ql, r - qg + ql, k - kg + kl, e - kg + kl, kind)
+                        for q, r, k, e, kind in found]
+    return _coalesce(out)
+
+
+def mask_pieces(q_segments, k_segments, *, causal: bool, window: int | None) -> list[Piece]:
+    """The kernel calls between queries and keys (runs as in :func:`band_pieces`) under
+    any mask this module knows: causal (:func:`band_pieces`, windowed or not), a symmetric
+    window (:func:`symmetric_pieces`), or none (every pair of runs, full)."""
+    if causal:
+        return band_pieces(q_segments, k_segments, window)
+    if window is not None:
+        return symmetric_pieces(q_segments, k_segments, window)
+    return [Piece(ql, ql + qn, kl, kl + kn, "full")
+            for _, qn, ql in q_segments for _, kn, kl in k_segments]
+
+
 def runs_within(runs, a: int, e: int):
     """The parts of ``runs`` (``(first global position, length, first row)``) in ``[a, e)``."""
     found = []
@@ -157,18 +196,13 @@ def document_pieces(q_segments, k_segments, starts, total: int, *, causal: bool,
                     window: int | None) -> list[Piece]:
     """The kernel calls between queries and keys (runs as in :func:`band_pieces`) of one
     batch row of packed documents (``starts``: each document's first global position, 0
-    first; the last ends at ``total``): per document, its queries against its keys, causal
-    (windowed) or full. Documents that do not meet in these runs give no call."""
+    first; the last ends at ``total``): per document, its queries against its keys under the
+    mask (:func:`mask_pieces`). Documents that do not meet in these runs give no call."""
     pieces = []
     for a, e in zip(starts, tuple(starts[1:]) + (total,)):
         qs, ks = runs_within(q_segments, a, e), runs_within(k_segments, a, e)
-        if not (qs and ks):
-            continue
-        if causal:
-            pieces += band_pieces(qs, ks, window)
-        else:
-            pieces += [Piece(ql, ql + qn, kl, kl + kn, "full")
-                       for _, qn, ql in qs for _, kn, kl in ks]
+        if qs and ks:
+            pieces += mask_pieces(qs, ks, causal=causal, window=window)
     return pieces
 
 
@@ -253,21 +287,28 @@ def _row_blocks(S: int, window: int):
         yield a, min(a + T, S)
 
 
+def _keys(S: int, kv_len: int | None):
+    """The key run of a local window: all S rows, or the first ``kv_len`` (padding after)."""
+    return [(0, S if kv_len is None else min(S, kv_len), 0)]
+
+
 def window_forward(q: Tensor, k: Tensor, v: Tensor, *, window: int, scale: float,
-                   backend: str, softcap: float = 0.0) -> tuple[Tensor, Tensor]:
-    """Sliding-window causal attention of ``q_BSHD`` to ``k_BSKD``/``v_BSKD`` (same
-    positions). Returns ``(out_BSHD, lse_BHS)``; lse is float32.
+                   backend: str, softcap: float = 0.0, causal: bool = True,
+                   kv_len: int | None = None) -> tuple[Tensor, Tensor]:
+    """Sliding-window attention of ``q_BSHD`` to ``k_BSKD``/``v_BSKD`` (same positions):
+    causal, or symmetric (``|q - k| < window``) with ``causal=False``, where keys from
+    ``kv_len`` on are padding. Returns ``(out_BSHD, lse_BHS)``; lse is float32.
 
     Row block by row block, so the float32 accumulator is one block (``window - 1`` rows).
     """
     B, S, H, D = q.shape
     out = torch.empty_like(q)
     lse = torch.empty(B, H, S, dtype=torch.float32, device=q.device)
-    keys = [(0, S, 0)]
+    keys = _keys(S, kv_len)
     for a, b in _row_blocks(S, window):
         o_acc = torch.zeros(B, b - a, H, D, dtype=acc_dtype(q.dtype), device=q.device)
         l_acc = torch.full((B, H, b - a), float("-inf"), dtype=torch.float32, device=q.device)
-        for p in band_pieces([(a, b - a, a)], keys, window):
+        for p in mask_pieces([(a, b - a, a)], keys, causal=causal, window=window):
             o_p, l_p = piece_forward(q, k, v, p, scale=scale, backend=backend, softcap=softcap)
             r = slice(p.q0 - a, p.q1 - a)
             merge_into(o_acc[:, r], l_acc[:, :, r], o_p, l_p)
@@ -277,8 +318,9 @@ def window_forward(q: Tensor, k: Tensor, v: Tensor, *, window: int, scale: float
 
 
 def window_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, lse: Tensor, *,
-                    window: int, scale: float, backend: str,
-                    softcap: float = 0.0) -> tuple[Tensor, Tensor, Tensor]:
+                    window: int, scale: float, backend: str, softcap: float = 0.0,
+                    causal: bool = True,
+                    kv_len: int | None = None) -> tuple[Tensor, Tensor, Tensor]:
     """The backward of :func:`window_forward` from its ``out`` and ``lse``: ``(dq, dk, dv)``
     shaped like ``q, k, v``."""
     S = q.shape[1]
@@ -286,10 +328,10 @@ def window_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
     dq = torch.empty_like(q)
     dk = torch.zeros(k.shape, dtype=acc, device=k.device)
     dv = torch.zeros(v.shape, dtype=acc, device=v.device)
-    keys = [(0, S, 0)]
+    keys = _keys(S, kv_len)
     for a, b in _row_blocks(S, window):
         dq_acc = torch.zeros(q[:, a:b].shape, dtype=acc, device=q.device)
-        for p in band_pieces([(a, b - a, a)], keys, window):
+        for p in mask_pieces([(a, b - a, a)], keys, causal=causal, window=window):
             dq_p, dk_p, dv_p = piece_backward(dout, q, k, v, out, lse, p, scale=scale,
                                               backend=backend, softcap=softcap)
             dq_acc[:, p.q0 - a:p.q1 - a] += dq_p
@@ -302,32 +344,40 @@ def window_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor, 
 
 @dataclass(frozen=True, slots=True)
 class WindowAttention:
-    """Sliding-window causal attention on one rank, with the interface of
-    :class:`ulysses.kernels.LocalAttention` (the inner step of Ulysses, plain or
-    head-chunked). A window that covers the whole sequence is plain causal attention."""
+    """Sliding-window attention on one rank, causal or symmetric (``causal=False``: ``|q - k|
+    < window``), with the interface of :class:`ulysses.kernels.LocalAttention` (the inner
+    step of Ulysses, plain or head-chunked). A window that covers the whole sequence is plain
+    causal (or full) attention."""
 
     window: int
     scale: float
     backend: str
     softcap: float = 0.0
     """Logit softcapping inside the softmax; 0: none."""
+    causal: bool = True
+    kv_len: int | None = None
+    """Non-causal only: keys from this position on are padding, never attended."""
+
+    def _whole(self, S: int) -> bool:
+        return self.window >= S and self.kv_len is None
 
     def forward(self, q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor) -> tuple[Tensor, Tensor]:
         """Returns ``(out_BSHD, lse_BHS)``."""
-        if self.window >= q_BSHD.shape[1]:
-            return attention_forward(q_BSHD, k_BSKD, v_BSKD, causal=True,
+        if self._whole(q_BSHD.shape[1]):
+            return attention_forward(q_BSHD, k_BSKD, v_BSKD, causal=self.causal,
                                      softmax_scale=self.scale, backend=self.backend,
                                      softcap=self.softcap)
         return window_forward(q_BSHD, k_BSKD, v_BSKD, window=self.window, scale=self.scale,
-                              backend=self.backend, softcap=self.softcap)
+                              backend=self.backend, softcap=self.softcap, causal=self.causal,
+                              kv_len=self.kv_len)
 
     def backward(self, dout_BSHD: Tensor, q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor,
                  out_BSHD: Tensor, lse_BHS: Tensor) -> tuple[Tensor, Tensor, Tensor]:
         """Returns ``(dq, dk, dv)`` shaped like ``q, k, v``."""
-        if self.window >= q_BSHD.shape[1]:
+        if self._whole(q_BSHD.shape[1]):
             return attention_backward(dout_BSHD, q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS,
-                                      causal=True, softmax_scale=self.scale,
+                                      causal=self.causal, softmax_scale=self.scale,
                                       backend=self.backend, softcap=self.softcap)
         return window_backward(dout_BSHD, q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS,
                                window=self.window, scale=self.scale, backend=self.backend,
-                               softcap=self.softcap)
+                               softcap=self.softcap, causal=self.causal, kv_len=self.kv_len)

@@ -39,8 +39,8 @@ def inner_attention(mesh: DeviceMesh, *, causal: bool, scale: float, backend: st
 
     ``kv_len`` (non-causal padding) counts keys of the whole sequence; the ring trims each
     block to its real keys, the local kernel trims its one block. The ring's row layout is
-    the mesh's (:func:`ulysses.mesh.mesh_dims`). ``window``: a causal
-    sliding window (:mod:`ulysses.band`), over the whole sequence on a ring too.
+    the mesh's (:func:`ulysses.mesh.mesh_dims`). ``window``: a sliding window
+    (:mod:`ulysses.band`; symmetric when not causal), over the whole sequence on a ring too.
     ``comm_dtype``: what the ring's hops carry (:class:`RingAttention`). ``softcap``: logit
     softcapping inside the softmax (0: none). ``starts``: packed documents (per batch row,
     the full-sequence first position of each), on a ring only: with R = 1 documents are
@@ -51,7 +51,8 @@ def inner_attention(mesh: DeviceMesh, *, causal: bool, scale: float, backend: st
         if starts is not None:
             raise ValueError("documents on one ring rank are SegmentedAttention's")
         if window is not None:
-            return WindowAttention(window=window, scale=scale, backend=backend, softcap=softcap)
+            return WindowAttention(window=window, scale=scale, backend=backend, softcap=softcap,
+                                   causal=causal, kv_len=kv_len)
         return LocalAttention(causal=causal, scale=scale, backend=backend, kv_len=kv_len,
                               softcap=softcap)
     return RingAttention(group=axis_group(mesh, "ring"), rank=axis_rank(mesh, "ring"), size=R,

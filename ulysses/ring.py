@@ -40,8 +40,8 @@ from torch import Tensor
 
 from ulysses import trace_shortcuts
 from ulysses.all_to_all import check_comm_dtype
-from ulysses.band import (Piece, acc_dtype, band_pieces, check_window, document_pieces,
-                          merge_into, piece_backward, piece_forward)
+from ulysses.band import (Piece, acc_dtype, check_window, document_pieces, mask_pieces,
+                          merge_into, piece_backward, piece_forward, runs_within)
 from ulysses.kernels import attention_with_lse, check_qkv, default_scale, select_backend
 from ulysses.segments import check_segments
 from ulysses.self_check import verify_call
@@ -65,8 +65,8 @@ class RingAttention:
     kv_len: int | None = None
     """Non-causal only: keys at ring-global positions >= kv_len are padding, never attended."""
     window: int | None = None
-    """Causal only: a sliding window over ring-global positions (:mod:`ulysses.band`); blocks
-    wholly outside it are skipped."""
+    """A sliding window over ring-global positions (:mod:`ulysses.band`; symmetric, ``|q - k|
+    < window``, when not causal); blocks wholly outside it are skipped."""
     comm_dtype: torch.dtype | None = None
     """The dtype the hops carry (kv blocks, and the dk/dv accumulators in backward); None: the
     blocks' own (the accumulators travel in float32 for half inputs)."""
@@ -130,7 +130,11 @@ def _pieces(cfg: RingAttention, t: int, L: int) -> list[Piece]:
     block is wholly outside the window)."""
     if cfg.window is not None:
         owner = (cfg.rank - t) % cfg.size
-        return band_pieces(_segments(cfg, cfg.rank, L), _segments(cfg, owner, L), cfg.window)
+        keys = _segments(cfg, owner, L)
+        if cfg.kv_len is not None and not cfg.causal:  # padding: the sequence's tail
+            keys = runs_within(keys, 0, cfg.kv_len)
+        return mask_pieces(_segments(cfg, cfg.rank, L), keys, causal=cfg.causal,
+                           window=cfg.window)
     blk = _block(cfg, t, L)
     if blk is None:
         return []
@@ -278,8 +282,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup,
         softmax_scale: defaults to ``1 / sqrt(D)``.
         zigzag: the row layout, which must match how the sequence was sharded.
         backend: attention kernel name (see :mod:`ulysses.kernels`), or ``None``.
-        window: a causal sliding window over the ring-global sequence (keys a query sees,
-            itself included); blocks wholly outside it are skipped.
+        window: a sliding window over the ring-global sequence: causal, the keys a query
+            sees, itself included; non-causal, ``|q - k| < window``. Blocks wholly outside
+            it are skipped.
         comm_dtype: the dtype the hops carry: kv blocks, and the dk/dv partial sums (summed in
             float32 for half inputs, rounded to it for each hop); None: the inputs' dtype for
             kv, float32 partial sums for half inputs.

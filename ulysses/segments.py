@@ -31,7 +31,8 @@ class SegmentedAttention:
     starts: tuple[tuple[int, ...], ...]
     """Per batch row, the first position of each document (beginning with 0)."""
     window: int | None = None
-    """Causal sliding window within each document (:mod:`ulysses.band`); None: none."""
+    """Sliding window within each document (:mod:`ulysses.band`; symmetric when not causal);
+    None: none."""
     softcap: float = 0.0
     """Logit softcapping inside the softmax; 0: none."""
 
@@ -39,7 +40,7 @@ class SegmentedAttention:
         """What attends one document."""
         if self.window is not None:
             return WindowAttention(window=self.window, scale=self.scale, backend=self.backend,
-                                   softcap=self.softcap)
+                                   softcap=self.softcap, causal=self.causal)
         return LocalAttention(causal=self.causal, scale=self.scale, backend=self.backend,
                               softcap=self.softcap)
 

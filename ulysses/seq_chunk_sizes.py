@@ -16,7 +16,8 @@ import torch
 from torch import Tensor
 
 from ulysses import trace_shortcuts
-from ulysses.band import Piece, WindowAttention, acc_dtype, band_pieces, document_pieces
+from ulysses.band import (Piece, WindowAttention, acc_dtype, document_pieces, mask_pieces,
+                          runs_within)
 from ulysses.chunk_schedule import DEFAULT_CHUNK_BUDGET_BYTES
 from ulysses.host_blocks import HostBlocks
 from ulysses.kernels import LocalAttention
@@ -105,7 +106,7 @@ class SeqChunking:
     kv_len: int | None = None
     """Keys at global positions from ``kv_len`` on are padding (non-causal only)."""
     window: int | None = None
-    """A causal sliding window (:mod:`ulysses.band`), or None."""
+    """A sliding window (:mod:`ulysses.band`; symmetric when not causal), or None."""
     ring: RingAttention | None = None
     """The ring (hybrid Ulysses x Ring) whose ranks' kv blocks this rank also attends to:
     its group, this rank's index, its size, the row layout (zigzag or contiguous) and the
@@ -124,8 +125,8 @@ def seq_chunking(attn, num_blocks: int) -> SeqChunking:
         return SeqChunking(num_blocks, attn.causal, attn.scale, attn.backend, None,
                            attn.window, softcap=attn.softcap, starts=attn.starts)
     if isinstance(attn, WindowAttention):
-        return SeqChunking(num_blocks, True, attn.scale, attn.backend, None, attn.window,
-                           softcap=attn.softcap)
+        return SeqChunking(num_blocks, attn.causal, attn.scale, attn.backend, attn.kv_len,
+                           attn.window, softcap=attn.softcap)
     if isinstance(attn, LocalAttention):
         return SeqChunking(num_blocks, attn.causal, attn.scale, attn.backend, attn.kv_len,
                            softcap=attn.softcap)
@@ -240,12 +241,16 @@ class Blocks:
                                                       causal=seq.causal, window=seq.window))
                     for b, row in enumerate(seq.starts)]
             return [(rows, pieces) for rows, pieces in work if pieces]
-        if not seq.causal:  # padding is the sequence's tail: a suffix of each block's rows
+        if not seq.causal and seq.window is None:
+            # padding is the sequence's tail: a suffix of each block's rows
             n = sum(length if seq.kv_len is None else min(length, max(0, seq.kv_len - pos))
                     for pos, length, _ in keys)
             return [(slice(None), [Piece(0, self.U * self.bounds[t][1], 0, n, "full")])] \
                 if n else []
-        pieces = band_pieces(self.segments(self.me, t), keys, seq.window)
+        if seq.kv_len is not None and not seq.causal:
+            keys = runs_within(keys, 0, seq.kv_len)
+        pieces = mask_pieces(self.segments(self.me, t), keys, causal=seq.causal,
+                             window=seq.window)
         return [(slice(None), pieces)] if pieces else []
 
     def work(self, t: int, key: tuple[int, int]) -> list[tuple[slice, list[Piece]]]:
