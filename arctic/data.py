@@ -8,8 +8,9 @@
    every document (a document's last token must not predict the next document's first), and
    wherever ``attention_mask`` is 0.
 3. Padding up to what the mesh splits evenly (``2 R U`` with a zigzag ring): ``input_ids``
-   get ``pad_token_id``, ``shift_labels`` -100, and positions continue counting, so the
-   padded tail is part of the last document and invisible to causal attention.
+   get ``pad_token_id`` and ``shift_labels`` -100. The padding (this tail, and the tokens
+   ``attention_mask`` marks 0) is a document of its own: its positions restart at 0, so no
+   real token sees it, with a causal mask or without one (bidirectional models).
 4. Each tensor is cut with :func:`ulysses.shard_sequence`, so zigzag order applies when the
    mesh has a ring.
 
@@ -102,9 +103,14 @@ class _SequenceCut:
         shift[:, :-1][position_ids[:, 1:] != position_ids[:, :-1] + 1] = IGNORE_INDEX
 
         n = -(-S // self.divisor) * self.divisor
-        tail = position_ids[:, -1:] + torch.arange(1, n - S + 1)
+        positions = _pad_right(position_ids, n, 0)
+        # Right padding only: row b's padding is [real[b], n), a document of its own.
+        real = [S] * B if mask is None else mask.sum(1).tolist()
+        for b, first in enumerate(real):
+            if first < n:
+                positions[b, first:] = torch.arange(n - first)
         full = {"input_ids": _pad_right(input_ids, n, pad_token_id),
-                "position_ids": torch.cat([position_ids, tail], dim=1),
+                "position_ids": positions,
                 "shift_labels": _pad_right(shift, n, IGNORE_INDEX)}
         runs = self.split.runs(n, self.sp_rank)  # as ulysses.shard_sequence cuts
         return {k: torch.cat([v[:, start:start + size] for start, size in runs], dim=1)

@@ -107,7 +107,10 @@ def _sp_attention(module: nn.Module, query, key, value, attention_mask, **kwargs
     if sp.chunk_size is not None:
         full = q.shape[1] * axis_size(sp.mesh, "ulysses") * axis_size(sp.mesh, "ring")
         segments = chunk_starts(segments, sp.chunk_size, q.shape[0], full)
-    out = ulysses_attention(q, k, v, mesh=sp.mesh, causal=True, softmax_scale=call.scaling,
+    # Not causal only where check_model_features honoured it (Gemma3's bidirectional flag):
+    # full layers then attend without a mask, sliding ones within |q - k| < sliding_window.
+    causal = getattr(module, "is_causal", True) is not False
+    out = ulysses_attention(q, k, v, mesh=sp.mesh, causal=causal, softmax_scale=call.scaling,
                             head_chunk_size=sp.head_chunk_size, backend=sp.backend,
                             buffer_pool=sp.pool, segments=segments,
                             window=call.window, sinks=call.sinks,

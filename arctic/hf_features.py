@@ -24,10 +24,13 @@ windows of :mod:`ulysses.band`, with head chunking, fused projections, packed do
 rings); ``s_aux`` attention sinks (GPT-OSS; :mod:`ulysses.sinks`); ``softcap``, attention
 logit softcapping inside the softmax (Gemma2's ``attn_logit_softcapping``;
 :mod:`ulysses.softcap`); Llama4's chunked attention (``attention_chunk_size`` on the layers
-``layer_types`` marks chunked: documents of that length, :func:`attention_chunk`). What is
-refused: attention dropout, non-causal attention, Llama4's ``attn_temperature_tuning`` with
-NoPE layers, explicit masks, flash-attn varlen packing arguments and ``seq_idx`` (documents
-come from ``position_ids``), and returned attention weights.
+``layer_types`` marks chunked: documents of that length, :func:`attention_chunk`); Gemma3's
+``use_bidirectional_attention`` (:data:`BIDIRECTIONAL`: no causal mask, symmetric sliding
+windows). What is refused: attention dropout, other non-causal attention (another family's
+flag, ``config.is_causal=False``, a per-call ``is_causal=False``), Llama4's
+``attn_temperature_tuning`` with NoPE layers, explicit masks, flash-attn varlen packing
+arguments and ``seq_idx`` (documents come from ``position_ids``), and returned attention
+weights.
 """
 
 from __future__ import annotations
@@ -179,20 +182,49 @@ def attention_chunk(config, module: nn.Module) -> int | None:
     return int(size) if types[module.layer_idx] == "chunked_attention" else None
 
 
+BIDIRECTIONAL = ("Gemma3TextModel",)
+"""Decoders whose ``use_bidirectional_attention=True`` is honoured: their masks were read in
+transformers 5.13 and 5.24. Full layers attend without a causal mask, sliding layers within
+``|q - k| < sliding_window`` (the value the config stores, halved at load), both within
+packed documents. Other families' flag is refused: Gemma and Gemma2 set only the modules'
+``is_causal`` and keep causal masks, so transformers' own result depends on the attention
+implementation (eager reads the causal mask, sdpa without a mask the flag)."""
+
+
+def is_bidirectional(model: nn.Module) -> bool:
+    """Whether ``model`` asks for bidirectional attention that is honoured
+    (:data:`BIDIRECTIONAL`)."""
+    from arctic.anatomy import base_model
+
+    return getattr(model.config, "use_bidirectional_attention", None) is True and \
+        type(base_model(model)).__name__ in BIDIRECTIONAL
+
+
 def check_model_features(model: nn.Module, modules: list[nn.Module]) -> None:
     """``ValueError`` for what the config of ``model`` (or its attention ``modules``) asks for
     and the SP attention cannot reproduce; called before any collective."""
+    from arctic.anatomy import base_model
+
     config, name = model.config, type(model).__name__
-    checks = {
-        "attention_dropout": ("attention dropout", "set it to 0"),
-        "use_bidirectional_attention": (
-            "bidirectional attention", "sequence parallelism here trains causal decoders only"),
-    }
-    for key, (feature, instead) in checks.items():
-        value = getattr(config, key, None)
-        if value:
-            raise ValueError(f"{name}: config.{key}={value!r} asks for {feature}, which the "
-                             f"sequence-parallel attention does not implement; {instead}")
+    value = getattr(config, "attention_dropout", None)
+    if value:
+        raise ValueError(f"{name}: config.attention_dropout={value!r} asks for attention "
+                         f"dropout, which the sequence-parallel attention does not implement; "
+                         f"set it to 0")
+    bidirectional = getattr(config, "use_bidirectional_attention", None)
+    if bidirectional and not is_bidirectional(model):
+        raise ValueError(f"{name}: config.use_bidirectional_attention={bidirectional!r} is "
+                         f"honoured for {list(BIDIRECTIONAL)} only (decoders whose masks were "
+                         f"read); {type(base_model(model)).__name__}'s is not, since "
+                         f"transformers' own result for it may depend on the attention "
+                         f"implementation. Train it causally or without sequence parallelism")
+    if getattr(config, "is_causal", True) is False:
+        raise ValueError(f"{name}: config.is_causal=False asks for transformers' bidirectional "
+                         f"masks, whose result depends on the attention implementation (eager: "
+                         f"a mask over the whole row, across packed documents; sdpa: causal "
+                         f"where the attention module says so), so the sequence-parallel "
+                         f"attention cannot match it; use a model with "
+                         f"use_bidirectional_attention ({list(BIDIRECTIONAL)})")
     if getattr(config, "attn_temperature_tuning", False) and any(
             not getattr(m, "use_rope", True) for m in modules):
         raise ValueError(f"{name}: config.attn_temperature_tuning=True scales the queries of its "
@@ -202,6 +234,6 @@ def check_model_features(model: nn.Module, modules: list[nn.Module]) -> None:
                          f"attn_temperature_tuning=False (this changes the model) or train "
                          f"without sequence parallelism")
     for m in modules:
-        if getattr(m, "is_causal", True) is False:
+        if getattr(m, "is_causal", True) is False and not is_bidirectional(model):
             raise ValueError(f"{name}: {type(m).__name__} is not causal (is_causal=False); "
                              f"sequence parallelism here trains causal decoders only")

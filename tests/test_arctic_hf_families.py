@@ -51,6 +51,11 @@ def _config(family: str, feature_on: bool = True):
         "gemma3": lambda: tf.Gemma3TextConfig(**SMALL, sliding_window=WINDOW if feature_on else S,
                                               final_logit_softcapping=None,
                                               query_pre_attn_scalar=24, layer_types=alternate),
+        # no causal mask: full layers see every key (of their document), sliding layers
+        # |q - k| < 17 (the config halves the window it is given: 32 // 2 + 1); off: causal
+        "gemma3_bidirectional": lambda: tf.Gemma3TextConfig(
+            **SMALL, sliding_window=2 * WINDOW, use_bidirectional_attention=feature_on,
+            final_logit_softcapping=None, query_pre_attn_scalar=24, layer_types=alternate),
         "cohere2": lambda: tf.Cohere2Config(**SMALL, sliding_window=WINDOW if feature_on else S,
                                             layer_types=alternate,
                                             logit_scale=0.5 if feature_on else 1.0),
@@ -190,6 +195,7 @@ HONOURED = {
     "gemma2_softcap": "attention logit softcapping (1.0, on large scores) with the window on "
                       "alternate layers",
     "gemma3": "sliding window on alternate layers, query_pre_attn_scalar",
+    "gemma3_bidirectional": "use_bidirectional_attention: no causal mask, symmetric window",
     "cohere2": "sliding window on alternate layers (RoPE only there), logit_scale",
     "gpt_oss": "attention sinks (s_aux) and sliding window on alternate layers",
     "granite": "logits_scaling and attention_multiplier (scaling)",
@@ -207,7 +213,8 @@ def test_family_matches_single_device(family, sp):
 
 
 @pytest.mark.parametrize("sp", [pytest.param(2, marks=pytest.mark.hf_facing), 4])
-@pytest.mark.parametrize("family", ["stablelm", "nemotron", "mistral", "llama4"])
+@pytest.mark.parametrize("family", ["stablelm", "nemotron", "mistral", "llama4",
+                                    "gemma3_bidirectional"])
 def test_packed_documents_reach_the_attention(family, sp):
     """StableLM and Nemotron decoder layers pass no keyword arguments on to their attention:
     the documents must reach it anyway. Mistral: documents inside a sliding window. Llama4:
@@ -220,6 +227,7 @@ def test_packed_documents_reach_the_attention(family, sp):
 @pytest.mark.parametrize("family,sp,ring", [
     ("llama", 1, 2), ("qwen3", 1, 2), ("gpt_oss", 1, 2), ("llama4", 1, 2),
     ("llama", 2, 2), ("qwen3", 2, 2), ("gpt_oss", 2, 2), ("llama4", 2, 2),
+    ("gemma3_bidirectional", 1, 2), ("gemma3_bidirectional", 2, 2),
 ])
 def test_packed_documents_on_a_ring(family, sp, ring):
     """Documents crossing ring blocks and zigzag halves (50, 30 and 48 tokens; ring blocks
@@ -235,6 +243,8 @@ def test_packed_documents_on_a_ring(family, sp, ring):
     ("gemma2", 4, 1, 1, False),     # window with head chunks
     ("mistral", 2, 2, None, False),  # window across a zigzag ring (U=2 x R=2)
     ("gpt_oss", 2, 2, 1, False),    # sinks and window: ring and head chunks
+    ("gemma3_bidirectional", 2, 2, 1, False),  # symmetric window: ring and head chunks
+    ("gemma3_bidirectional", 1, 2, None, False),  # the same on a pure ring
     # softcap with the window: ring and head chunks (slow: the kernel-level ring case of
     # tests/test_ulysses_softcap.py is in the default run)
     pytest.param("gemma2_softcap", 2, 2, 1, False, marks=pytest.mark.slow),
@@ -291,6 +301,8 @@ def test_fused_projections_and_tiled_layer(family, sp):
 REFUSED = {
     "llama4_temperature_tuning": ["Llama4ForCausalLM", "attn_temperature_tuning"],
     "attention_dropout": ["LlamaForCausalLM", "attention_dropout"],
+    "gemma2_bidirectional": ["Gemma2ForCausalLM", "use_bidirectional_attention", "Gemma2Model"],
+    "config_is_causal_false": ["LlamaForCausalLM", "config.is_causal=False"],
     "output_attentions": ["LlamaAttention", "output_attentions"],
     "varlen_kwargs": ["LlamaAttention", "varlen"],
     "seq_idx": ["LlamaAttention", "seq_idx"],
@@ -301,7 +313,7 @@ REFUSED = {
 
 def _refused_calls():
     """name -> a call that must raise, on an SP=2 mesh (rank side)."""
-    from transformers import AutoModelForCausalLM, LlamaConfig, Llama4TextConfig
+    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Llama4TextConfig
 
     from arctic.hf_attention import apply_sequence_parallel
 
@@ -327,6 +339,9 @@ def _refused_calls():
             attn_temperature_tuning=True))),
         "attention_dropout": lambda: apply(build(LlamaConfig(**{**SMALL,
                                                                 "attention_dropout": 0.1}))),
+        "gemma2_bidirectional": lambda: apply(build(Gemma2Config(
+            **SMALL, use_bidirectional_attention=True))),
+        "config_is_causal_false": lambda: apply(build(LlamaConfig(**SMALL, is_causal=False))),
         "output_attentions": lambda: apply(_model("llama"))(input_ids=ids, position_ids=pos,
                                                             output_attentions=True),
         "varlen_kwargs": lambda: apply(_model("llama"))(input_ids=ids, position_ids=pos,
