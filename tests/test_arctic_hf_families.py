@@ -136,8 +136,9 @@ def _cached_reference(*key):
 
 
 def _rank_step(family, ulysses, ring=1, chunk=None, fuse=False, documents=False,
-               tiled_layer=False, seq_chunk=None):
-    """One SP training step of ``family``: loss and DDP-averaged gradients."""
+               tiled_layer=False, seq_chunk=None, dp=1):
+    """One SP training step of ``family``: loss and DDP-averaged gradients (``dp`` data-
+    parallel groups, each running the same batch)."""
     import torch.distributed as dist
 
     from arctic.data import prepare_sp_batch
@@ -145,7 +146,7 @@ def _rank_step(family, ulysses, ring=1, chunk=None, fuse=False, documents=False,
     from arctic.loss import apply_sp_loss
     from ulysses import flat_mesh
 
-    world = ulysses * ring
+    world = dp * ulysses * ring
     mesh = get_mesh(world, ulysses, ring)
     model = apply_sequence_parallel(_model(family), mesh=mesh, head_chunk_size=chunk,
                                     fuse_projections=fuse, seq_chunk=seq_chunk)
@@ -235,6 +236,13 @@ def test_packed_documents_on_a_ring(family, sp, ring):
     and windows (GPT-OSS), and Llama4's chunks of 32 restarting at each document."""
     results = dist_pool.run(_rank_step, family, sp, ring, documents=True, world_size=sp * ring)
     _check(results, _cached_reference(family, True, True), _cached_reference(family))
+
+
+def test_chunked_attention_with_data_parallel_groups():
+    """Llama4's chunks count the sequence over the ulysses and ring axes only: on a mesh with
+    two data-parallel groups the full length is not the mesh's size times the piece."""
+    results = dist_pool.run(_rank_step, "llama4", 2, documents=True, dp=2, world_size=4)
+    _check(results, _cached_reference("llama4", True, True), _cached_reference("llama4"))
 
 
 @pytest.mark.parametrize("family,sp,ring,chunk,fuse", [

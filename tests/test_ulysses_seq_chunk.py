@@ -413,7 +413,8 @@ def _rank_trace(N, shortcuts, window):
     return peak, calls[0]
 
 
-@pytest.mark.parametrize("window", [None, 20], ids=["causal", "window20"])
+@pytest.mark.parametrize("window", [None, pytest.param(20, marks=pytest.mark.slow)],
+                         ids=["causal", "window20"])  # window20: 18 s, the same shortcuts
 def test_memory_trace_shortcuts(window):
     """The planner's shortcut trace keeps only block iterations whose shapes differ from the
     two before: the same peak as the full trace, byte for byte (left-out blocks still hold
