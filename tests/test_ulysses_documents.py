@@ -12,10 +12,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-import dist_pool
-from helpers import TOL, get_mesh, make_qkv
-from test_ulysses_window_sinks import _sinks, reference
-from ulysses import gather_sequence, shard_sequence, ulysses_attention
+from test_ulysses_window_sinks import check_case, reference
 from ulysses.ring import RingAttention, _document_pieces, _segments, _work
 
 KIND_MASKS = {"full": lambda n, w: torch.ones(n, w, dtype=torch.int),
@@ -93,37 +90,13 @@ SEQ_CHUNK = {"u2_seq_chunk_window_sinks": 3, "u4_seq_chunk": 4, "u2r2_zigzag_seq
 """Cases run by the sequence-chunked loop (:mod:`ulysses.seq_chunk`), blocks per piece:
 documents cross the blocks (pieces of 64, 32 and 32 rows)."""
 SLOW = {"r4_zigzag_sinks", "u2r2_contiguous", "u4_seq_chunk"}
-S = 128
-
-
-def _rank_case(name):
-    world, U, R, zigzag, H, K, chunk, window, with_sinks, starts = CASES[name]
-    mesh = get_mesh(world, U, R, zigzag)
-    q, k, v, dout = make_qkv(3, 2, S, H, K, 8, torch.float32)
-    sinks = _sinks(H).requires_grad_() if with_sinks else None
-    local = [shard_sequence(t, mesh, dim=1).requires_grad_() for t in (q, k, v)]
-    out = ulysses_attention(*local, mesh=mesh, causal=True, head_chunk_size=chunk,
-                            window=window, sinks=sinks, segments=starts,
-                            seq_chunk=SEQ_CHUNK.get(name))
-    out.backward(shard_sequence(dout, mesh, dim=1))
-    full = [gather_sequence(t, mesh, dim=1) for t in (out.detach(), *(x.grad for x in local))]
-    return full, None if sinks is None else sinks.grad
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n in SLOW else n
                                   for n in CASES])
 def test_documents_across_ranks(name):
-    world, U, R, zigzag, H, K, chunk, window, with_sinks, starts = CASES[name]
-    q, k, v, dout = make_qkv(3, 2, S, H, K, 8, torch.float32)
-    sinks = _sinks(H) if with_sinks else None
-    want = reference(q, k, v, dout, window=window, sinks=sinks, starts=starts)
-    results = dist_pool.run(_rank_case, name, world_size=world)
-    for full, _ in results:
-        for what, got, ref in zip(("out", "dq", "dk", "dv"), full, want):
-            torch.testing.assert_close(got.double(), ref, **TOL[torch.float32],
-                                       msg=lambda m: f"{name} {what}: {m}")
-    if with_sinks:
-        dsinks = torch.stack([d for _, d in results]).sum(0)
-        torch.testing.assert_close(dsinks.double(), want[4], **TOL[torch.float32])
+    window = CASES[name][7]
+    (q, k, v, dout, sinks), want = check_case(name, CASES[name], seed=3,
+                                              seq_chunk=SEQ_CHUNK.get(name))
     one_document = reference(q, k, v, dout, window=window, sinks=sinks)
     assert (one_document[0] - want[0]).abs().max() > 1e-2

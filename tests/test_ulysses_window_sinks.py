@@ -18,8 +18,11 @@ from ulysses.band import WindowAttention, band_pieces
 from ulysses.kernels import attention_with_lse, default_scale
 
 
-def reference(q, k, v, dout, *, window=None, sinks=None, starts=None):
-    """float64 ``(out, dq, dk, dv, dsinks)`` of causal attention with the given mask."""
+def reference(q, k, v, dout, *, window=None, sinks=None, starts=None, causal=True,
+              kv_len=None):
+    """float64 ``(out, dq, dk, dv, dsinks)`` of attention with the given mask: causal or not,
+    a window (``|q - k| < window``: behind a causal mask the keys before the query), packed
+    documents, sinks, and keys from ``kv_len`` on masked as padding."""
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
     s = None if sinks is None else sinks.detach().double().requires_grad_()
     B, S, H, D = q.shape
@@ -27,9 +30,13 @@ def reference(q, k, v, dout, *, window=None, sinks=None, starts=None):
     kx, vx = k.repeat_interleave(rep, 2), v.repeat_interleave(rep, 2)
     scores = torch.einsum("bqhd,bkhd->bhqk", q, kx) * default_scale(D, None)
     i = torch.arange(S)
-    mask = (i[None, :] <= i[:, None]).expand(B, S, S).clone()                # [B, q, k]
+    mask = torch.ones(B, S, S, dtype=torch.bool)                             # [B, q, k]
+    if causal:
+        mask &= i[None, :] <= i[:, None]
     if window is not None:
-        mask &= (i[:, None] - i[None, :]) < window
+        mask &= (i[:, None] - i[None, :]).abs() < window
+    if kv_len is not None:
+        mask &= i[None, None, :] < kv_len
     if starts is not None:
         for b, row in enumerate(starts):
             doc = torch.bucketize(i, torch.tensor(row[1:]), right=True)
@@ -100,17 +107,19 @@ def test_window_costs_about_window_keys_per_query():
 
 # --- one rank -------------------------------------------------------------------------------
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-@pytest.mark.parametrize("S,window", [(64, 1), (64, 2), (61, 7), (64, 16), (64, 64), (50, 200)])
-def test_window_attention_one_rank(S, window, dtype):
+def one_rank_case(S: int, window: int, dtype: str, *, seed: int, causal: bool = True,
+                  kv_len: int | None = None) -> None:
+    """``WindowAttention`` on one rank, with and without sinks, against the reference; and the
+    window must change the result (so the check can fail)."""
     dt = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
-    q, k, v, dout = make_qkv(0, 2, S, 4, 2, 16, dt)
+    q, k, v, dout = make_qkv(seed, 2, S, 4, 2, 16, dt)
     sinks = _sinks(4).to(dt)
     for s in (None, sinks):
-        want = reference(q, k, v, dout, window=window, sinks=s)
+        want = reference(q, k, v, dout, window=window, sinks=s, causal=causal, kv_len=kv_len)
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         s_leaf = None if s is None else s.clone().requires_grad_()
-        attn = WindowAttention(window=window, scale=default_scale(16, None), backend="cpu_flash")
+        attn = WindowAttention(window=window, scale=default_scale(16, None), backend="cpu_flash",
+                               causal=causal, kv_len=kv_len)
         out, _ = attention_with_lse(*leaves, attn, s_leaf)
         out.backward(dout)
         _close(out, want[0], dt, "out")
@@ -118,9 +127,15 @@ def test_window_attention_one_rank(S, window, dtype):
             _close(leaf.grad, g, dt, name)
         if s is not None:
             _close(s_leaf.grad, want[4], dt, "dsinks")
-    if window < S:  # the window changes the result here, so this test can fail
-        plain = reference(q, k, v, dout)
+    if window < S:
+        plain = reference(q, k, v, dout, causal=causal, kv_len=kv_len)
         assert (plain[0] - want[0]).abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+@pytest.mark.parametrize("S,window", [(64, 1), (64, 2), (61, 7), (64, 16), (64, 64), (50, 200)])
+def test_window_attention_one_rank(S, window, dtype):
+    one_rank_case(S, window, dtype, seed=0)
 
 
 # --- across ranks ---------------------------------------------------------------------------
@@ -142,36 +157,51 @@ SEQ_CHUNK = {"u4_seq_chunk_window_sinks": 3, "u2r2_zigzag_seq_chunk_window_sinks
 S = 128
 
 
-def _rank_case(name):
-    world, U, R, zigzag, H, K, chunk, window, with_sinks, starts = CASES[name]
+def run_case(case, *, seed: int, length: int, seq_chunk=None, causal=True, pad=False):
+    """On each rank: ``ulysses_attention`` forward and backward of ``case`` (a ``CASES``
+    tuple) on this rank's shards of ``length`` tokens; returns the gathered out, dq, dk, dv
+    and this rank's dsinks."""
+    world, U, R, zigzag, H, K, chunk, window, with_sinks, starts = case
     mesh = get_mesh(world, U, R, zigzag)
-    q, k, v, dout = make_qkv(1, 2, S, H, K, 8, torch.float32)
+    q, k, v, dout = make_qkv(seed, 2, length, H, K, 8, torch.float32)
     sinks = _sinks(H).requires_grad_() if with_sinks else None
-    local = [shard_sequence(t, mesh, dim=1).requires_grad_() for t in (q, k, v)]
-    out = ulysses_attention(*local, mesh=mesh, causal=True, head_chunk_size=chunk,
+    local = [shard_sequence(t, mesh, dim=1, pad=pad).requires_grad_() for t in (q, k, v)]
+    out = ulysses_attention(*local, mesh=mesh, causal=causal, head_chunk_size=chunk,
                             window=window, sinks=sinks, segments=starts,
-                            seq_chunk=SEQ_CHUNK.get(name))
-    out.backward(shard_sequence(dout, mesh, dim=1))
-    full = [gather_sequence(t, mesh, dim=1)
+                            unpadded_len=length if pad else None, seq_chunk=seq_chunk)
+    out.backward(shard_sequence(dout, mesh, dim=1, pad=pad))
+    full = [gather_sequence(t, mesh, dim=1, unpadded_len=length if pad else None)
             for t in (out.detach(), *(x.grad for x in local))]
     return full, None if sinks is None else sinks.grad
+
+
+def check_case(name, case, *, seed: int, length: int = S, **run) -> tuple:
+    """Run ``case`` across its ranks and compare with the float64 reference (the sinks'
+    gradient summed over the ranks, each holding its heads' share); returns the reference's
+    inputs and result for the caller's checks that the features matter."""
+    world, U, R, zigzag, H, K, chunk, window, with_sinks, starts = case
+    q, k, v, dout = make_qkv(seed, 2, length, H, K, 8, torch.float32)
+    sinks = _sinks(H) if with_sinks else None
+    want = reference(q, k, v, dout, window=window, sinks=sinks, starts=starts,
+                     causal=run.get("causal", True))
+    results = dist_pool.run(run_case, case, seed=seed, length=length, **run, world_size=world)
+    for full, _ in results:
+        for what, got, ref in zip(("out", "dq", "dk", "dv"), full, want):
+            _close(got, ref, torch.float32, f"{name} {what}")
+    if with_sinks:
+        dsinks = torch.stack([d for _, d in results]).sum(0)
+        _close(dsinks, want[4], torch.float32, f"{name} dsinks")
+    return (q, k, v, dout, sinks), want
 
 
 @pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow)
                                   if n == "u2r2_zigzag_seq_chunk_window_sinks" else n
                                   for n in CASES])
 def test_window_and_sinks_across_ranks(name):
-    world, U, R, zigzag, H, K, chunk, window, with_sinks, starts = CASES[name]
-    q, k, v, dout = make_qkv(1, 2, S, H, K, 8, torch.float32)
-    sinks = _sinks(H) if with_sinks else None
-    want = reference(q, k, v, dout, window=window, sinks=sinks, starts=starts)
-    results = dist_pool.run(_rank_case, name, world_size=world)
-    dsinks = torch.stack([d for _, d in results]).sum(0) if with_sinks else None
-    for full, _ in results:
-        for what, got, ref in zip(("out", "dq", "dk", "dv"), full, want):
-            _close(got, ref, torch.float32, f"{name} {what}")
-    if with_sinks:  # each rank holds its heads' share; the DDP-style sum is the gradient
-        _close(dsinks, want[4], torch.float32, f"{name} dsinks")
+    window, starts = CASES[name][7], CASES[name][9]
+    (q, k, v, dout, sinks), want = check_case(name, CASES[name], seed=1,
+                                              seq_chunk=SEQ_CHUNK.get(name))
+    if sinks is not None:
         no_sinks = reference(q, k, v, dout, window=window, starts=starts)
         assert (no_sinks[0] - want[0]).abs().max() > 1e-2
     no_window = reference(q, k, v, dout, sinks=sinks, starts=starts)
