@@ -514,3 +514,20 @@ def test_optimizer_offload_moves_the_state_to_the_host(tmp_path):
     assert none["device_budget"] == int((80 << 30) * 0.95 / 1.12)
     bare = _plan(tmp_path, *args, "--allocator-headroom", "1.0", name="bare.json")["estimate"]
     assert bare["device_budget"] == int((80 << 30) * 0.95)
+
+
+@pytest.mark.slow  # 20 s
+def test_plans_gemma2_with_attention_softcapping(tmp_path):
+    """transformers refuses sdpa for Gemma2 with attention softcapping; the planner builds it
+    with eager attention (the recipe swaps in the sequence-parallel one) and traces the
+    blockwise softcap kernel through its memory-trace shortcuts."""
+    from transformers import Gemma2Config
+
+    Gemma2Config(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                 num_attention_heads=4, num_key_value_heads=2, head_dim=32,
+                 attn_logit_softcapping=50.0, final_logit_softcapping=None,
+                 sliding_window=4096, query_pre_attn_scalar=32).save_pretrained(tmp_path)
+    est = _plan(tmp_path, "--model", str(tmp_path / "config.json"), "--seq-len", "8K",
+                "--gpus", "2", "--stack", "ours", "--no-fuse-projections", "--no-tiled-layer",
+                "--quick")["estimate"]
+    assert est["fits"] and est["device_peak_bytes"] > 0, est

@@ -59,6 +59,49 @@ def test_softcap_matches_autograd(monkeypatch, S, causal, backend, dtype):
     assert (uncapped[0] - want[0]).abs().max() > 0.1  # the cap changes the result
 
 
+def _traced_peak(shortcuts: bool, causal: bool) -> tuple[int, int]:
+    """Peak bytes (MemTracker) and block iterations of the blockwise kernel's forward and
+    backward traced on fake tensors, as the memory planner traces, with or without its
+    shortcuts."""
+    import contextlib
+
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from ulysses.trace_shortcuts import memory_trace
+
+    calls, scores = [0], blockwise._scores
+
+    def counting(*args, **kwargs):
+        calls[0] += 1
+        return scores(*args, **kwargs)
+
+    blockwise._scores = counting
+    try:
+        with FakeTensorMode(), memory_trace() if shortcuts else contextlib.nullcontext():
+            q, k, v, dout = make_qkv(0, 1, 300, 4, 2, 16, torch.float32)
+            tracker = MemTracker()
+            tracker.track_external(q, k, v, dout)
+            with tracker:
+                out, lse = blockwise.softcap_forward(q, k, v, causal, 0.25, 5.0)
+                blockwise.softcap_backward(dout, q, k, v, out, lse, causal, 0.25, 5.0)
+            peak = tracker.get_tracker_snapshot("peak")[q.device]["Total"]
+    finally:
+        blockwise._scores = scores
+    return peak, calls[0]
+
+
+@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+def test_memory_trace_shortcuts_keep_the_peak(monkeypatch, causal):
+    """In the planner's trace the kernel runs only block iterations whose shapes differ from
+    the two before (without it a 1M-token trace would run millions of blocks): the same peak,
+    byte for byte, with fewer iterations."""
+    monkeypatch.setattr(blockwise, "Q_BLOCK", 16)
+    monkeypatch.setattr(blockwise, "K_BLOCK", 48)
+    full, cut = _traced_peak(False, causal), _traced_peak(True, causal)
+    assert full[0] == cut[0] and cut[1] < full[1] / 3, (full, cut)
+
+
 def test_softcap_lse_is_the_capped_log_sum_exp():
     q, k, v, _ = make_qkv(4, 1, 45, 2, 1, 8, torch.float32)
     _, lse = blockwise.softcap_forward(q, k, v, True, 0.5, CAP)

@@ -19,6 +19,8 @@ from __future__ import annotations
 import torch
 from torch import Tensor
 
+from ulysses import trace_shortcuts
+
 Q_BLOCK, K_BLOCK = 128, 1024
 
 
@@ -57,9 +59,32 @@ def _scores(qb: Tensor, kb: Tensor, scale: float, cap: float, causal: bool, q0: 
     return s, t
 
 
-def _key_blocks(q0: int, q1: int, L: int, causal: bool):
-    last = min(L, q1) if causal else L
-    return ((k0, min(k0 + K_BLOCK, last)) for k0 in range(0, last, K_BLOCK))
+def _kept(blocks: list[tuple[int, int]], sigs: list, x: Tensor) -> list[tuple[int, int]]:
+    """The blocks a loop runs: all; in a memory trace (:func:`ulysses.trace_shortcuts.skip`
+    of ``x``) a block whose signature (what it allocates) repeats the two before it is left
+    out unless it is the last, as it allocates and frees what they did."""
+    return [blk for i, blk in enumerate(blocks) if trace_shortcuts.kept(
+        i, len(blocks), i >= 2 and sigs[i] == sigs[i - 1] == sigs[i - 2], x)]
+
+
+def _cut(n: int, size: int) -> list[tuple[int, int]]:
+    return [(a, min(a + size, n)) for a in range(0, n, size)]
+
+
+def _keys_of(q1: int, L: int, causal: bool) -> int:
+    return min(L, q1) if causal else L
+
+
+def _query_blocks(S: int, L: int, causal: bool, x: Tensor) -> list[tuple[int, int]]:
+    """Query blocks a loop runs. Nothing of a key block outlives it, so what a query block
+    allocates at most is fixed by its rows and its widest key block."""
+    blocks = _cut(S, Q_BLOCK)
+    return _kept(blocks, [(b - a, min(K_BLOCK, _keys_of(b, L, causal))) for a, b in blocks], x)
+
+
+def _key_blocks(q1: int, L: int, causal: bool, x: Tensor) -> list[tuple[int, int]]:
+    blocks = _cut(_keys_of(q1, L, causal), K_BLOCK)
+    return _kept(blocks, [b - a for a, b in blocks], x)
 
 
 def softcap_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
@@ -70,13 +95,12 @@ def softcap_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
     qg, kg, vg = _grouped(q, K), _kv(k), _kv(v)
     out = torch.empty(B, K, H // K, S, D, dtype=torch.float32, device=q.device)
     lse = torch.empty(B, K, H // K, S, dtype=torch.float32, device=q.device)
-    for q0 in range(0, S, Q_BLOCK):
-        q1 = min(q0 + Q_BLOCK, S)
+    for q0, q1 in _query_blocks(S, L, causal, q):
         qb = qg[..., q0:q1, :]
         m = torch.full(qb.shape[:-1], float("-inf"), device=q.device)
         total = torch.zeros_like(m)
         acc = torch.zeros_like(qb)
-        for k0, k1 in _key_blocks(q0, q1, L, causal):
+        for k0, k1 in _key_blocks(q1, L, causal, q):
             s, _ = _scores(qb, kg[..., k0:k1, :], scale, cap, causal, q0, k0)
             new = torch.maximum(m, s.amax(-1))
             safe = torch.where(torch.isinf(new), torch.zeros_like(new), new)
@@ -85,8 +109,10 @@ def softcap_forward(q: Tensor, k: Tensor, v: Tensor, causal: bool, scale: float,
             total = total * keep + p.sum(-1)
             acc = acc * keep[..., None] + p @ vg[..., k0:k1, :]
             m = new
+            del s, new, safe, p, keep  # nothing of a block outlives it
         out[..., q0:q1, :] = acc / total[..., None]
         lse[..., q0:q1] = m + torch.log(total)
+        del qb, m, total, acc
     return (out.permute(0, 3, 1, 2, 4).reshape(B, S, H, D).to(q.dtype),
             lse.reshape(B, H, S))
 
@@ -102,10 +128,9 @@ def softcap_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
     dq = torch.zeros_like(qg)
     dk = torch.zeros(B, K, L, D, dtype=torch.float32, device=q.device)
     dv = torch.zeros_like(dk)
-    for q0 in range(0, S, Q_BLOCK):
-        q1 = min(q0 + Q_BLOCK, S)
+    for q0, q1 in _query_blocks(S, L, causal, q):
         qb, dob = qg[..., q0:q1, :], dog[..., q0:q1, :]
-        for k0, k1 in _key_blocks(q0, q1, L, causal):
+        for k0, k1 in _key_blocks(q1, L, causal, q):
             kb, vb = kg[..., k0:k1, :], vg[..., k0:k1, :]
             s, t = _scores(qb, kb, scale, cap, causal, q0, k0)
             p = torch.exp(s - lse_g[..., q0:q1, None])
@@ -114,5 +139,7 @@ def softcap_backward(dout: Tensor, q: Tensor, k: Tensor, v: Tensor, out: Tensor,
             dz = ds * (1 - t * t) * scale                             # d/dz of cap*tanh(z/cap)
             dq[..., q0:q1, :] += dz @ kb
             dk[:, :, k0:k1] += (dz.transpose(-1, -2) @ qb).sum(2)
+            del kb, vb, s, t, p, ds, dz  # nothing of a block outlives it
+        del qb, dob
     dq = dq.permute(0, 3, 1, 2, 4).reshape(B, S, H, D).to(q.dtype)
     return dq, dk.transpose(1, 2).to(k.dtype), dv.transpose(1, 2).to(v.dtype)

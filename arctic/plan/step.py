@@ -27,8 +27,13 @@ def build(config, sp: SequenceParallelConfig, mesh, *, device, shard: bool = Tru
     from arctic.fsdp import apply_fsdp
 
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
-                                                 dtype=torch.float32)
+        try:
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
+                                                     dtype=torch.float32)
+        except ValueError:  # e.g. Gemma2 with attention softcapping: transformers refuses
+            # sdpa; the recipe swaps in the sequence-parallel attention either way
+            model = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
+                                                     dtype=torch.float32)
     apply_sp_recipe(model, config=sp, mesh=mesh, averaged_over_sp=True,
                     host_memory_limit=host_memory_limit)
     if shard:
