@@ -82,9 +82,11 @@ CASES = {
     "u2_seq_chunk_documents_window": (2, 2, 1, True, 4, 2, 1, 9, True,
                                       ((0, 20, 45, 97), (0, 64))),
     "u2r2_seq_chunk_window": (4, 2, 2, True, 4, 2, 1, 25, False, None),
+    "u2r2_seq_chunk_padded_window": (4, 2, 2, True, 4, 2, 1, 13, True, None),
 }
-SEQ_CHUNK = {"u2_seq_chunk_documents_window": 3, "u2r2_seq_chunk_window": 2}
-PADDED = {"u2_padded_window", "r2_zigzag_padded_window"}
+SEQ_CHUNK = {"u2_seq_chunk_documents_window": 3, "u2r2_seq_chunk_window": 2,
+             "u2r2_seq_chunk_padded_window": 3}
+PADDED = {"u2_padded_window", "r2_zigzag_padded_window", "u2r2_seq_chunk_padded_window"}
 """Cases of 121 tokens, padded by shard_sequence and masked through unpadded_len."""
 SLOW = {"u4_chunked_window_sinks", "r2_zigzag_documents", "u2r2_seq_chunk_window"}
 
