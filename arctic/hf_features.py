@@ -48,14 +48,22 @@ GPT-OSS's per-head sink logits, and attention logit softcapping."""
 REFUSED = ("dropout", "is_causal", "output_attentions", "head_mask",
            "layer_head_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
            "seq_idx")
-"""Attention arguments refused when they ask for something (a non-zero dropout,
-``is_causal=False``, returned weights, head masks, flash-attn varlen packing, a packed
-sequence index): the SP attention does not implement them."""
+"""Attention arguments refused when they ask for something (a non-zero dropout, an
+``is_causal`` other than the module's own, returned weights, head masks, flash-attn varlen
+packing, a packed sequence index): the SP attention does not implement them."""
 INERT = ("position_ids", "use_cache", "cache_position", "output_router_logits",
          "output_hidden_states", "return_dict")
 """Arguments that reach the attention but do not change what it computes: the position ids
 (documents come from the model's own ``position_ids``, which the batch hook reads), and flags
 for other parts of the model (KV cache, MoE router outputs, returned hidden states)."""
+
+BIDIRECTIONAL = ("Gemma3TextModel",)
+"""Decoders whose ``use_bidirectional_attention=True`` is honoured: their masks were read in
+transformers 5.13 and 5.24. Full layers attend without a causal mask, sliding layers within
+``|q - k| < sliding_window`` (the value the config stores, halved at load), both within
+packed documents. Other families' flag is refused: Gemma and Gemma2 set only the modules'
+``is_causal`` and keep causal masks, so transformers' own result depends on the attention
+implementation (eager reads the causal mask, sdpa without a mask the flag)."""
 
 _VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 
@@ -141,9 +149,15 @@ def read_attention_kwargs(module: nn.Module, kwargs: dict, *,
         softcap = check_softcap(kw.pop("softcap", None))
     except ValueError as e:
         raise ValueError(f"{type(module).__name__}: {e}") from None
-    if kw.pop("is_causal", None) is False:
-        raise _refuse(module, "non-causal attention (is_causal=False)",
-                      "sequence parallelism here trains causal decoders only")
+    is_causal = kw.pop("is_causal", None)
+    module_causal = getattr(module, "is_causal", True) is not False
+    if is_causal is not None and bool(is_causal) != module_causal:
+        # transformers' own result would depend on the implementation: eager reads the mask
+        # the model built for the module, sdpa the flag where no mask is built
+        raise _refuse(module, f"is_causal={is_causal!r} on a call to a "
+                      f"{'causal' if module_causal else 'non-causal'} attention module",
+                      f"of non-causal attention only {list(BIDIRECTIONAL)}'s "
+                      f"use_bidirectional_attention is honoured")
     if kw.pop("output_attentions", None):
         raise _refuse(module, "returned attention weights (output_attentions=True)",
                       "call the model with output_attentions=False")
@@ -180,15 +194,6 @@ def attention_chunk(config, module: nn.Module) -> int | None:
                          f"layer_types saying which layers are chunked; this transformers "
                          f"release is not supported for chunked attention")
     return int(size) if types[module.layer_idx] == "chunked_attention" else None
-
-
-BIDIRECTIONAL = ("Gemma3TextModel",)
-"""Decoders whose ``use_bidirectional_attention=True`` is honoured: their masks were read in
-transformers 5.13 and 5.24. Full layers attend without a causal mask, sliding layers within
-``|q - k| < sliding_window`` (the value the config stores, halved at load), both within
-packed documents. Other families' flag is refused: Gemma and Gemma2 set only the modules'
-``is_causal`` and keep causal masks, so transformers' own result depends on the attention
-implementation (eager reads the causal mask, sdpa without a mask the flag)."""
 
 
 def is_bidirectional(model: nn.Module) -> bool:

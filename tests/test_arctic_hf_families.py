@@ -426,3 +426,19 @@ def test_checkpoint_recompute_uses_its_own_documents():
 def test_hf_checkpointing_refuses_a_forward_with_other_documents_before_backward():
     for message in dist_pool.run(_rank_interleaved, True, world_size=2):
         assert "before the previous forward's backward" in message, message
+
+
+def test_a_per_call_is_causal_must_agree_with_the_module():
+    """``is_causal`` passed to one attention call is honoured only where it says what the
+    module is: a causal module given False, or a bidirectional one given True, would get
+    another mask from transformers depending on its attention implementation."""
+    from types import SimpleNamespace
+
+    from arctic.hf_features import read_attention_kwargs
+
+    causal, bidirectional = SimpleNamespace(is_causal=True), SimpleNamespace(is_causal=False)
+    read_attention_kwargs(causal, {"is_causal": True})
+    read_attention_kwargs(bidirectional, {"is_causal": False})
+    for module, flag in ((causal, False), (bidirectional, True)):
+        with pytest.raises(ValueError, match=f"is_causal={flag}"):
+            read_attention_kwargs(module, {"is_causal": flag})
