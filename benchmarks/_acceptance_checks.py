@@ -32,6 +32,9 @@ SOFTCAP_CASES = (dict(seq_len=301, causal=True, window=None, sinks=False, softca
                  dict(WINDOW_CASE, softcap=30.0))
 """Gemma2's logit cap (small enough to bind on these inputs): the kernel's own ``softcap``
 where it takes one (flash_attn, fa3), else the blockwise capped kernel on the GPU."""
+SYMMETRIC_CASE = dict(seq_len=301, causal=False, window=37, sinks=True)
+"""A window without a causal mask (``|q - k| < window``, Gemma3's bidirectional sliding
+layers): anticausal, full and offset-causal pieces."""
 SEQ_CHUNK, SPILL_HOST_GIB = 4, 0.25
 """The host-blocks run: 4 sequence blocks, and a host limit under one layer's input (0.5 GiB
 at 64K tokens), so the layer inputs spill to the disk tier."""
@@ -99,7 +102,8 @@ def grid_backends() -> list[str]:
 
 
 def grid_cases() -> list[dict]:
-    """Backend x dtype x head dim, each over length x causal, a window with sinks, and softcap."""
+    """Backend x dtype x head dim, each over length x causal, a window with sinks, softcap, and
+    a symmetric (non-causal) window."""
     cases = []
     for backend in grid_backends():
         for dtype in DTYPES:
@@ -109,6 +113,7 @@ def grid_cases() -> list[dict]:
                           for n in LENGTHS for c in (True, False)]
                 cases.append(dict(base, **WINDOW_CASE))
                 cases += [dict(base, **c) for c in SOFTCAP_CASES]
+                cases.append(dict(base, **SYMMETRIC_CASE))
     return cases
 
 

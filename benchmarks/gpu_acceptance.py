@@ -259,7 +259,8 @@ def dry_run(args: argparse.Namespace, groups: list[str]) -> str:
                      f"  {len(cases)} cases: {', '.join(grid_backends())} x "
                      f"{', '.join(DTYPES)} x head dims {HEAD_DIMS} x (lengths {LENGTHS} x "
                      f"causal/full + S={WINDOW_CASE['seq_len']} causal, window "
-                     f"{WINDOW_CASE['window']}, sinks + softcap 30 causal, full, windowed); "
+                     f"{WINDOW_CASE['window']}, sinks + softcap 30 causal, full, windowed + full, "
+                     f"symmetric window 37, sinks); "
                      f"batch {GRID_SHAPE['batch']}, "
                      f"{GRID_SHAPE['heads']} heads on {GRID_SHAPE['kv_heads']} kv heads",
                      *_known_skips()],

@@ -21,9 +21,9 @@ GiB = 1 << 30
 sys.path.append(str(REPO / "benchmarks"))
 
 import gpu_acceptance as ga  # noqa: E402
-from _acceptance_checks import (SOFTCAP_CASES, WINDOW_CASE, caps, cuda_test_files,  # noqa: E402
-                                grid_backends, grid_case, grid_cases, grid_rows,
-                                step_record_rows)
+from _acceptance_checks import (SOFTCAP_CASES, SYMMETRIC_CASE, WINDOW_CASE, caps,  # noqa: E402
+                                cuda_test_files, grid_backends, grid_case, grid_cases,
+                                grid_rows, step_record_rows)
 from _acceptance_runner import (Budget, Ran, Row, Runner, parse_pytest_summary,  # noqa: E402
                                 pytest_row, write_report)
 
@@ -49,10 +49,10 @@ def test_dry_run_lists_every_group_its_commands_and_the_grid(capsys, tmp_path):
     assert "math" not in backends and "cpu_flash" not in backends
     assert {"sdpa_flash", "sdpa_efficient", "sdpa_cudnn"} <= set(backends)
     # backend x {bf16, fp16} x {64, 128} x (3 lengths x causal/full + the window with sinks
-    # + softcap causal, full and windowed)
-    assert f"{len(backends) * 2 * 2 * 10} cases: {', '.join(backends)} x bf16, fp16" in text
+    # + softcap causal, full and windowed + the symmetric window)
+    assert f"{len(backends) * 2 * 2 * 11} cases: {', '.join(backends)} x bf16, fp16" in text
     assert "lengths (45, 301, 1000)" in text and "window 37, sinks" in text
-    assert "softcap 30 causal, full, windowed" in text
+    assert "softcap 30 causal, full, windowed" in text and "symmetric window 37" in text
     assert not out.exists() and not out.with_suffix(".md").exists()
 
 
@@ -132,16 +132,16 @@ def test_grid_rows_per_backend_dtype_and_head_dim():
     results += _results(cut, "passed", errors=errors, tolerance=1e-2, seconds=0.01)[:3]
     killed = _ran("", rc=None)
     rows = {r.name: r for r in grid_rows(results, killed)}
-    assert len(rows) == len(grid_cases()) // 10
+    assert len(rows) == len(grid_cases()) // 11
     good = rows["sdpa_flash bf16 d64"]
-    assert good.status == "passed" and good.figures["cases"] == "10/10 passed"
+    assert good.status == "passed" and good.figures["cases"] == "11/11 passed"
     assert good.figures["worst rel. error"] == "out 1.00e-03, dq 9.00e-03"
     wrong = rows["sdpa_flash bf16 d128"]
     assert wrong.status == "failed" and wrong.reason == "dq 5.00e-02 > 0.03 (S=301 full)"
     assert rows["sdpa_flash fp16 d64"].status == "skipped"
     assert rows["sdpa_flash fp16 d64"].reason == "no kernel"
     partial = rows["sdpa_flash fp16 d128"]
-    assert partial.status == "timed out" and partial.reason.startswith("7 of 10 cases not reached")
+    assert partial.status == "timed out" and partial.reason.startswith("8 of 11 cases not reached")
     assert rows["sdpa_efficient bf16 d64"].status == "timed out"
     crashed = grid_rows(results, _ran("CUDA error", rc=1))
     assert [r.status for r in crashed][-1] == "failed"
@@ -186,6 +186,9 @@ def test_grid_case_calls_self_check_as_its_contract_says():
     capped = grid_case({**base, **SOFTCAP_CASES[-1], "seq_len": 45}, torch.device("cpu"),
                        recording)
     assert capped["status"] == "passed" and seen["softcap"] == 30.0 and seen["sinks"]
+    symmetric = grid_case({**base, **SYMMETRIC_CASE, "seq_len": 45}, torch.device("cpu"),
+                          recording)
+    assert symmetric["status"] == "passed" and seen["causal"] is False and seen["window"] == 37
 
 
 def test_report_has_a_row_per_status(tmp_path, monkeypatch):
