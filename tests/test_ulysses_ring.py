@@ -203,16 +203,17 @@ def test_padding_keys_are_a_prefix():
                 assert real == [True] * n + [False] * (L - n), (zigzag, kv_len, owner)
 
 
-def _rank_ring_attention_fn(S, causal):
+def _rank_ring_attention_fn(S, causal, segments=None):
     """The flash_attn_func-shaped ``ring_attention`` on the ring group gives what
-    ``ulysses_attention`` gives on the same (U=1, R=4) mesh."""
+    ``ulysses_attention`` gives on the same (U=1, R=4) mesh, packed documents included."""
     from ulysses import ring_attention
 
     mesh = get_mesh(4, 1, 4)
     q, k, v, dout = (shard_sequence(t, mesh) for t in make_qkv(1, 2, S, 8, 2, D, torch.float32))
     got = []
-    for fn in (lambda *t: ring_attention(*t, group=mesh["ring"].get_group(), causal=causal),
-               lambda *t: ulysses_attention(*t, mesh=mesh, causal=causal)):
+    for fn in (lambda *t: ring_attention(*t, group=mesh["ring"].get_group(), causal=causal,
+                                         segments=segments),
+               lambda *t: ulysses_attention(*t, mesh=mesh, causal=causal, segments=segments)):
         leaves = [t.clone().requires_grad_() for t in (q, k, v)]
         out = fn(*leaves)
         out.backward(dout)
@@ -221,7 +222,8 @@ def _rank_ring_attention_fn(S, causal):
 
 
 @pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
-def test_ring_attention_function(causal):
-    for a, b in dist_pool.run(_rank_ring_attention_fn, 32, causal, world_size=4):
+@pytest.mark.parametrize("segments", [None, ((0, 3, 13), (0, 20))], ids=["one", "documents"])
+def test_ring_attention_function(causal, segments):
+    for a, b in dist_pool.run(_rank_ring_attention_fn, 32, causal, segments, world_size=4):
         for x, y in zip(a, b):
             assert torch.equal(x, y)
