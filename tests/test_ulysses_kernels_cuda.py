@@ -132,3 +132,38 @@ def test_one_rank_paths_match_reference(mesh, backend, path):
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in leaves)),
                                ref):
         _close(got.cpu(), want, name)
+
+
+DOCS = ((0, 37, 90), (0, 64))
+"""Documents of the one-rank paths below: they cut the 128 rows at odd places."""
+PATHS = {  # path -> (ring, head chunk, causal, window, documents)
+    "documents": (False, None, True, None, DOCS),
+    "ring-documents-window": (True, None, True, 21, DOCS),
+    "symmetric-window": (False, None, False, 33, None),
+    "chunked-symmetric-window-documents": (False, 1, False, 33, DOCS),
+    "ring-full-documents": (True, None, False, None, DOCS),
+}
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("path", list(PATHS))
+def test_one_rank_documents_and_symmetric_windows(mesh, backend, path):
+    """Packed documents (row by row of the batch) and windows without a causal mask
+    (anticausal, full and offset-causal pieces), through Ulysses, head chunks and the ring's
+    own code, with GQA, on one GPU."""
+    _require(backend)
+    ring, chunk, causal, window, docs = PATHS[path]
+    q, k, v, dout = _cuda_qkv(13, 8, 2)
+    leaves = [shard_sequence(t, mesh).clone().requires_grad_() for t in (q, k, v)]
+    if ring:
+        out = ring_attention(*leaves, group=axis_group(mesh, "ring"), causal=causal,
+                             backend=backend, window=window, segments=docs)
+    else:
+        out = ulysses_attention(*leaves, mesh=mesh, causal=causal, backend=backend,
+                                window=window, segments=docs, head_chunk_size=chunk)
+    out.backward(shard_sequence(dout, mesh))
+    ref = window_reference(*(t.cpu() for t in (q, k, v, dout)), window=window, starts=docs,
+                           causal=causal)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in leaves)),
+                               ref):
+        _close(got.cpu(), want, name)
