@@ -27,13 +27,13 @@ from transformers import AttentionInterface
 
 from arctic.anatomy import attention_modules
 from arctic.hf_batch import BatchState, chunk_starts, document_starts, install_batch_hook
-from arctic.hf_features import (attention_chunk, check_model_features, loss_arguments,
-                                read_attention_kwargs)
+from arctic.hf_features import (attention_chunk, check_model_features, fix_temperature,
+                                loss_arguments, read_attention_kwargs, tunes_temperature)
 from arctic.hf_fused import check_fusable, fuse, unfuse
 from arctic.loss import install_sp_causal_lm_loss
 from arctic.order import record_apply
 from arctic.removal import journaled
-from ulysses import BufferPool, ulysses_attention
+from ulysses import BufferPool, shard_sequence, ulysses_attention
 from ulysses.all_to_all import check_comm_dtype
 from ulysses.head_chunking import resolve_chunk_size
 from ulysses.kernels import check_supported
@@ -103,9 +103,12 @@ def _sp_attention(module: nn.Module, query, key, value, attention_mask, **kwargs
     sp.ran = True
     # [B, H, s, D] -> [B, s, H, D] (views; the all-to-all packs them)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
+    full = q.shape[1] * axis_size(sp.mesh, "ulysses") * axis_size(sp.mesh, "ring")
+    # Llama4's NoPE temperature: the layer scaled q by its piece's positions, not the row's
+    if tunes_temperature(module):
+        q = fix_temperature(module, q, shard_sequence(torch.arange(full)[None], sp.mesh)[0])
     segments = sp.batch.segments()
     if sp.chunk_size is not None:
-        full = q.shape[1] * axis_size(sp.mesh, "ulysses") * axis_size(sp.mesh, "ring")
         segments = chunk_starts(segments, sp.chunk_size, q.shape[0], full)
     # Not causal only where check_model_features honoured it (Gemma3's bidirectional flag):
     # full layers then attend without a mask, sliding ones within |q - k| < sliding_window.

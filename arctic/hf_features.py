@@ -27,10 +27,10 @@ logit softcapping inside the softmax (Gemma2's ``attn_logit_softcapping``;
 ``layer_types`` marks chunked: documents of that length, :func:`attention_chunk`); Gemma3's
 ``use_bidirectional_attention`` (:data:`BIDIRECTIONAL`: no causal mask, symmetric sliding
 windows). What is refused: attention dropout, other non-causal attention (another family's
-flag, ``config.is_causal=False``, a per-call ``is_causal=False``), Llama4's
-``attn_temperature_tuning`` with NoPE layers, explicit masks, flash-attn varlen packing
-arguments and ``seq_idx`` (documents come from ``position_ids``), and returned attention
-weights.
+flag, ``config.is_causal=False``, a per-call ``is_causal=False``),
+explicit masks, flash-attn varlen packing arguments and ``seq_idx`` (documents come from
+``position_ids``), and returned attention weights. Llama4's ``attn_temperature_tuning`` on
+NoPE layers is honoured by :func:`fix_temperature`.
 """
 
 from __future__ import annotations
@@ -38,6 +38,7 @@ from __future__ import annotations
 import inspect
 from dataclasses import dataclass
 
+import torch
 from torch import Tensor, nn
 
 from ulysses.softcap import check_softcap
@@ -179,6 +180,31 @@ def read_attention_kwargs(module: nn.Module, kwargs: dict, *,
                          sinks=kw.pop("s_aux", None), softcap=softcap)
 
 
+def tunes_temperature(module: nn.Module) -> bool:
+    """Whether ``module`` is a Llama4 NoPE layer with attention temperature tuning: its forward
+    multiplies the queries at position p by ``log1p(floor((p + 1) / floor_scale)) *
+    attn_scale + 1``, counting p over its own input from 0, which under sequence parallelism
+    is this rank's piece, not the row (:func:`fix_temperature`)."""
+    return bool(getattr(module, "attn_temperature_tuning", False)) and \
+        not getattr(module, "use_rope", True)
+
+
+def temperature_scales(module: nn.Module, positions: Tensor) -> Tensor:
+    """The factors :func:`tunes_temperature` describes, at ``positions``."""
+    return torch.log1p(torch.floor((positions.float() + 1.0) / module.floor_scale)) * \
+        module.attn_scale + 1.0
+
+
+def fix_temperature(module: nn.Module, q_BsHD: Tensor, row_positions: Tensor) -> Tensor:
+    """``q`` as the unsharded layer would have scaled it: the queries arrive multiplied by the
+    factors of positions ``0..s-1`` (the layer's own count over this rank's piece); they get
+    those of their positions in the row instead (``row_positions``, ``[s]``), as transformers
+    computes them for the whole row (packed documents included)."""
+    local = temperature_scales(module, torch.arange(q_BsHD.shape[1], device=q_BsHD.device))
+    wanted = temperature_scales(module, row_positions.to(q_BsHD.device))
+    return (q_BsHD.float() * (wanted / local)[None, :, None, None]).to(q_BsHD.dtype)
+
+
 def attention_chunk(config, module: nn.Module) -> int | None:
     """The chunk of Llama4's chunked attention on ``module``'s layer: ``attention_chunk_size``
     where ``config.layer_types`` says ``"chunked_attention"`` (each query attends causally
@@ -230,14 +256,6 @@ def check_model_features(model: nn.Module, modules: list[nn.Module]) -> None:
                          f"where the attention module says so), so the sequence-parallel "
                          f"attention cannot match it; use a model with "
                          f"use_bidirectional_attention ({list(BIDIRECTIONAL)})")
-    if getattr(config, "attn_temperature_tuning", False) and any(
-            not getattr(m, "use_rope", True) for m in modules):
-        raise ValueError(f"{name}: config.attn_temperature_tuning=True scales the queries of its "
-                         f"NoPE layers by each token's position, which the layer counts from 0 "
-                         f"over its own input: under sequence parallelism that is this rank's "
-                         f"piece, so every rank but the first would get the wrong scales. Set "
-                         f"attn_temperature_tuning=False (this changes the model) or train "
-                         f"without sequence parallelism")
     for m in modules:
         if getattr(m, "is_causal", True) is False and not is_bidirectional(model):
             raise ValueError(f"{name}: {type(m).__name__} is not causal (is_causal=False); "

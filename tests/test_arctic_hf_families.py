@@ -72,6 +72,12 @@ def _config(family: str, feature_on: bool = True):
         "llama": lambda: tf.LlamaConfig(**SMALL),
         # chunks of 32 positions on layer 0 (4 per sequence, cutting the 2-rank pieces),
         # global attention on layer 1; MoE on both layers
+        # NoPE on layer 0 with attention temperature tuning at a floor of 4 positions (the
+        # default 8192 would leave every factor at 1 here); off: no tuning
+        "llama4_temperature": lambda: tf.Llama4TextConfig(
+            **SMALL, intermediate_size_mlp=96, num_local_experts=4, attention_chunk_size=32,
+            layer_types=["full_attention", "full_attention"], no_rope_layers=[0, 1],
+            attn_temperature_tuning=feature_on, floor_scale=4, attn_scale=2.0),
         "llama4": lambda: tf.Llama4TextConfig(
             **SMALL, intermediate_size_mlp=96, num_local_experts=4, attention_chunk_size=32,
             layer_types=["chunked_attention" if feature_on else "full_attention",
@@ -203,6 +209,7 @@ HONOURED = {
     "cohere": "logit_scale",
     "llama4": "chunked attention on layer 0 (chunks of 32), MoE (apply_sp_loss finds its "
               "decoder at .model)",
+    "llama4_temperature": "attention temperature tuning on a NoPE layer (row positions)",
 }
 
 
@@ -253,6 +260,7 @@ def test_chunked_attention_with_data_parallel_groups():
     ("gpt_oss", 2, 2, 1, False),    # sinks and window: ring and head chunks
     ("gemma3_bidirectional", 2, 2, 1, False),  # symmetric window: ring and head chunks
     ("gemma3_bidirectional", 1, 2, None, False),  # the same on a pure ring
+    ("llama4_temperature", 1, 2, None, False),  # row positions in zigzag order
     # softcap with the window: ring and head chunks (slow: the kernel-level ring case of
     # tests/test_ulysses_softcap.py is in the default run)
     pytest.param("gemma2_softcap", 2, 2, 1, False, marks=pytest.mark.slow),
@@ -307,7 +315,6 @@ def test_fused_projections_and_tiled_layer(family, sp):
 # --- refusals -------------------------------------------------------------------------------
 
 REFUSED = {
-    "llama4_temperature_tuning": ["Llama4ForCausalLM", "attn_temperature_tuning"],
     "attention_dropout": ["LlamaForCausalLM", "attention_dropout"],
     "gemma2_bidirectional": ["Gemma2ForCausalLM", "use_bidirectional_attention", "Gemma2Model"],
     "config_is_causal_false": ["LlamaForCausalLM", "config.is_causal=False"],
@@ -321,7 +328,7 @@ REFUSED = {
 
 def _refused_calls():
     """name -> a call that must raise, on an SP=2 mesh (rank side)."""
-    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Llama4TextConfig
+    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
 
     from arctic.hf_attention import apply_sequence_parallel
 
@@ -342,9 +349,6 @@ def _refused_calls():
     varlen = dict(cu_seq_lens_q=torch.tensor([0, 64]), cu_seq_lens_k=torch.tensor([0, 64]),
                   max_length_q=64, max_length_k=64)
     return {
-        "llama4_temperature_tuning": lambda: apply(build(Llama4TextConfig(
-            **SMALL, intermediate_size_mlp=96, num_local_experts=4, no_rope_layers=[0, 1],
-            attn_temperature_tuning=True))),
         "attention_dropout": lambda: apply(build(LlamaConfig(**{**SMALL,
                                                                 "attention_dropout": 0.1}))),
         "gemma2_bidirectional": lambda: apply(build(Gemma2Config(
