@@ -41,6 +41,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
+from arctic.anatomy import base_model
 from ulysses.softcap import check_softcap
 
 HONOURED = ("scaling", "sliding_window", "s_aux", "softcap")
@@ -225,8 +226,6 @@ def attention_chunk(config, module: nn.Module) -> int | None:
 def is_bidirectional(model: nn.Module) -> bool:
     """Whether ``model`` asks for bidirectional attention that is honoured
     (:data:`BIDIRECTIONAL`)."""
-    from arctic.anatomy import base_model
-
     return getattr(model.config, "use_bidirectional_attention", None) is True and \
         type(base_model(model)).__name__ in BIDIRECTIONAL
 
@@ -234,8 +233,6 @@ def is_bidirectional(model: nn.Module) -> bool:
 def check_model_features(model: nn.Module, modules: list[nn.Module]) -> None:
     """``ValueError`` for what the config of ``model`` (or its attention ``modules``) asks for
     and the SP attention cannot reproduce; called before any collective."""
-    from arctic.anatomy import base_model
-
     config, name = model.config, type(model).__name__
     value = getattr(config, "attention_dropout", None)
     if value:

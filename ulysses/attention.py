@@ -23,7 +23,7 @@ from ulysses.head_chunking import (DEFAULT_CHUNK_BUDGET_BYTES, head_chunked_atte
 from ulysses.hybrid import check_hybrid, inner_attention
 from ulysses.kernels import attention_with_lse, check_qkv, default_scale, select_backend
 from ulysses.mesh import axis_group, axis_rank, axis_size, check_mesh
-from ulysses.segments import SegmentedAttention, check_segments
+from ulysses.segments import check_segments
 from ulysses.self_check import verify_call
 from ulysses.seq_chunk import check_seq_chunk, resolve_seq_chunk
 from ulysses.sharding import HeadLayout, head_layout
@@ -68,11 +68,8 @@ def between_exchanges(mesh: DeviceMesh, *, batch: int, local_len: int, causal: b
         if unpadded_len is not None:
             raise ValueError("pass either segments or unpadded_len: make the padded tail its "
                              "own segment instead")
-        R = axis_size(mesh, "ring")
-        starts = check_segments(segments, batch, local_len * axis_size(mesh, "ulysses") * R)
-        if R == 1:
-            return SegmentedAttention(causal=causal, scale=scale, backend=backend,
-                                      starts=starts, window=window, softcap=softcap)
+        full = local_len * axis_size(mesh, "ulysses") * axis_size(mesh, "ring")
+        starts = check_segments(segments, batch, full)
     return inner_attention(mesh, causal=causal, scale=scale, backend=backend, kv_len=kv_len,
                            window=window, comm_dtype=comm_dtype, softcap=softcap,
                            starts=starts)

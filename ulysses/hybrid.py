@@ -21,6 +21,7 @@ from ulysses.band import WindowAttention
 from ulysses.kernels import LocalAttention
 from ulysses.mesh import axis_group, axis_rank, axis_size, mesh_dims
 from ulysses.ring import RingAttention, check_ring_rows
+from ulysses.segments import SegmentedAttention
 
 
 def check_hybrid(local_rows: int, mesh: DeviceMesh) -> None:
@@ -34,7 +35,7 @@ def inner_attention(mesh: DeviceMesh, *, causal: bool, scale: float, backend: st
                     kv_len: int | None, window: int | None = None,
                     comm_dtype: torch.dtype | None = None, softcap: float = 0.0,
                     starts: tuple[tuple[int, ...], ...] | None = None
-                    ) -> LocalAttention | WindowAttention | RingAttention:
+                    ) -> LocalAttention | WindowAttention | SegmentedAttention | RingAttention:
     """The attention to run on full-ring-rank, local-head tensors.
 
     ``kv_len`` (non-causal padding) counts keys of the whole sequence; the ring trims each
@@ -43,13 +44,14 @@ def inner_attention(mesh: DeviceMesh, *, causal: bool, scale: float, backend: st
     (:mod:`ulysses.band`; symmetric when not causal), over the whole sequence on a ring too.
     ``comm_dtype``: what the ring's hops carry (:class:`RingAttention`). ``softcap``: logit
     softcapping inside the softmax (0: none). ``starts``: packed documents (per batch row,
-    the full-sequence first position of each), on a ring only: with R = 1 documents are
-    :class:`ulysses.segments.SegmentedAttention`'s.
+    the full-sequence first position of each): one attention per document on one ring rank
+    (:class:`ulysses.segments.SegmentedAttention`), per-document pieces on a ring.
     """
     R = axis_size(mesh, "ring")
     if R == 1:
         if starts is not None:
-            raise ValueError("documents on one ring rank are SegmentedAttention's")
+            return SegmentedAttention(causal=causal, scale=scale, backend=backend, starts=starts,
+                                      window=window, softcap=softcap)
         if window is not None:
             return WindowAttention(window=window, scale=scale, backend=backend, softcap=softcap,
                                    causal=causal, kv_len=kv_len)
