@@ -24,12 +24,13 @@ DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
 _MESHES: dict = {}
 
 
-def get_mesh(world_size: int, ulysses: int, ring: int = 1, zigzag: bool = True):
-    """One mesh per configuration per worker process (new_group is collective and not free)."""
+def get_mesh(world_size: int, ulysses: int, ring: int = 1, zigzag: bool | str = True):
+    """One mesh per configuration per worker process (new_group is collective and not free).
+    ``zigzag``: the ring layout, True, False or ``"per_document"``."""
     key = (world_size, ulysses, ring, zigzag)
     if key not in _MESHES:
-        _MESHES[key] = SequenceParallelDims(world_size, ulysses, ring,
-                                            zigzag).build_mesh("cpu")
+        _MESHES[key] = SequenceParallelDims(world_size, ulysses, ring, bool(zigzag),
+                                            zigzag == "per_document").build_mesh("cpu")
     return _MESHES[key]
 
 

@@ -163,14 +163,17 @@ def run_case(case, *, seed: int, length: int, seq_chunk=None, causal=True, pad=F
     and this rank's dsinks."""
     world, U, R, zigzag, H, K, chunk, window, with_sinks, starts = case
     mesh = get_mesh(world, U, R, zigzag)
+    # a per-document mesh cuts by the documents (gathers too)
+    cut = {"segments": starts} if zigzag == "per_document" and starts is not None else {}
     q, k, v, dout = make_qkv(seed, 2, length, H, K, 8, torch.float32)
     sinks = _sinks(H).requires_grad_() if with_sinks else None
-    local = [shard_sequence(t, mesh, dim=1, pad=pad).requires_grad_() for t in (q, k, v)]
+    local = [shard_sequence(t, mesh, dim=1, pad=pad, **cut).requires_grad_()
+             for t in (q, k, v)]
     out = ulysses_attention(*local, mesh=mesh, causal=causal, head_chunk_size=chunk,
                             window=window, sinks=sinks, segments=starts,
                             unpadded_len=length if pad else None, seq_chunk=seq_chunk)
-    out.backward(shard_sequence(dout, mesh, dim=1, pad=pad))
-    full = [gather_sequence(t, mesh, dim=1, unpadded_len=length if pad else None)
+    out.backward(shard_sequence(dout, mesh, dim=1, pad=pad, **cut))
+    full = [gather_sequence(t, mesh, dim=1, unpadded_len=length if pad else None, **cut)
             for t in (out.detach(), *(x.grad for x in local))]
     return full, None if sinks is None else sinks.grad
 

@@ -22,7 +22,7 @@ from ulysses.head_chunking import (DEFAULT_CHUNK_BUDGET_BYTES, head_chunked_atte
                                    resolve_chunk_size)
 from ulysses.hybrid import check_hybrid, inner_attention
 from ulysses.kernels import attention_with_lse, check_qkv, default_scale, select_backend
-from ulysses.mesh import axis_group, axis_rank, axis_size, check_mesh
+from ulysses.mesh import axis_group, axis_rank, axis_size, check_mesh, mesh_dims
 from ulysses.segments import check_segments
 from ulysses.self_check import verify_call
 from ulysses.seq_chunk import check_seq_chunk, resolve_seq_chunk
@@ -52,27 +52,36 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, causal: bool,
 def between_exchanges(mesh: DeviceMesh, *, batch: int, local_len: int, causal: bool,
                       scale: float, backend: str, unpadded_len: int | None, segments,
                       window: int | None = None,
-                      comm_dtype: torch.dtype | None = None, softcap: float = 0.0):
+                      comm_dtype: torch.dtype | None = None, softcap: float = 0.0,
+                      layout_segments=None):
     """The attention that runs between the two all-to-alls, on ``[B, S, h, D]`` tensors:
     within documents (``segments``), the ring (R > 1), or the local kernel; each with a
     causal sliding ``window`` when one is given. ``comm_dtype``: what a ring's hops carry.
-    ``softcap``: logit softcapping inside the softmax (0: none).
+    ``softcap``: logit softcapping inside the softmax (0: none). On a mesh built with
+    ``per_document``, a ring's rows were cut by ``layout_segments`` (default: ``segments``).
 
     Raises ``ValueError`` for bad segments or a bad window, before any collective.
     """
     window = check_window(window, causal)
     # Padded keys can only be seen without a causal mask (the padding is the sequence's tail).
     kv_len = unpadded_len if unpadded_len is not None and not causal else None
+    full = local_len * axis_size(mesh, "ulysses") * axis_size(mesh, "ring")
     starts = None
     if segments is not None:
         if unpadded_len is not None:
             raise ValueError("pass either segments or unpadded_len: make the padded tail its "
                              "own segment instead")
-        full = local_len * axis_size(mesh, "ulysses") * axis_size(mesh, "ring")
         starts = check_segments(segments, batch, full)
+    layout = None
+    if layout_segments is not None and (starts is None or not mesh_dims(mesh).per_document):
+        raise ValueError("layout_segments= names the documents a per_document mesh cut the "
+                         "sequence by; it needs such a mesh and segments=")
+    if starts is not None and mesh_dims(mesh).per_document_ring:
+        layout = starts if layout_segments is None else check_segments(layout_segments, batch,
+                                                                       full)
     return inner_attention(mesh, causal=causal, scale=scale, backend=backend, kv_len=kv_len,
                            window=window, comm_dtype=comm_dtype, softcap=softcap,
-                           starts=starts)
+                           starts=starts, layout=layout)
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, causal: bool,
@@ -84,7 +93,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
                       window: int | None = None,
                       sinks: Tensor | None = None,
                       comm_dtype: torch.dtype | None = None,
-                      seq_chunk: int | str | None = None, softcap: float | None = None) -> Tensor:
+                      seq_chunk: int | str | None = None, softcap: float | None = None,
+                      layout_segments=None) -> Tensor:
     """Sequence-parallel attention over the mesh's ``"ulysses"`` and ``"ring"`` axes.
 
     Args:
@@ -116,7 +126,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
         segments: packed documents: per batch row, the start offsets (in the full sequence,
             beginning with 0) of its documents; no token attends across a boundary. On a
             ring, documents may cross ring blocks and zigzag halves, and block pairs whose
-            documents do not meet are skipped. Needs no ``unpadded_len``.
+            documents do not meet are skipped. Needs no ``unpadded_len``. On a mesh built
+            with ``per_document=True`` they are also the documents ``shard_sequence(...,
+            segments=)`` cut the sequence by (none: each row was cut whole).
         window: causal sliding window: a query sees itself and the ``window - 1`` keys before
             it (HF's ``sliding_window``; :mod:`ulysses.band`). Needs ``causal``; works with
             head chunking, rings (blocks outside the window are skipped) and segments.
@@ -141,6 +153,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
             scaled score ``z`` becomes ``softcap * tanh(z / softcap)`` inside the softmax,
             forward and backward; flash-attn 2/3 apply it in their kernels, other backends
             run :mod:`ulysses.softcap`'s blockwise kernel. None or 0: no cap.
+        layout_segments: on a ``per_document`` mesh, the documents the sequence was cut by
+            when the attention's ``segments`` cut them further (Llama4's chunks of each
+            document); default ``segments``.
 
     Returns:
         ``out_BsHD``, sharded like ``q``.
@@ -160,7 +175,8 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     attn = between_exchanges(mesh, batch=q.shape[0], local_len=q.shape[1], causal=causal,
                              scale=scale, backend=backend, unpadded_len=unpadded_len,
                              segments=segments, window=window,
-                             comm_dtype=comm_dtype, softcap=softcap)
+                             comm_dtype=comm_dtype, softcap=softcap,
+                             layout_segments=layout_segments)
     verify_call(backend, q, causal=causal, window=window, sinks=sinks is not None,
                 ring=axis_size(mesh, "ring") > 1, softcap=softcap)
     if sinks is not None:  # [H] -> [h]: this rank's query heads (autograd scatters the grad)

@@ -34,7 +34,8 @@ def check_hybrid(local_rows: int, mesh: DeviceMesh) -> None:
 def inner_attention(mesh: DeviceMesh, *, causal: bool, scale: float, backend: str,
                     kv_len: int | None, window: int | None = None,
                     comm_dtype: torch.dtype | None = None, softcap: float = 0.0,
-                    starts: tuple[tuple[int, ...], ...] | None = None
+                    starts: tuple[tuple[int, ...], ...] | None = None,
+                    layout: tuple[tuple[int, ...], ...] | None = None
                     ) -> LocalAttention | WindowAttention | SegmentedAttention | RingAttention:
     """The attention to run on full-ring-rank, local-head tensors.
 
@@ -46,6 +47,8 @@ def inner_attention(mesh: DeviceMesh, *, causal: bool, scale: float, backend: st
     softcapping inside the softmax (0: none). ``starts``: packed documents (per batch row,
     the full-sequence first position of each): one attention per document on one ring rank
     (:class:`ulysses.segments.SegmentedAttention`), per-document pieces on a ring.
+    ``layout``: a ring's rows were cut document by document, by these documents (a mesh
+    built with ``per_document``; :class:`RingAttention`).
     """
     R = axis_size(mesh, "ring")
     if R == 1:
@@ -60,4 +63,4 @@ def inner_attention(mesh: DeviceMesh, *, causal: bool, scale: float, backend: st
     return RingAttention(group=axis_group(mesh, "ring"), rank=axis_rank(mesh, "ring"), size=R,
                          causal=causal, scale=scale, backend=backend,
                          zigzag=mesh_dims(mesh).zigzag, kv_len=kv_len, window=window,
-                         comm_dtype=comm_dtype, softcap=softcap, starts=starts)
+                         comm_dtype=comm_dtype, softcap=softcap, starts=starts, layout=layout)

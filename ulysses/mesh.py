@@ -43,6 +43,13 @@ class SequenceParallelDims:
     it block r. The mesh carries it (:func:`mesh_dims`), so the data side
     (``shard_sequence``) and the attention side read the same value. No effect without a
     ring."""
+    per_document: bool = False
+    """With a zigzag ring: cut each packed *document* into 2R chunks, ring rank r taking chunks
+    r and 2R-1-r of every document (:func:`ulysses.sharding.ring_runs`), so that every
+    document's causal work is spread evenly over the ring, not only the row's. The cut then
+    depends on the documents, which ``shard_sequence``, ``gather_sequence`` and the attention
+    take as ``segments=``. A row that is one document is cut as by ``zigzag``. No effect
+    without a ring."""
 
     def __post_init__(self) -> None:
         _check_degree("world_size", self.world_size)
@@ -50,6 +57,11 @@ class SequenceParallelDims:
         _check_degree("ring_degree", self.ring_degree)
         if not isinstance(self.zigzag, bool):
             raise ValueError(f"zigzag must be True or False, got {self.zigzag!r}")
+        if not isinstance(self.per_document, bool):
+            raise ValueError(f"per_document must be True or False, got {self.per_document!r}")
+        if self.per_document and not self.zigzag:
+            raise ValueError("per_document=True is a zigzag layout of each document; it cannot "
+                             "be combined with zigzag=False")
         sp = self.ulysses_degree * self.ring_degree
         if self.world_size % sp != 0:
             raise ValueError(
@@ -70,6 +82,12 @@ class SequenceParallelDims:
     def zigzag_ring(self) -> bool:
         """Whether sequences are laid out in zigzag order (a zigzag layout with a ring)."""
         return self.zigzag and self.ring_degree > 1
+
+    @property
+    def per_document_ring(self) -> bool:
+        """Whether rows with packed documents are cut document by document (a per-document
+        layout with a ring)."""
+        return self.per_document and self.ring_degree > 1
 
     @property
     def seq_len_divisor(self) -> int:
@@ -100,7 +118,7 @@ class SequenceParallelDims:
         # The description travels with the mesh: everything that cuts or attends a sequence
         # reads the layout from here, so the two sides cannot be given different ones.
         mesh._sp_dims = SequenceParallelDims(self.world_size, self.ulysses_degree,
-                                             self.ring_degree, self.zigzag)
+                                             self.ring_degree, self.zigzag, self.per_document)
         return mesh
 
 

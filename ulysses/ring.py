@@ -26,6 +26,11 @@ queries here attend its keys in the block in hand (causal, windowed or full piec
 :mod:`ulysses.band`), row by row of the batch, and a block pair whose documents do not meet
 costs no kernel call.
 
+Per-document layout (``layout``, a mesh built with ``per_document``): each row's rows are
+the runs :func:`ulysses.sharding.ring_runs` gives its documents, chunks r and 2R-1-r of every
+document; the steps then go through the document path above, with those runs as the rows'
+positions.
+
 Shape legend: B batch, L this rank's rows, h / k local query / kv heads, D head dim.
 """
 
@@ -45,6 +50,7 @@ from ulysses.band import (Piece, acc_dtype, check_window, document_pieces, mask_
 from ulysses.kernels import attention_with_lse, check_qkv, default_scale, select_backend
 from ulysses.segments import check_segments
 from ulysses.self_check import verify_call
+from ulysses.sharding import ring_runs, rows_of
 from ulysses.softcap import check_softcap
 
 
@@ -75,6 +81,15 @@ class RingAttention:
     starts: tuple[tuple[int, ...], ...] | None = None
     """Packed documents: per batch row, the ring-global first position of each document
     (0 first); no query sees a key of another document. None: one document per row."""
+    layout: tuple[tuple[int, ...], ...] | None = None
+    """The per-document layout: per batch row, the documents its rows were cut by
+    (:func:`ulysses.sharding.ring_runs`; needs ``starts``, which may cut them further).
+    None: the whole-row layout ``zigzag`` says."""
+
+    def __post_init__(self) -> None:
+        if self.layout is not None and (self.starts is None or not self.zigzag):
+            raise ValueError("a per-document ring layout needs the documents (starts) and the "
+                             "zigzag layout")
 
     def forward(self, q_BLhD: Tensor, k_BLkD: Tensor, v_BLkD: Tensor) -> tuple[Tensor, Tensor]:
         """Returns ``(out_BLhD, lse_BhL)`` over the whole ring-global sequence."""
@@ -116,8 +131,11 @@ def _block(cfg: RingAttention, t: int, L: int) -> tuple[int, int, bool] | None:
     return (0, L, False) if owner < cfg.rank else None
 
 
-def _segments(cfg: RingAttention, owner: int, L: int):
-    """``owner``'s rows as ``(first ring-global position, length, first row)`` runs."""
+def _segments(cfg: RingAttention, owner: int, L: int, b: int = 0):
+    """``owner``'s rows (of batch row ``b``) as ``(first ring-global position, length, first
+    row)`` runs."""
+    if cfg.layout is not None:
+        return rows_of(ring_runs(cfg.size * L, cfg.size, owner, cfg.layout[b]), 0, L)
     if cfg.zigzag:
         c = L // 2
         return [(owner * c, c, 0), ((2 * cfg.size - 1 - owner) * c, c, c)]
@@ -142,13 +160,13 @@ def _pieces(cfg: RingAttention, t: int, L: int) -> list[Piece]:
     return [Piece(q0, L, 0, nk, "causal" if causal else "full")]
 
 
-def _document_pieces(cfg: RingAttention, t: int, L: int, row_starts) -> list[Piece]:
-    """Step ``t``'s kernel calls for one batch row of packed documents: per document, its
+def _document_pieces(cfg: RingAttention, t: int, L: int, b: int) -> list[Piece]:
+    """Step ``t``'s kernel calls for batch row ``b`` of packed documents: per document, its
     queries here against its keys in the block in hand. A document may cross ring blocks and
     zigzag halves; documents that do not meet in this block pair give no call."""
     owner = (cfg.rank - t) % cfg.size
-    return document_pieces(_segments(cfg, cfg.rank, L), _segments(cfg, owner, L), row_starts,
-                           cfg.size * L, causal=cfg.causal, window=cfg.window)
+    return document_pieces(_segments(cfg, cfg.rank, L, b), _segments(cfg, owner, L, b),
+                           cfg.starts[b], cfg.size * L, causal=cfg.causal, window=cfg.window)
 
 
 def _work(cfg: RingAttention, t: int, L: int) -> list[tuple[slice, list[Piece]]]:
@@ -156,8 +174,7 @@ def _work(cfg: RingAttention, t: int, L: int) -> list[tuple[slice, list[Piece]]]
     documents, each row its own."""
     if cfg.starts is None:
         return [(slice(None), _pieces(cfg, t, L))]
-    found = [(slice(b, b + 1), _document_pieces(cfg, t, L, row))
-             for b, row in enumerate(cfg.starts)]
+    found = [(slice(b, b + 1), _document_pieces(cfg, t, L, b)) for b in range(len(cfg.starts))]
     return [(rows, pieces) for rows, pieces in found if pieces]
 
 
@@ -269,7 +286,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup,
                    softmax_scale: float | None = None, zigzag: bool = True,
                    backend: str | None = None, window: int | None = None,
                    comm_dtype: torch.dtype | None = None,
-                   softcap: float | None = None, segments=None) -> Tensor:
+                   softcap: float | None = None, segments=None,
+                   per_document: bool = False) -> Tensor:
     """Ring attention over ``group``, shaped like ``flash_attn_func``.
 
     Args:
@@ -292,6 +310,9 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup,
         segments: packed documents: per batch row, the start offsets of its documents in the
             ring-global sequence (beginning with 0); no token attends across a boundary.
             Documents may cross ring blocks and zigzag halves.
+        per_document: the rows were cut document by document (``shard_sequence(...,
+            segments=)`` on a mesh built with ``per_document=True``): chunks r and 2R-1-r of
+            every document of ``segments``. Needs ``segments`` and ``zigzag``.
 
     Returns:
         ``out_BLHD``, sharded like ``q``.
@@ -304,11 +325,14 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup,
     check_ring_rows(q.shape[1], size, zigzag)
     starts = None if segments is None else check_segments(segments, q.shape[0],
                                                           size * q.shape[1])
+    if per_document and (starts is None or not zigzag):
+        raise ValueError("per_document=True needs segments (the documents the rows were cut "
+                         "by) and zigzag=True")
     attn = RingAttention(group=group, rank=dist.get_rank(group), size=size, causal=causal,
                          scale=default_scale(q.shape[-1], softmax_scale),
                          backend=select_backend(q.device, q.dtype, q.shape[-1], backend),
                          zigzag=zigzag, window=window, comm_dtype=comm_dtype, softcap=softcap,
-                         starts=starts)
+                         starts=starts, layout=starts if per_document and size > 1 else None)
     verify_call(attn.backend, q, causal=causal, window=window, sinks=False, ring=size > 1,
                 softcap=softcap)
     out, _ = attention_with_lse(q, k, v, attn)

@@ -23,7 +23,7 @@ from ulysses.host_blocks import HostBlocks
 from ulysses.kernels import LocalAttention
 from ulysses.ring import RingAttention
 from ulysses.segments import SegmentedAttention
-from ulysses.sharding import HeadLayout
+from ulysses.sharding import HeadLayout, ring_runs, rows_of
 
 __all__ = ["Blocks", "SeqChunking", "block_bounds", "block_buffer_bytes", "check_seq_chunk",
            "resolve_seq_chunk", "seq_chunking"]
@@ -206,7 +206,7 @@ class Blocks:
 
     def _position(self, rho: int, i: int) -> int:
         """The sequence position of row ``i`` of ring rank ``rho``'s ``U s`` rows (the
-        mesh's layout: zigzag chunks rho and 2R-1-rho, or block rho)."""
+        mesh's whole-row layout: zigzag chunks rho and 2R-1-rho, or block rho)."""
         L = self.U * self.s
         if self.R == 1:
             return i
@@ -215,16 +215,22 @@ class Blocks:
         c = L // 2
         return rho * c + i if i < c else (2 * self.R - 1 - rho) * c + i - c
 
-    def segments(self, rho: int, t: int) -> list[tuple[int, int, int]]:
-        """Exchange block t of ring rank ``rho`` as ``(position, length, row)`` runs: U runs
-        of ``b_t`` rows, each split where a zigzag chunk ends."""
-        a, b = self.bounds[t]
+    def segments(self, rho: int, t: int, b: int = 0) -> list[tuple[int, int, int]]:
+        """Exchange block t of ring rank ``rho`` (batch row ``b``) as ``(position, length,
+        row)`` runs: U runs of ``b_t`` rows, each split where a zigzag chunk ends, or, in
+        the per-document layout, where a run of the row's layout ends."""
+        a, b_t = self.bounds[t]
+        layout = None if self.seq.ring is None else self.seq.ring.layout
+        if layout is not None:
+            own = ring_runs(self.R * self.U * self.s, self.R, rho, layout[b])
+            return [(g, n, row + r * b_t) for r in range(self.U)
+                    for g, n, row in rows_of(own, r * self.s + a, r * self.s + a + b_t)]
         c = self.U * self.s // 2
         out = []
         for r in range(self.U):
-            start, row = r * self.s + a, r * b
-            cuts = [start, start + b]
-            if self.zigzag and start < c < start + b:
+            start, row = r * self.s + a, r * b_t
+            cuts = [start, start + b_t]
+            if self.zigzag and start < c < start + b_t:
                 cuts.insert(1, c)
             for lo, hi in zip(cuts, cuts[1:]):
                 out.append((self._position(rho, lo), hi - lo, row + lo - start))
@@ -236,8 +242,9 @@ class Blocks:
         (a row whose documents do not meet there has none)."""
         seq, keys = self.seq, self.segments(rho, u)
         if seq.starts is not None:
-            queries, total = self.segments(self.me, t), self.R * self.U * self.s
-            work = [(slice(b, b + 1), document_pieces(queries, keys, row, total,
+            total = self.R * self.U * self.s
+            work = [(slice(b, b + 1), document_pieces(self.segments(self.me, t, b),
+                                                      self.segments(rho, u, b), row, total,
                                                       causal=seq.causal, window=seq.window))
                     for b, row in enumerate(seq.starts)]
             return [(rows, pieces) for rows, pieces in work if pieces]

@@ -14,10 +14,19 @@ Without a ring they are contiguous. With ring R > 1 the mesh's layout
 (:attr:`SequenceParallelDims.zigzag`, default on) is zigzag: 2R chunks, ring rank r owning
 chunks r and 2R-1-r, so that causal attention costs every ring rank the same.
 A Ulysses group's all-to-all then reassembles exactly its ring rank's chunk pair.
+
+With packed documents the whole-row zigzag balances the work of the documents only on
+average (a long document in one rank's chunks costs that rank the most). A mesh built with
+:attr:`SequenceParallelDims.per_document` cuts each *document* into 2R chunks instead, ring
+rank r taking chunks r and 2R-1-r of every document (:func:`ring_runs`), so every document
+costs every ring rank the same. The cut then depends on the documents: ``shard_sequence``,
+``gather_sequence`` and the attention take them (``segments=``). A row that is one document
+is cut exactly as by the whole-row zigzag.
 """
 
 from __future__ import annotations
 
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -92,6 +101,59 @@ def head_layout(num_q_heads: int, num_kv_heads: int, degree: int) -> HeadLayout:
     return HeadLayout(q_sizes=tuple(q_sizes), kv_ranges=tuple(kv_ranges), num_kv_heads=K)
 
 
+@functools.lru_cache(maxsize=1024)
+def ring_runs(total: int, ring: int, rank: int, documents: tuple[int, ...]
+              ) -> tuple[tuple[int, int], ...]:
+    """The per-document zigzag layout: ring rank ``rank``'s rows as ``(first position,
+    length)`` runs of the sequence, in row order.
+
+    Each document ``[a, e)`` of ``documents`` (first positions, 0 first; the last ends at
+    ``total``) is cut into 2R chunks of ``(e - a) // 2R`` positions, and ring rank r takes
+    chunks r and 2R-1-r of every document, documents in order. The ``(e - a) % 2R`` positions
+    left over lengthen chunks by one, given to the ring ranks in turn (a counter that runs
+    on across the documents of the row: rank ``counter % R``, its first chunk of the
+    document, then its second), so with ``total`` a multiple of 2R every ring rank holds
+    ``total / R`` rows. Runs that touch are merged. One document (``(0,)``) is the whole-row
+    zigzag: chunks r and 2R-1-r of ``total / 2R``."""
+    runs: list[tuple[int, int]] = []
+    turn = 0
+    for a, e in zip(documents, documents[1:] + (total,)):
+        base, extra = divmod(e - a, 2 * ring)
+        sizes, given = [base] * (2 * ring), [0] * ring
+        for _ in range(extra):
+            r = turn % ring
+            turn += 1
+            sizes[r if given[r] == 0 else 2 * ring - 1 - r] += 1
+            given[r] += 1
+        for m in (rank, 2 * ring - 1 - rank):
+            start, n = a + sum(sizes[:m]), sizes[m]
+            if n == 0:
+                continue
+            if runs and runs[-1][0] + runs[-1][1] == start:
+                runs[-1] = (runs[-1][0], runs[-1][1] + n)
+            else:
+                runs.append((start, n))
+    return tuple(runs)
+
+
+def rows_of(runs, lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """Rows ``[lo, hi)`` of a rank whose rows are ``runs`` (``(first position, length)`` in
+    row order), as ``(first position, length, row - lo)`` runs."""
+    out, row = [], 0
+    for g, n in runs:
+        a, b = max(lo, row), min(hi, row + n)
+        if a < b:
+            out.append((g + a - row, b - a, a - lo))
+        row += n
+    return out
+
+
+def _with_padding(row: tuple[int, ...], seq_len: int, total: int) -> tuple[int, ...]:
+    """A row's documents over the padded length ``total``: the padded tail ``[seq_len,
+    total)`` is a document of its own."""
+    return row + (seq_len,) if seq_len < total else row
+
+
 @dataclass(frozen=True, slots=True)
 class _SeqSplit:
     """How a mesh cuts the sequence: ``sp = ring * ulysses`` pieces; sp index
@@ -100,16 +162,24 @@ class _SeqSplit:
     ring: int
     ulysses: int
     zigzag: bool
+    per_document: bool = False
 
     @property
     def sp(self) -> int:
         return self.ring * self.ulysses
 
-    def runs(self, seq_len: int, sp_rank: int) -> list[tuple[int, int]]:
+    def runs(self, seq_len: int, sp_rank: int,
+             documents: tuple[int, ...] | None = None) -> list[tuple[int, int]]:
         """The ``(start, length)`` runs of global positions that sp rank ``sp_rank`` holds,
         in order. Zigzag: ring rank r owns chunks r and 2R-1-r of 2R (concatenated), and its
-        Ulysses ranks split that pair evenly, so a piece spans at most both chunks."""
+        Ulysses ranks split that pair evenly, so a piece spans at most both chunks. Per
+        document (``documents``: one row's first positions): ring rank r owns
+        :func:`ring_runs`, split evenly among its Ulysses ranks."""
         n = seq_len // self.sp
+        if self.per_document and documents is not None and self.ring > 1:
+            r, u = divmod(sp_rank, self.ulysses)
+            own = ring_runs(seq_len, self.ring, r, tuple(documents))
+            return [(g, k) for g, k, _ in rows_of(own, u * n, (u + 1) * n)]
         if not self.zigzag:
             return [(sp_rank * n, n)]
         c, R = seq_len // (2 * self.ring), self.ring
@@ -131,7 +201,39 @@ class _SeqSplit:
 
 def _seq_split(mesh: DeviceMesh) -> _SeqSplit:
     dims = mesh_dims(mesh)
-    return _SeqSplit(ring=dims.ring_degree, ulysses=dims.ulysses_degree, zigzag=dims.zigzag_ring)
+    return _SeqSplit(ring=dims.ring_degree, ulysses=dims.ulysses_degree, zigzag=dims.zigzag_ring,
+                     per_document=dims.per_document_ring)
+
+
+def _documents(segments, x: Tensor, dim: int, mesh: DeviceMesh, seq_len: int,
+               total: int) -> tuple[tuple[int, ...], ...] | None:
+    """Checked ``segments`` of ``shard_sequence``/``gather_sequence`` over the padded length
+    ``total`` (None when not given), or ``ValueError`` before any collective."""
+    from ulysses.segments import check_segments
+
+    if segments is None:
+        return None
+    if not mesh_dims(mesh).per_document:
+        raise ValueError("segments= cuts a sequence by its documents, which only a mesh built "
+                         "with SequenceParallelDims(..., per_document=True) does; drop it or "
+                         "build the mesh so")
+    if x.dim() < 2 or dim % x.dim() != 1:
+        raise ValueError(f"segments= needs the batch in dim 0 and the sequence in dim 1, got "
+                         f"dim {dim} of a {x.dim()}-D tensor")
+    rows = check_segments(segments, x.shape[0], seq_len)
+    return tuple(_with_padding(row, seq_len, total) for row in rows)
+
+
+def _positions(split: _SeqSplit, total: int, sp_rank: int, documents) -> Tensor:
+    """``[B, total / sp]``: per row, the positions sp rank ``sp_rank`` holds, in row order."""
+    return torch.stack([torch.cat([torch.arange(g, g + n) for g, n in
+                                   split.runs(total, sp_rank, row)]) for row in documents])
+
+
+def _take(x: Tensor, index_Bn: Tensor) -> Tensor:
+    """``x[b, index[b, j], ...]`` for every row b (dim 1 of ``x``)."""
+    index = index_Bn.to(x.device).reshape(index_Bn.shape + (1,) * (x.dim() - 2))
+    return x.gather(1, index.expand(index_Bn.shape + x.shape[2:]))
 
 
 def _sp_rank(mesh: DeviceMesh) -> int:
@@ -146,7 +248,7 @@ def padded_len(seq_len: int, mesh: DeviceMesh) -> int:
 
 
 def shard_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1, *, pad: bool = False,
-                   pad_value: float = 0) -> Tensor:
+                   pad_value: float = 0, segments=None) -> Tensor:
     """This rank's piece of ``x`` along ``dim``; no communication.
 
     Args:
@@ -161,6 +263,10 @@ def shard_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1, *, pad: bool = Fal
             :func:`padded_len` instead of raising. Causal attention never lets a real token see
             the padded tail; for non-causal attention pass ``unpadded_len`` to
             ``ulysses_attention``. Give labels a pad value your loss ignores (e.g. -100).
+        segments: a mesh built with ``per_document=True`` only: per batch row (dim 0), the
+            first positions of its packed documents (0 first), which the cut follows
+            (:func:`ring_runs`); the padded tail is a document of its own. Pass the same to
+            the attention and to :func:`gather_sequence`. Needs ``dim=1``.
 
     Returns:
         ``[..., S / sp, ...]``: a view when the piece is one run of positions (always without
@@ -181,6 +287,9 @@ def shard_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1, *, pad: bool = Fal
         widths = [0, 0] * (x.dim() - dim % x.dim() - 1)
         widths += [0, padded_len(seq_len, mesh) - seq_len]
         x = torch.nn.functional.pad(x, widths, value=pad_value)
+    documents = _documents(segments, x, dim, mesh, seq_len, x.shape[dim])
+    if documents is not None:
+        return _take(x, _positions(split, x.shape[1], _sp_rank(mesh), documents))
     pieces = [x.narrow(dim, start, n) for start, n in split.runs(x.shape[dim], _sp_rank(mesh))]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
@@ -201,7 +310,7 @@ class _GatherSequence(torch.autograd.Function):
 
 
 def gather_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1, *,
-                    unpadded_len: int | None = None) -> Tensor:
+                    unpadded_len: int | None = None, segments=None) -> Tensor:
     """Inverse of :func:`shard_sequence`: all-gather the pieces over the sp group and undo the
     zigzag order.
 
@@ -209,6 +318,9 @@ def gather_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1, *,
         x: this rank's piece; every rank's must have the same shape.
         unpadded_len: trim the result to this length (the original length before
             ``shard_sequence(..., pad=True)``).
+        segments: the documents the pieces were cut by (``shard_sequence(..., segments=)``,
+            a ``per_document`` mesh only), over the unpadded length when ``unpadded_len`` is
+            given.
 
     Returns:
         The full tensor, in natural order, on every rank. Autograd treats it as replicated:
@@ -222,10 +334,16 @@ def gather_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1, *,
     if split.zigzag and total % multiple != 0:
         raise ValueError(f"piece length {x.shape[dim]} cannot come from a zigzag shard_sequence "
                          f"(the gathered length {total} must divide by {multiple})")
+    documents = _documents(segments, x, dim, mesh, unpadded_len or total, total)
     full = x
     if split.sp > 1:
         full = _GatherSequence.apply(x, axis_group(mesh, "sp"), dim, _sp_rank(mesh))
-    if split.zigzag:
+    if documents is not None:
+        # sp order is ring rank 0's rows, then ring rank 1's, ...: put each row's positions
+        # back in order.
+        held = torch.cat([_positions(split, total, r, documents) for r in range(split.sp)], 1)
+        full = _take(full, held.argsort(dim=1))
+    elif split.zigzag:
         # sp order holds ring rank r's chunk pair (r, 2R-1-r) at [2rc, 2(r+1)c); put the 2R
         # chunks back in position order.
         c = total // (2 * split.ring)
