@@ -35,6 +35,7 @@ BLOCK = "ulysses"
 COMM_DTYPES = ("fp32", "bf16", "fp16")
 _TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 ATTN_IMPLEMENTATIONS = ("ulysses_sdpa", "ulysses_flash_attention_2")
+RING_LAYOUTS = ("zigzag", "contiguous", "per_document")
 
 
 def _tiles_or_none(name: str, value) -> None:
@@ -52,6 +53,11 @@ class SequenceParallelConfig:
     """Ranks sharing one sequence: ``ring_degree * ulysses_degree`` (DeepSpeed's key)."""
     ring_degree: int = 1
     """Ranks in one ring; the rest of ``sequence_parallel_size`` is Ulysses."""
+    ring_layout: Literal["zigzag", "contiguous", "per_document"] = "zigzag"
+    """How a ring cuts the sequence (``ring_degree > 1``; no effect without a ring):
+    ``"zigzag"`` (2R chunks of the row, ring rank r taking r and 2R-1-r), ``"contiguous"``
+    (block r), or ``"per_document"`` (each packed document cut that way, so every document's
+    work is spread evenly; :attr:`ulysses.SequenceParallelDims.per_document`)."""
     head_chunk_size: int | Literal["auto"] | None = None
     """Query heads attended at a time per rank; None = all (plain Ulysses)."""
     seq_chunk: int | Literal["auto"] | None = None
@@ -121,6 +127,9 @@ class SequenceParallelConfig:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.ring_layout not in RING_LAYOUTS:
+            raise ValueError(f"ulysses.ring_layout must be one of {RING_LAYOUTS}, got "
+                             f"{self.ring_layout!r}")
         if self.sequence_parallel_size % self.ring_degree != 0:
             raise ValueError(f"ulysses.ring_degree ({self.ring_degree}) must divide "
                              f"sequence_parallel_size ({self.sequence_parallel_size})")
@@ -190,7 +199,9 @@ class SequenceParallelConfig:
             raise ValueError(f"sequence_parallel_size ({self.sequence_parallel_size}) must divide "
                              f"the world size ({world_size}); valid sizes: {valid}")
         return SequenceParallelDims(world_size=world_size, ulysses_degree=self.ulysses_degree,
-                                    ring_degree=self.ring_degree)
+                                    ring_degree=self.ring_degree,
+                                    zigzag=self.ring_layout != "contiguous",
+                                    per_document=self.ring_layout == "per_document")
 
     @classmethod
     def from_ds_config(cls, path_or_dict: str | Path | dict[str, Any], *,

@@ -3,7 +3,10 @@
 :func:`prepare_sp_batch` works on the full batch, identical on every rank of an SP group:
 
 1. ``position_ids``: given ones are kept (packed documents restart them); otherwise
-   ``arange(S)`` per row.
+   ``arange(S)`` per row. Documents start where they restart, and where flash-attn's varlen
+   arguments say (``cu_seq_lens_q``, as transformers' ``DataCollatorWithFlattening(
+   return_flash_attn_kwargs=True)`` gives them; positions may then count on across documents
+   but must not restart inside one).
 2. ``shift_labels``: ``labels[:, 1:]`` moved left, ``-100`` at the end of every row and of
    every document (a document's last token must not predict the next document's first), and
    wherever ``attention_mask`` is 0.
@@ -12,7 +15,10 @@
    ``attention_mask`` marks 0) is a document of its own: its positions restart at 0, so no
    real token sees it, with a causal mask or without one (bidirectional models).
 4. Each tensor is cut with :func:`ulysses.shard_sequence`, so zigzag order applies when the
-   mesh has a ring.
+   mesh has a ring. On a mesh built with ``per_document`` each row is cut by its documents
+   (the padding one included), and the batch also carries them as flash-attn's varlen
+   arguments of the full batch (``cu_seq_lens_q``/``_k``, ``max_length_q``/``_k``), which the
+   model's sequence-parallel attention reads (:mod:`arctic.hf_batch`).
 
 Shifting before sharding matters: after sharding, the label of a piece's last token lives on
 the next rank.
@@ -32,6 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler,
                               default_collate)
 
+from arctic.hf_batch import varlen_documents
 from ulysses.mesh import axis_rank, axis_size, check_mesh, mesh_dims
 from ulysses.sharding import _seq_split, _sp_rank
 
@@ -48,13 +55,19 @@ def prepare_sp_batch(batch: dict[str, Any], mesh: DeviceMesh, *,
 
     Args:
         batch: ``input_ids [B, S]`` (required), optional ``labels [B, S]`` (default: the
-            input ids), ``attention_mask [B, S]`` (right padding only) and ``position_ids``.
+            input ids), ``attention_mask [B, S]`` (right padding only), ``position_ids``
+            and flash-attn's varlen arguments (``cu_seq_lens_q``/``_k``,
+            ``max_length_q``/``_k``) over the flattened batch.
         mesh: the SP mesh; batches are cut in its sequence layout (zigzag over a ring, or
             not), the one the attention reads from it too.
 
     Returns:
         ``input_ids``, ``position_ids`` and ``shift_labels``, each ``[B, S_pad / sp]``.
-        Pass the first two to the model and ``shift_labels`` to the loss.
+        Pass the first two to the model and ``shift_labels`` to the loss. On a
+        ``per_document`` mesh, or when the batch gave them, also ``cu_seq_lens_q``/``_k``
+        (int32, the document bounds of the padded full batch, flattened; the padding is a
+        document of its own) and ``max_length_q``/``_k``: pass them to the model too
+        (``model(**batch)`` does).
     """
     check_mesh(mesh)
     return _SequenceCut.of(mesh)(batch, pad_token_id)
@@ -96,25 +109,63 @@ class _SequenceCut:
         if position_ids is None:
             position_ids = torch.arange(S).expand(B, S)
         position_ids = torch.as_tensor(position_ids)
+        # Documents: where positions restart, and those flash-attn's varlen arguments name.
+        breaks = torch.zeros(B, S, dtype=torch.bool)
+        breaks[:, 1:] = position_ids[:, 1:] != position_ids[:, :-1] + 1
+        varlen = varlen_documents(batch, B, S)
+        if varlen is not None:
+            named = torch.zeros_like(breaks)
+            for b, row in enumerate(varlen):
+                named[b, list(row[1:])] = True
+            stray = (breaks & ~named).nonzero().tolist()
+            if stray:
+                raise ValueError(f"position_ids restart at (row, position) {stray[:4]}, inside a "
+                                 f"document that cu_seq_lens_q gives; they must describe the "
+                                 f"same documents")
+            breaks |= named
 
         shift = torch.full_like(labels, IGNORE_INDEX)
         shift[:, :-1] = labels[:, 1:]
         # The last token of a document has no next token of its own.
-        shift[:, :-1][position_ids[:, 1:] != position_ids[:, :-1] + 1] = IGNORE_INDEX
+        shift[:, :-1][breaks[:, 1:]] = IGNORE_INDEX
 
         n = -(-S // self.divisor) * self.divisor
         positions = _pad_right(position_ids, n, 0)
+        starts = _pad_right(breaks, n, False)
+        starts[:, 0] = True
         # Right padding only: row b's padding is [real[b], n), a document of its own.
         real = [S] * B if mask is None else mask.sum(1).tolist()
         for b, first in enumerate(real):
             if first < n:
                 positions[b, first:] = torch.arange(n - first)
+                starts[b, first:] = False
+                starts[b, first] = True
+        documents = [tuple(row.nonzero().squeeze(1).tolist()) for row in starts]
         full = {"input_ids": _pad_right(input_ids, n, pad_token_id),
                 "position_ids": positions,
                 "shift_labels": _pad_right(shift, n, IGNORE_INDEX)}
-        runs = self.split.runs(n, self.sp_rank)  # as ulysses.shard_sequence cuts
-        return {k: torch.cat([v[:, start:start + size] for start, size in runs], dim=1)
-                for k, v in full.items()}
+        if self.split.per_document:
+            index = torch.stack([torch.cat([torch.arange(g, g + k) for g, k in
+                                            self.split.runs(n, self.sp_rank, row)])
+                                 for row in documents])
+            out = {k: v.gather(1, index) for k, v in full.items()}
+        else:
+            runs = self.split.runs(n, self.sp_rank)  # as ulysses.shard_sequence cuts
+            out = {k: torch.cat([v[:, start:start + size] for start, size in runs], dim=1)
+                   for k, v in full.items()}
+        if self.split.per_document or varlen is not None:
+            out.update(_varlen_arguments(documents, n))
+        return out
+
+
+def _varlen_arguments(documents: list[tuple[int, ...]], n: int) -> dict[str, Any]:
+    """flash-attn's varlen arguments of rows of ``n`` tokens with these documents: the
+    flattened batch's document bounds (int32) and the longest document."""
+    bounds = [b * n + a for b, row in enumerate(documents) for a in row]
+    cu = torch.tensor(bounds + [len(documents) * n], dtype=torch.int32)
+    longest = int((cu[1:] - cu[:-1]).max())
+    return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone(), "max_length_q": longest,
+            "max_length_k": longest}
 
 
 class _SPCollate:

@@ -26,7 +26,8 @@ from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface
 
 from arctic.anatomy import attention_modules
-from arctic.hf_batch import BatchState, chunk_starts, document_starts, install_batch_hook
+from arctic.hf_batch import (BatchState, chunk_starts, document_starts, install_batch_hook,
+                             varlen_documents)
 from arctic.hf_features import (attention_chunk, check_model_features, fix_temperature,
                                 loss_arguments, read_attention_kwargs, tunes_temperature)
 from arctic.hf_fused import check_fusable, fuse, unfuse
@@ -37,7 +38,7 @@ from ulysses import BufferPool, shard_sequence, ulysses_attention
 from ulysses.all_to_all import check_comm_dtype
 from ulysses.head_chunking import resolve_chunk_size
 from ulysses.kernels import check_supported
-from ulysses.mesh import axis_size, check_mesh
+from ulysses.mesh import axis_size, check_mesh, mesh_dims
 from ulysses.seq_chunk import check_seq_chunk
 from ulysses.sharding import head_layout
 
@@ -104,10 +105,20 @@ def _sp_attention(module: nn.Module, query, key, value, attention_mask, **kwargs
     # [B, H, s, D] -> [B, s, H, D] (views; the all-to-all packs them)
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     full = q.shape[1] * axis_size(sp.mesh, "ulysses") * axis_size(sp.mesh, "ring")
+    documents = sp.batch.segments()
+    if call.varlen is not None and \
+            _whole(varlen_documents(call.varlen, q.shape[0], full)) != documents:
+        raise ValueError(f"{type(module).__name__} got other flash-attn varlen arguments than "
+                         f"the model's forward: its documents would differ from the batch's")
+    # the rows of a per-document mesh were cut by the documents
+    layout = None
+    if mesh_dims(sp.mesh).per_document:
+        layout = documents or ((0,),) * q.shape[0]
     # Llama4's NoPE temperature: the layer scaled q by its piece's positions, not the row's
     if tunes_temperature(module):
-        q = fix_temperature(module, q, shard_sequence(torch.arange(full)[None], sp.mesh)[0])
-    segments = sp.batch.segments()
+        rows = torch.arange(full).expand(q.shape[0], full)
+        q = fix_temperature(module, q, shard_sequence(rows, sp.mesh, segments=layout))
+    segments = documents
     if sp.chunk_size is not None:
         segments = chunk_starts(segments, sp.chunk_size, q.shape[0], full)
     # Not causal only where check_model_features honoured it (Gemma3's bidirectional flag):
@@ -116,10 +127,16 @@ def _sp_attention(module: nn.Module, query, key, value, attention_mask, **kwargs
     out = ulysses_attention(q, k, v, mesh=sp.mesh, causal=causal, softmax_scale=call.scaling,
                             head_chunk_size=sp.head_chunk_size, backend=sp.backend,
                             buffer_pool=sp.pool, segments=segments,
+                            layout_segments=layout if sp.chunk_size is not None else None,
                             window=call.window, sinks=call.sinks,
                             comm_dtype=sp.communication_dtype, seq_chunk=sp.seq_chunk,
                             softcap=call.softcap)
     return out, None
+
+
+def _whole(documents):
+    """None for one document per row, as the batch state keeps it."""
+    return None if documents is None or all(row == (0,) for row in documents) else documents
 
 
 AttentionInterface.register(REGISTERED, _sp_attention)

@@ -11,6 +11,14 @@ The documents are found lazily, at the first attention call of a forward: findin
 gathers the position ids across the sequence-parallel ranks, and every check of the
 attention call runs before that first collective.
 
+flash-attn's varlen arguments (``cu_seq_lens_q``/``_k``, ``max_length_q``/``_k``: the
+cumulative document lengths of the full, flattened batch, as transformers'
+``DataCollatorWithFlattening`` and :mod:`arctic.data` on a per-document mesh give them) name
+the documents directly, as flash-attn reads them: they are then the documents, checked
+against the position ids (which must count up by one within each). A mesh built with
+``per_document`` cuts each row by its documents, which cannot be read back from the pieces'
+position ids: there a batch with packed documents must carry them.
+
 Activation checkpointing recomputes a layer in backward, when the state may already hold a
 later forward's batch. :func:`recompute_context` restores the layer's own batch around the
 recompute (``arctic.apply_activation_checkpointing`` passes it to ``torch.utils.checkpoint``
@@ -32,6 +40,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from arctic.anatomy import base_model, hf_checkpointing
 from arctic.hf_binding import of_module
 from ulysses import gather_sequence
+from ulysses.mesh import axis_size, mesh_dims
+
+VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
+"""flash-attn's varlen arguments, as transformers passes them (``FlashAttentionKwargs``)."""
 
 
 def document_starts(position_ids_BS: Tensor) -> tuple[tuple[int, ...], ...] | None:
@@ -48,6 +60,54 @@ def document_starts(position_ids_BS: Tensor) -> tuple[tuple[int, ...], ...] | No
     return tuple((0,) + tuple((row.nonzero().squeeze(1) + 1).tolist()) for row in breaks)
 
 
+def varlen_documents(kwargs, batch: int, full_len: int):
+    """The documents of a batch of ``batch`` rows of ``full_len`` tokens that flash-attn's
+    varlen arguments in ``kwargs`` describe, per row (``((0,),) * batch`` for whole rows);
+    None when none are given. ``cu_seq_lens_q`` holds the cumulative lengths over the
+    flattened batch (0 first, ``batch * full_len`` last, every row's start among them);
+    ``cu_seq_lens_k`` must equal it (self-attention) and ``max_length_q``/``_k`` be the
+    longest document, as flash-attn reads them. ``ValueError`` otherwise, before any
+    collective."""
+    given = {n: kwargs[n] for n in VARLEN if kwargs.get(n) is not None}
+    if not given:
+        return None
+    if "cu_seq_lens_q" not in given:
+        raise ValueError(f"flash-attn varlen arguments {sorted(given)} without cu_seq_lens_q: "
+                         f"give the documents' cumulative lengths")
+    cu = torch.as_tensor(given["cu_seq_lens_q"])
+    if is_fake(cu):
+        return None
+    other = given.get("cu_seq_lens_k")
+    if other is not None and not torch.equal(torch.as_tensor(other).cpu(), cu.cpu()):
+        raise ValueError("cu_seq_lens_k differs from cu_seq_lens_q: cross-attention between "
+                         "other documents is not implemented; give the same for both")
+    total = batch * full_len
+    bounds = cu.cpu().tolist() if cu.dim() == 1 and not cu.is_floating_point() else None
+    if bounds is None or not bounds or bounds[0] != 0 or bounds[-1] != total or             any(b <= a for a, b in zip(bounds, bounds[1:])) or             not set(range(0, total, full_len)) <= set(bounds):
+        raise ValueError(f"cu_seq_lens_q must be the 1-D integer cumulative document lengths of "
+                         f"the full batch ({batch} rows of {full_len} tokens, flattened): 0 "
+                         f"first, {total} last, increasing, each row's start among them; got "
+                         f"{bounds if bounds is not None else tuple(cu.shape)}")
+    longest = max(b - a for a, b in zip(bounds, bounds[1:]))
+    for name in ("max_length_q", "max_length_k"):
+        if name in given and int(given[name]) != longest:
+            raise ValueError(f"{name}={int(given[name])} is not the longest document "
+                             f"({longest}) of cu_seq_lens_q; flash-attn would attend with it")
+    return tuple(tuple(c - b * full_len for c in bounds if b * full_len <= c < (b + 1) * full_len)
+                 for b in range(batch))
+
+
+def cut_documents(mesh: DeviceMesh, kwargs, batch: int, piece_len: int):
+    """What ``shard_sequence``/``gather_sequence`` take as ``segments=`` for a batch of
+    ``batch`` rows of ``piece_len`` tokens per rank, given its keyword arguments: on a mesh
+    built with ``per_document`` (and a ring), the documents its varlen arguments give (whole
+    rows without them); None on any other mesh."""
+    if not mesh_dims(mesh).per_document_ring:
+        return None
+    full = piece_len * axis_size(mesh, "ulysses") * axis_size(mesh, "ring")
+    return varlen_documents(kwargs, batch, full) or ((0,),) * batch
+
+
 def chunk_starts(starts, chunk: int, batch: int,
                  full_len: int) -> tuple[tuple[int, ...], ...]:
     """Llama4's chunked attention as documents: each document (``starts`` per row, None: one
@@ -62,10 +122,12 @@ def chunk_starts(starts, chunk: int, batch: int,
 class _Batch:
     """One forward's batch: this rank's position ids until the documents are found."""
 
-    __slots__ = ("position_ids", "starts", "awaiting_backward")
+    __slots__ = ("position_ids", "varlen", "starts", "awaiting_backward")
 
-    def __init__(self, position_ids: Tensor) -> None:
+    def __init__(self, position_ids: Tensor, varlen=None) -> None:
         self.position_ids: Tensor | None = position_ids
+        self.varlen = varlen
+        """The documents the call's varlen arguments gave (:func:`varlen_documents`)."""
         self.starts = None
         self.awaiting_backward = False
 
@@ -87,25 +149,44 @@ class BatchState:
         if batch is None:
             return None
         if batch.position_ids is not None:
-            batch.starts = self._find(batch.position_ids)
+            batch.starts = self._find(batch.position_ids, batch.varlen)
             batch.position_ids = None
         return batch.starts
 
-    def _find(self, position_ids: Tensor):
-        full = gather_sequence(position_ids, self.mesh, dim=1)
+    def _find(self, position_ids: Tensor, varlen):
+        per_document = mesh_dims(self.mesh).per_document_ring
+        cut = varlen if per_document and varlen is not None else None
+        full = gather_sequence(position_ids, self.mesh, dim=1, segments=cut)
         # torch's fake process group (the planner, benchmarks/scale_gpu.py) moves no data:
         # what came back is not the positions, so plan one document.
         if dist.get_backend(self.mesh.get_group(0)) == "fake":
             return None
-        return document_starts(full)
+        if varlen is not None:
+            # Every rank gathered the same positions: all refuse alike.
+            breaks = document_starts(full) or ((0,),) * full.shape[0]
+            for b, (row, found) in enumerate(zip(varlen, breaks)):
+                stray = sorted(set(found) - set(row))
+                if stray:
+                    raise ValueError(
+                        f"position_ids of row {b} restart at {stray[:4]}, inside documents "
+                        f"that cu_seq_lens_q gives ({list(row[:8])}...); the varlen arguments "
+                        f"and the position ids must describe the same documents")
+            return None if all(row == (0,) for row in varlen) else varlen
+        starts = document_starts(full)
+        if starts is not None and per_document:
+            raise ValueError("the mesh cuts each packed document on its own (per_document), "
+                             "which the pieces' position_ids cannot tell back: give the batch's "
+                             "documents as cu_seq_lens_q (arctic.data does on such a mesh)")
+        return starts
 
-    def start(self, position_ids: Tensor) -> None:
-        """A new forward: refuse it if HF checkpointing would recompute the previous one's
-        layers with this batch's documents; then make it current."""
-        prev, new = self.current, _Batch(position_ids)
+    def start(self, position_ids: Tensor, varlen=None) -> None:
+        """A new forward (``varlen``: the documents its varlen arguments gave): refuse it if
+        HF checkpointing would recompute the previous one's layers with this batch's
+        documents; then make it current."""
+        prev, new = self.current, _Batch(position_ids, varlen)
         if prev is not None and prev.awaiting_backward and hf_checkpointing(self.model):
             # Same control flow on every rank: the gathers below happen everywhere or nowhere.
-            new.starts, new.position_ids = self._find(position_ids), None
+            new.starts, new.position_ids = self._find(position_ids, varlen), None
             if self.segments() != new.starts:
                 raise ValueError(
                     "a forward with other documents ran before the previous forward's "
@@ -147,7 +228,10 @@ def install_batch_hook(model: nn.Module, state: BatchState) -> None:
             raise ValueError("position_ids are required under sequence parallelism: pass this "
                              "rank's shard of the full sequence's position_ids (arctic.data "
                              "builds them); without them every rank would start RoPE at 0")
-        state.start(position_ids)
+        full = position_ids.shape[-1] * axis_size(state.mesh, "ulysses") * \
+            axis_size(state.mesh, "ring")
+        batch = position_ids.shape[0] if position_ids.dim() == 2 else 1
+        state.start(position_ids, varlen_documents(kwargs, batch, full))
 
     def after(module, args, output):
         batch = state.current

@@ -26,10 +26,11 @@ logit softcapping inside the softmax (Gemma2's ``attn_logit_softcapping``;
 :mod:`ulysses.softcap`); Llama4's chunked attention (``attention_chunk_size`` on the layers
 ``layer_types`` marks chunked: documents of that length, :func:`attention_chunk`); Gemma3's
 ``use_bidirectional_attention`` (:data:`BIDIRECTIONAL`: no causal mask, symmetric sliding
-windows). What is refused: attention dropout, other non-causal attention (another family's
-flag, ``config.is_causal=False``, a per-call ``is_causal=False``),
-explicit masks, flash-attn varlen packing arguments and ``seq_idx`` (documents come from
-``position_ids``), and returned attention weights. Llama4's ``attn_temperature_tuning`` on
+windows); flash-attn's varlen arguments (``cu_seq_lens_q``/``_k``, ``max_length_q``/``_k``:
+the documents, :func:`arctic.hf_batch.varlen_documents`). What is refused: attention dropout,
+other non-causal attention (another family's flag, ``config.is_causal=False``, a per-call
+``is_causal=False``), explicit masks, ``seq_idx`` (the packed-sequence index of state-space
+layers, which sequence parallelism does not cut), and returned attention weights. Llama4's ``attn_temperature_tuning`` on
 NoPE layers is honoured by :func:`fix_temperature`.
 """
 
@@ -44,15 +45,17 @@ from torch import Tensor, nn
 from arctic.anatomy import base_model
 from ulysses.softcap import check_softcap
 
-HONOURED = ("scaling", "sliding_window", "s_aux", "softcap")
+HONOURED = ("scaling", "sliding_window", "s_aux", "softcap", "cu_seq_lens_q", "cu_seq_lens_k",
+            "max_length_q", "max_length_k")
 """Attention arguments implemented exactly: the softmax scale, a causal sliding window,
-GPT-OSS's per-head sink logits, and attention logit softcapping."""
+GPT-OSS's per-head sink logits, attention logit softcapping, and flash-attn's varlen
+arguments (the batch's documents, read by the batch hook and checked here to be the
+same)."""
 REFUSED = ("dropout", "is_causal", "output_attentions", "head_mask",
-           "layer_head_mask", "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k",
-           "seq_idx")
+           "layer_head_mask", "seq_idx")
 """Attention arguments refused when they ask for something (a non-zero dropout, an
-``is_causal`` other than the module's own, returned weights, head masks, flash-attn varlen
-packing, a packed sequence index): the SP attention does not implement them."""
+``is_causal`` other than the module's own, returned weights, head masks, a packed sequence
+index): the SP attention does not implement them."""
 INERT = ("position_ids", "use_cache", "cache_position", "output_router_logits",
          "output_hidden_states", "return_dict")
 """Arguments that reach the attention but do not change what it computes: the position ids
@@ -128,6 +131,8 @@ class AttentionCall:
     softcap: float = 0.0
     """Attention logit softcapping inside the softmax (Gemma2's ``attn_logit_softcapping``);
     0: none."""
+    varlen: dict | None = None
+    """flash-attn's varlen arguments as given (the documents), or None."""
 
 
 def _refuse(module: nn.Module, feature: str, instead: str) -> ValueError:
@@ -166,19 +171,16 @@ def read_attention_kwargs(module: nn.Module, kwargs: dict, *,
     for name in ("head_mask", "layer_head_mask"):
         if kw.pop(name, None) is not None:
             raise _refuse(module, f"a {name}", f"pass {name}=None")
-    varlen = sorted(n for n in _VARLEN if kw.pop(n, None) is not None)
-    if varlen:
-        raise _refuse(module, f"flash-attn varlen packing ({', '.join(varlen)})",
-                      "mark documents with position_ids that restart at 0 (arctic.data does)")
+    varlen = {n: v for n in _VARLEN if (v := kw.pop(n, None)) is not None} or None
     if kw.pop("seq_idx", None) is not None:
-        raise _refuse(module, "a packed sequence index (seq_idx)",
+        raise _refuse(module, "a packed sequence index (seq_idx, for state-space layers)",
                       "mark documents with position_ids that restart at 0 (arctic.data does)")
     window = kw.pop("sliding_window", None)
     if window is not None and (isinstance(window, bool) or not isinstance(window, int)
                                or window < 1):
         raise _refuse(module, f"sliding_window={window!r}", "use a positive int or None")
     return AttentionCall(scaling=kw.pop("scaling", None), window=window,
-                         sinks=kw.pop("s_aux", None), softcap=softcap)
+                         sinks=kw.pop("s_aux", None), softcap=softcap, varlen=varlen)
 
 
 def tunes_temperature(module: nn.Module) -> bool:
@@ -200,10 +202,12 @@ def fix_temperature(module: nn.Module, q_BsHD: Tensor, row_positions: Tensor) ->
     """``q`` as the unsharded layer would have scaled it: the queries arrive multiplied by the
     factors of positions ``0..s-1`` (the layer's own count over this rank's piece); they get
     those of their positions in the row instead (``row_positions``, ``[s]``), as transformers
-    computes them for the whole row (packed documents included)."""
+    computes them for the whole row (packed documents included); ``[B, s]`` when the rows
+    are cut differently (a per-document mesh)."""
     local = temperature_scales(module, torch.arange(q_BsHD.shape[1], device=q_BsHD.device))
     wanted = temperature_scales(module, row_positions.to(q_BsHD.device))
-    return (q_BsHD.float() * (wanted / local)[None, :, None, None]).to(q_BsHD.dtype)
+    factor = (wanted / local).reshape(-1, q_BsHD.shape[1], 1, 1)
+    return (q_BsHD.float() * factor).to(q_BsHD.dtype)
 
 
 def attention_chunk(config, module: nn.Module) -> int | None:

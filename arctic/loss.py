@@ -102,8 +102,8 @@ def sp_token_loss(loss_sum: Tensor, num_valid: Tensor | int, *,
 
 # --- HF's labels, on sequence shards ---------------------------------------------------------
 
-def shift_labels_across_pieces(labels_BS: Tensor, mesh, *, ignore_index: int = IGNORE_INDEX
-                               ) -> Tensor:
+def shift_labels_across_pieces(labels_BS: Tensor, mesh, *, ignore_index: int = IGNORE_INDEX,
+                               segments=None) -> Tensor:
     """HF's shift of unshifted ``labels`` (each token's target is the next label, the last
     one ``ignore_index``), for this rank's piece of the sequence, with the targets that live on
     another rank: the pieces of the SP group are gathered (integers, ``[B, S]`` in all),
@@ -118,17 +118,22 @@ def shift_labels_across_pieces(labels_BS: Tensor, mesh, *, ignore_index: int = I
     shifted = torch.full_like(full, IGNORE_INDEX)
     shifted[:, :-1] = full[:, 1:]
     shifted[shifted == ignore_index] = IGNORE_INDEX
-    return shard_sequence(shifted, mesh, dim=1).contiguous()
+    return shard_sequence(shifted, mesh, dim=1, segments=segments).contiguous()
 
 
 def hf_targets(*, labels: Tensor | None, shift_labels: Tensor | None, ignore_index: int,
-               mesh, group) -> Tensor:
+               mesh, group, kwargs=None) -> Tensor:
     """This piece's targets as HF's causal-LM loss reads them: ``shift_labels`` when given
     (HF's precedence), else ``labels`` shifted across the pieces; ``ignore_index`` labels
     become -100. Refused alike on every rank of ``group`` (a -100 target beside another
-    ``ignore_index``, which HF's cross-entropy rejects): no rank goes on alone."""
+    ``ignore_index``, which HF's cross-entropy rejects): no rank goes on alone. ``kwargs``:
+    the call's other keyword arguments (the varlen ones name a per-document mesh's cut)."""
     if shift_labels is None:
-        return shift_labels_across_pieces(labels, mesh, ignore_index=ignore_index)
+        from arctic.hf_batch import cut_documents
+
+        segments = cut_documents(mesh, kwargs or {}, *labels.shape)
+        return shift_labels_across_pieces(labels, mesh, ignore_index=ignore_index,
+                                          segments=segments)
     if ignore_index == IGNORE_INDEX:
         return shift_labels
     bad = (shift_labels == IGNORE_INDEX).any().to(torch.int32).reshape(1)
@@ -176,7 +181,8 @@ class SPCausalLMLoss:
 
         group = flat_mesh(self.mesh, "sp").get_group()
         targets = hf_targets(labels=labels, shift_labels=shift_labels, ignore_index=ignore_index,
-                             mesh=self.mesh, group=group).reshape(-1).to(logits.device)
+                             mesh=self.mesh, group=group, kwargs=kwargs
+                             ).reshape(-1).to(logits.device)
         loss_sum = F.cross_entropy(logits.float().reshape(-1, vocab_size), targets,
                                    ignore_index=IGNORE_INDEX, reduction="sum")
         return sp_token_loss(loss_sum, targets.ne(IGNORE_INDEX).sum(), group=group,
@@ -492,7 +498,7 @@ class _SPLossForward:
                              "cut; give shift_labels from prepare_sp_batch instead")
         shift_labels = hf_targets(labels=labels, shift_labels=shift_labels, mesh=mesh,
                                   ignore_index=IGNORE_INDEX if ignore_index is None
-                                  else int(ignore_index), group=self.group)
+                                  else int(ignore_index), group=self.group, kwargs=kwargs)
         # No KV cache in training: it would keep every layer's k/v alive until the step ends.
         base = base_model(self.model)
         use_cache = of_module(base).name_of("use_cache") or "use_cache"

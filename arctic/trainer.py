@@ -67,6 +67,7 @@ from arctic import allocator
 from arctic.config import SequenceParallelConfig, load_ds_config
 from arctic.data import IGNORE_INDEX, SequenceParallelDataLoader
 from arctic.engine import apply_sp_recipe, host_limit_beside_state
+from arctic.hf_batch import cut_documents
 from arctic.removal import (remove_sequence_parallel, restore_sequence_parallel,
                             sequence_parallel_on)
 from arctic.trainer_fields import refuse_unsupported_arguments
@@ -216,13 +217,15 @@ class SequenceParallelTrainer(Trainer):
                 return model(**inputs).detach(), None, None
         # Metrics: the preprocessed logits of the whole sequence, in order, on every rank of
         # the SP group, and HF's unshifted labels rebuilt from the shifted ones.
+        cut = cut_documents(self.sp_mesh, inputs, *inputs["shift_labels"].shape)
         with torch.no_grad():
-            full = gather_sequence(inputs["shift_labels"], self.sp_mesh, dim=1)
+            full = gather_sequence(inputs["shift_labels"], self.sp_mesh, dim=1, segments=cut)
             labels = torch.cat([torch.full_like(full[:, :1], IGNORE_INDEX), full[:, :-1]], 1)
-            out = model(**inputs, labels=shard_sequence(labels, self.sp_mesh, dim=1),
+            out = model(**inputs, labels=shard_sequence(labels, self.sp_mesh, dim=1,
+                                                        segments=cut),
                         logits_fn=self._sp_preprocess, return_dict=True)
-            return (out.loss.detach(), gather_sequence(out.logits, self.sp_mesh, dim=1),
-                    labels)
+            return (out.loss.detach(),
+                    gather_sequence(out.logits, self.sp_mesh, dim=1, segments=cut), labels)
 
     def evaluation_loop(self, dataloader, description, prediction_loss_only=None,
                         ignore_keys=None, metric_key_prefix="eval"):

@@ -14,6 +14,7 @@ from arctic.config import SequenceParallelConfig, load_ds_config, zero_stage
 from helpers import get_mesh
 from helpers import value_error_of as _value_error
 from ulysses import self_check
+from ulysses.mesh import mesh_dims
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 WORLD = {"cpu_demo.json": 2, "cpu_trainer.json": 2, "llama3_8b_5m_8xh100.json": 8,
@@ -47,6 +48,7 @@ def test_deepspeed_keys_are_read():
     ({"sequence_parallel_size": 3}, ["sequence_parallel_size (3)", "world size (4)",
                                      "[1, 2, 4]"]),
     ({"sequence_parallel_size": 4, "ulysses": {"ring_degree": 3}}, ["ring_degree (3)"]),
+    ({"ulysses": {"ring_layout": "documents"}}, ["ring_layout", "per_document"]),
     ({"ulysses": {"head_chunk_size": 0}}, ["head_chunk_size", "0"]),
     ({"ulysses": {"tiled_mlp": "big"}}, ["tiled_mlp", "'big'"]),
     ({"ulysses": {"offload_activations": True}}, ["needs activation_checkpointing"]),
@@ -158,6 +160,8 @@ def _rank_fingerprint(ds):
             else None)
     return {
         "sequence_parallel_size": mesh.size(), "ring_degree": mesh["ring"].size(),
+        "ring_layout": ("per_document" if mesh_dims(mesh).per_document else
+                        "zigzag" if mesh_dims(mesh).zigzag else "contiguous"),
         "head_chunk_size": sp.head_chunk_size, "fuse_projections": sp.fuse_projections,
         "seq_chunk": sp.seq_chunk,
         "attn_implementation": sp.backend, "communication_dtype": sp.communication_dtype,
@@ -189,6 +193,10 @@ def _auto_io() -> str:
 # Each accepted key, a value other than its default, and what it must change (beyond itself).
 KEY_EFFECTS = {
     "ring_degree": ({"ulysses": {"ring_degree": 2}}, {"ring_degree": 2}),
+    "ring_layout": ({"ulysses": {"ring_degree": 2, "ring_layout": "per_document"}},
+                    {"ring_degree": 2, "ring_layout": "per_document"}),
+    "ring_layout (contiguous)": ({"ulysses": {"ring_degree": 2, "ring_layout": "contiguous"}},
+                                 {"ring_degree": 2, "ring_layout": "contiguous"}),
     "head_chunk_size": ({"ulysses": {"head_chunk_size": 1}}, {"head_chunk_size": 1}),
     "fuse_projections": ({"ulysses": {"head_chunk_size": 1, "fuse_projections": True}},
                          {"head_chunk_size": 1, "fuse_projections": True}),

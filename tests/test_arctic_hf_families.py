@@ -142,9 +142,12 @@ def _cached_reference(*key):
 
 
 def _rank_step(family, ulysses, ring=1, chunk=None, fuse=False, documents=False,
-               tiled_layer=False, seq_chunk=None, dp=1):
+               tiled_layer=False, seq_chunk=None, dp=1, layout=True, varlen=None):
     """One SP training step of ``family``: loss and DDP-averaged gradients (``dp`` data-
-    parallel groups, each running the same batch)."""
+    parallel groups, each running the same batch). ``layout``: the ring's (True zigzag,
+    False contiguous, ``"per_document"``). ``varlen``: the documents also (``"given"``) or
+    only (``"only"``: positions that do not restart) as flash-attn's varlen arguments, or
+    the batch's varlen arguments left out (``"dropped"``)."""
     import torch.distributed as dist
 
     from arctic.data import prepare_sp_batch
@@ -153,7 +156,7 @@ def _rank_step(family, ulysses, ring=1, chunk=None, fuse=False, documents=False,
     from ulysses import flat_mesh
 
     world = dp * ulysses * ring
-    mesh = get_mesh(world, ulysses, ring)
+    mesh = get_mesh(world, ulysses, ring, layout)
     model = apply_sequence_parallel(_model(family), mesh=mesh, head_chunk_size=chunk,
                                     fuse_projections=fuse, seq_chunk=seq_chunk)
     if tiled_layer:
@@ -164,7 +167,15 @@ def _rank_step(family, ulysses, ring=1, chunk=None, fuse=False, documents=False,
     raw = {"input_ids": _tokens(), "labels": _tokens()}
     if documents:
         raw["position_ids"] = _doc_positions()
-    loss = model(**prepare_sp_batch(raw, mesh))
+    if varlen in ("given", "only"):  # as DataCollatorWithFlattening gives them
+        bounds = torch.tensor([0, *torch.tensor(DOCS).cumsum(0).tolist()], dtype=torch.int32)
+        raw.update(cu_seq_lens_q=bounds, cu_seq_lens_k=bounds, max_length_q=max(DOCS),
+                   max_length_k=max(DOCS))
+    batch = prepare_sp_batch(raw, mesh)
+    if varlen == "dropped":
+        for name in ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k"):
+            batch.pop(name)
+    loss = model(**batch)
     loss.backward()
     for p in model.parameters():
         if p.grad is not None:
