@@ -10,9 +10,9 @@ Layouts of a packed sequence of ``R x L`` tokens over R ring ranks:
 
 - ``contiguous``: rank r holds ``[r L, (r + 1) L)``;
 - ``zigzag``: 2R chunks, rank r holds chunks r and 2R-1-r (:func:`ulysses.shard_sequence`);
-- ``document zigzag``: every document cut into 2R near-equal chunks, rank r taking chunks r
-  and 2R-1-r of each (the per-document balancer of torchtitan's RFC #2536); computed here
-  for comparison only, it is not a layout this package shards in.
+- ``per_document``: every document cut into 2R chunks, rank r taking chunks r and 2R-1-r of
+  each (``SequenceParallelDims(..., per_document=True)``; the rows each rank holds come from
+  :func:`ulysses.sharding.ring_runs`, the function that cuts the batches).
 
 Document-length mixes, drawn with a fixed seed and packed in order into sequences (a
 document that does not fit is cut, its tail starting the next sequence):
@@ -32,11 +32,14 @@ from __future__ import annotations
 import argparse
 import json
 import statistics
+import sys
 from pathlib import Path
 
 import numpy as np
 
 REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO))
+from ulysses.sharding import ring_runs  # noqa: E402
 K = 1024
 
 
@@ -89,21 +92,20 @@ def zigzag_work(work: np.ndarray, R: int) -> np.ndarray:
     return np.array([chunks[r] + chunks[2 * R - 1 - r] for r in range(R)])
 
 
-def document_zigzag_work(lengths: list[int], total: int, R: int) -> np.ndarray:
-    """Each document's rows cut into 2R near-equal chunks, rank r taking chunks r, 2R-1-r."""
-    per_rank = np.zeros(R, dtype=np.float64)
-    pos = 0
-    for n in lengths:
-        n = min(n, total - pos)
-        if n <= 0:
-            break
-        edges = np.linspace(0, n, 2 * R + 1).round().astype(np.int64)
-        # rows [a, b) of a document see a+1 .. b keys: sum = (b(b+1) - a(a+1)) / 2
-        chunk = (edges[1:] * (edges[1:] + 1) - edges[:-1] * (edges[:-1] + 1)) / 2
-        for r in range(R):
-            per_rank[r] += chunk[r] + chunk[2 * R - 1 - r]
-        pos += n
-    return per_rank
+def document_starts(lengths: list[int], total: int) -> tuple[int, ...]:
+    """The first position of each document packed into ``total`` positions."""
+    starts = np.cumsum([0] + lengths[:-1])
+    return tuple(int(a) for a in starts if a < total)
+
+
+def per_document_work(work: np.ndarray, lengths: list[int], total: int, R: int) -> np.ndarray:
+    """Each rank's work over the rows the per-document layout gives it (equal row counts)."""
+    prefix = np.concatenate([[0], np.cumsum(work)])
+    runs = [ring_runs(total, R, r, document_starts(lengths, total)) for r in range(R)]
+    if len({sum(n for _, n in rr) for rr in runs}) != 1:
+        raise SystemExit("the per-document layout gave the ranks different row counts")
+    return np.array([sum(prefix[g + n] - prefix[g] for g, n in rr) for rr in runs],
+                    dtype=np.float64)
 
 
 def imbalance(per_rank: np.ndarray) -> float:
@@ -129,13 +131,13 @@ def main() -> None:
             if total % (2 * R):
                 raise SystemExit(f"--seq {total} must divide by 2 x {R}")
             ratios: dict[str, list[float]] = {"contiguous": [], "zigzag": [],
-                                              "document zigzag": []}
+                                              "per_document": []}
             for lengths in draws:
                 work = offsets_in_document(lengths, total) + 1
                 ratios["contiguous"].append(imbalance(contiguous_work(work, R)))
                 ratios["zigzag"].append(imbalance(zigzag_work(work, R)))
-                ratios["document zigzag"].append(
-                    imbalance(document_zigzag_work(lengths, total, R)))
+                ratios["per_document"].append(
+                    imbalance(per_document_work(work, lengths, total, R)))
             for layout, values in ratios.items():
                 rows.append({"mix": mix, "ring": R, "layout": layout,
                              "median_max_over_mean": round(statistics.median(values), 4),
