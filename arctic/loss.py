@@ -333,6 +333,24 @@ def _probe(model: nn.Module, base: nn.Module, head: nn.Module, vocab: int, hidde
     return h, seen, z, out.logits if hasattr(out, "logits") else out[0]
 
 
+def _input_factor(x: Tensor, h: Tensor, found: dict[str, Any]) -> float | None:
+    """The factor c with ``x == c * h`` (the lm_head's input against the base model's output):
+    1.0, or a config scale key (:data:`SCALE_KEYS`, as a factor or a divisor; MiniCPM3
+    divides the hidden states by ``logits_scaling``), within the rounding of ``h``'s dtype;
+    None when no such factor holds."""
+    if x.shape != h.shape or x.device != h.device:
+        return None
+    if torch.equal(x.float(), h.float()):
+        return 1.0
+    tol = 4 * torch.finfo(h.dtype).eps
+    for k in SCALE_KEYS:
+        if _usable(found.get(k), positive=False):
+            for c in (float(found[k]), 1.0 / found[k]):
+                if torch.allclose(x.double(), c * h.double(), rtol=tol, atol=0):
+                    return c
+    return None
+
+
 def find_logit_transform(model: nn.Module) -> LogitTransform:
     """The transform ``model``'s forward applies to its lm_head logits, read from the config
     (:data:`SCALE_KEYS`, :data:`SOFTCAP_KEYS`) and verified by a probe.
@@ -347,8 +365,9 @@ def find_logit_transform(model: nn.Module) -> LogitTransform:
 
     Raises ``ValueError`` naming the model class when: ``config.output_router_logits`` is on
     (HF adds the MoE router loss, the tiled loss would drop it); the head's input is not the
-    base model's output (e.g. MiniCPM3 scales the hidden states first); no candidate
-    transform reproduces the forward's logits; or the probe itself fails.
+    base model's output, or that times a config scale key (MiniCPM3 divides by
+    ``logits_scaling``: a scale of a bias-free head's logits, folded into the transform); no
+    candidate transform reproduces the forward's logits; or the probe itself fails.
     """
     name = type(model).__name__
     config = getattr(model, "config", None)
@@ -383,11 +402,15 @@ def find_logit_transform(model: nn.Module) -> LogitTransform:
         if len(seen) != 1:
             raise ValueError(f"{name}.forward calls its lm_head {len(seen)} times, where the "
                              f"tiled loss calls it once. {instead}")
-        x = seen[0]
-        if x.shape != h.shape or x.device != h.device or not torch.equal(x.float(), h.float()):
+        factor = _input_factor(seen[0], h, found)
+        if factor is None:
             raise ValueError(f"{name}.forward does not pass its base model's last_hidden_state "
-                             f"unchanged to the lm_head (e.g. it scales or normalises the "
-                             f"hidden states first); the tiled loss cannot reproduce that. "
+                             f"to the lm_head unchanged or scaled by a factor from its config "
+                             f"(e.g. it normalises the hidden states first); the tiled loss "
+                             f"cannot reproduce that. {instead}")
+        if factor != 1.0 and getattr(head, "bias", None) is not None:
+            raise ValueError(f"{name}.forward scales the hidden states by {factor:g} before an "
+                             f"lm_head with a bias, which is not a scale of the logits. "
                              f"{instead}")
         if not torch.is_tensor(logits) or logits.shape != z.shape:
             raise ValueError(f"{name}.forward returns logits of shape "
@@ -399,7 +422,8 @@ def find_logit_transform(model: nn.Module) -> LogitTransform:
         for t in candidates:
             want = transform_logits_(z.clone(), scale=t.scale, softcap=t.softcap)
             if torch.allclose(got, want, rtol=PROBE_RTOL, atol=PROBE_ATOL):
-                return t
+                # a bias-free head of scaled hidden states gives scaled logits
+                return LogitTransform(scale=t.scale * factor, softcap=t.softcap)
             worst = min(worst, float((got - want).abs().max()))
     raise ValueError(f"{name}.forward transforms the lm_head's logits in a way the tiled loss "
                      f"does not reproduce: no scale/softcap from its config "

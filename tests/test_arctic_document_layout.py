@@ -23,7 +23,8 @@ PER_DOCUMENT = "per_document"
 
 
 @pytest.mark.parametrize("family,sp,ring,chunk,seq_chunk", [
-    ("llama", 1, 2, None, None),       # documents of 50, 30, 48: chunks of 12-13 per rank
+    pytest.param("llama", 1, 2, None, None,  # documents of 50, 30, 48: chunks of 12-13
+                 marks=pytest.mark.hf_facing),
     ("qwen3", 2, 2, None, None),       # window on layer 1, hybrid U2 x R2
     ("gpt_oss", 1, 2, 1, None),        # sinks and windows, head chunks
     ("llama4", 1, 2, None, None),      # chunks of 32 within documents: layout != documents
@@ -45,6 +46,7 @@ def test_temperature_tuning_rows_in_the_per_document_layout():
            _cached_reference("llama4_temperature", False))
 
 
+@pytest.mark.hf_facing
 @pytest.mark.parametrize("sp,ring,layout", [(2, 1, True), (1, 2, True), (1, 2, PER_DOCUMENT)],
                          ids=["u2", "r2_zigzag", "r2_per_document"])
 def test_varlen_arguments_alone_give_the_documents(sp, ring, layout):
@@ -102,6 +104,7 @@ def _refusals():
     return found
 
 
+@pytest.mark.hf_facing
 def test_varlen_arguments_that_cannot_be_honoured_are_refused():
     for found in dist_pool.run(_refusals, world_size=2):
         for layout in ("zigzag", "per_document"):

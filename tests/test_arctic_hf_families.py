@@ -335,13 +335,16 @@ REFUSED = {
     "varlen_kwargs": ["cu_seq_lens_q", "cumulative document lengths", "128 last"],
     "seq_idx": ["LlamaAttention", "seq_idx"],
     "attention_switched_back": ["LlamaAttention", "'sdpa'"],
+    # token mixers outside attention would see only this rank's piece
+    "linear_attention_layers": ["Qwen3NextForCausalLM", "linear_attention", "outside attention"],
+    "convolution_in_a_layer": ["LlamaForCausalLM", "layers.0.mixer (Conv1d)", "outside attention"],
 }
 """Each refusal -> words its message must hold (the model or module class, the feature)."""
 
 
 def _refused_calls():
     """name -> a call that must raise, on an SP=2 mesh (rank side)."""
-    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig
+    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen3NextConfig
 
     from arctic.hf_attention import apply_sequence_parallel
 
@@ -359,6 +362,10 @@ def _refused_calls():
         model.set_attn_implementation("sdpa")
         return model(input_ids=ids, position_ids=pos)
 
+    def with_conv(model):
+        model.model.layers[0].mixer = torch.nn.Conv1d(8, 8, 4, groups=8)
+        return model
+
     varlen = dict(cu_seq_lens_q=torch.tensor([0, 64]), cu_seq_lens_k=torch.tensor([0, 64]),
                   max_length_q=64, max_length_k=64)
     return {
@@ -374,6 +381,12 @@ def _refused_calls():
         "seq_idx": lambda: apply(_model("llama"))(input_ids=ids, position_ids=pos,
                                                   seq_idx=torch.zeros_like(ids, dtype=torch.int32)),
         "attention_switched_back": switched_back,
+        "linear_attention_layers": lambda: apply(build(Qwen3NextConfig(
+            **SMALL, layer_types=["linear_attention", "full_attention"], num_experts=2,
+            moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+            linear_value_head_dim=16))),
+        "convolution_in_a_layer": lambda: apply(with_conv(_model("llama"))),
     }
 
 

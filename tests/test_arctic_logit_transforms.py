@@ -37,6 +37,10 @@ FAMILIES = {  # name: (config class, extra config, the transform the probe must 
     "cohere": ("CohereConfig", dict(logit_scale=0.25), LogitTransform(scale=0.25)),
     "gemma2": ("Gemma2Config", dict(final_logit_softcapping=2.0, query_pre_attn_scalar=16),
                LogitTransform(softcap=2.0)),
+    # hidden states divided by logits_scaling = hidden_size / dim_model_base before the head
+    "minicpm3": ("MiniCPM3Config", dict(dim_model_base=16, num_key_value_heads=4, q_lora_rank=32,
+                                       kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                                       v_head_dim=16), LogitTransform(scale=0.25)),
 }
 
 
