@@ -34,6 +34,7 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor
+from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler,
                               default_collate)
@@ -140,10 +141,16 @@ class _SequenceCut:
                 positions[b, first:] = torch.arange(n - first)
                 starts[b, first:] = False
                 starts[b, first] = True
-        documents = [tuple(row.nonzero().squeeze(1).tolist()) for row in starts]
         full = {"input_ids": _pad_right(input_ids, n, pad_token_id),
                 "position_ids": positions,
                 "shift_labels": _pad_right(shift, n, IGNORE_INDEX)}
+        by_documents = self.split.per_document or varlen is not None
+        if not by_documents:
+            documents = None
+        elif is_fake(starts):  # the planner's trace: one document per row, the padding apart
+            documents = [(0, first) if 0 < first < n else (0,) for first in real]
+        else:
+            documents = [tuple(row.nonzero().squeeze(1).tolist()) for row in starts]
         if self.split.per_document:
             index = torch.stack([torch.cat([torch.arange(g, g + k) for g, k in
                                             self.split.runs(n, self.sp_rank, row)])
@@ -153,7 +160,7 @@ class _SequenceCut:
             runs = self.split.runs(n, self.sp_rank)  # as ulysses.shard_sequence cuts
             out = {k: torch.cat([v[:, start:start + size] for start, size in runs], dim=1)
                    for k, v in full.items()}
-        if self.split.per_document or varlen is not None:
+        if by_documents:
             out.update(_varlen_arguments(documents, n))
         return out
 
@@ -161,9 +168,9 @@ class _SequenceCut:
 def _varlen_arguments(documents: list[tuple[int, ...]], n: int) -> dict[str, Any]:
     """flash-attn's varlen arguments of rows of ``n`` tokens with these documents: the
     flattened batch's document bounds (int32) and the longest document."""
-    bounds = [b * n + a for b, row in enumerate(documents) for a in row]
-    cu = torch.tensor(bounds + [len(documents) * n], dtype=torch.int32)
-    longest = int((cu[1:] - cu[:-1]).max())
+    bounds = [b * n + a for b, row in enumerate(documents) for a in row] + [len(documents) * n]
+    cu = torch.tensor(bounds, dtype=torch.int32)
+    longest = max(e - a for a, e in zip(bounds, bounds[1:]))
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone(), "max_length_q": longest,
             "max_length_k": longest}
 

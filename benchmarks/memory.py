@@ -162,7 +162,7 @@ def measure(model, batch, group, device) -> dict:
         peak = torch.cuda.max_memory_allocated(device)
     else:
         mt = MemTracker()
-        mt.track_external(*model.parameters(), *batch.values(), *host)
+        mt.track_external(*model.parameters(), *filter(torch.is_tensor, batch.values()), *host)
         with mt:
             loss = step(model, batch, group)
         peak = mt.get_tracker_snapshot("peak")[device]["Total"] - host_bytes
@@ -225,7 +225,7 @@ def predict(args) -> None:
             model = build(s, args, mesh, device, args.seq)
             step(model, batch, group)  # warm-up, as measured: the host pool's buffers exist
             model.zero_grad(set_to_none=True)
-            with track_peak(track=(*model.parameters(), *batch.values()),
+            with track_peak(track=(*model.parameters(), *filter(torch.is_tensor, batch.values())),
                             pools=buffer_pools(model)) as tracker:
                 step(model, batch, group)
         peak = tracker.breakdown("cpu")

@@ -531,3 +531,19 @@ def test_plans_gemma2_with_attention_softcapping(tmp_path):
                 "--gpus", "2", "--stack", "ours", "--no-fuse-projections", "--no-tiled-layer",
                 "--quick")["estimate"]
     assert est["fits"] and est["device_peak_bytes"] > 0, est
+
+
+def test_plans_each_ring_layout(tmp_path):
+    """ulysses.ring_layout reaches the trace: the per-document layout plans one document per
+    row, cut as the zigzag cuts it, so its peak is the zigzag's and the batch's varlen
+    arguments (cu_seq_lens_q and _k: [0, 8192] in int32, 16 bytes); the plan names it."""
+    peaks = {}
+    for layout in ("zigzag", "per_document"):
+        cfg = tmp_path / f"{layout}.json"
+        cfg.write_text(json.dumps({"sequence_parallel_size": 4, "ulysses": {
+            "ring_degree": 2, "ring_layout": layout, "head_chunk_size": 1}}))
+        out = _plan(tmp_path, "--model", "tiny-llama", "--gpus", "4", "--seq-len", "8K",
+                    "--ds-config", str(cfg), "--quick", name=f"{layout}_plan.json")
+        assert out["estimate"]["sp"]["ring_layout"] == layout, out["estimate"]["sp"]
+        peaks[layout] = out["estimate"]["device_peak_bytes"]
+    assert peaks["per_document"] - peaks["zigzag"] == 2 * 2 * 4 and peaks["zigzag"] > 0, peaks

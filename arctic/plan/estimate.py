@@ -147,6 +147,7 @@ def _trace(config, sp, world: int, seq_len: int, *, shard: bool,
     ``shortcuts``: skip the work that allocates nothing or repeats
     (:mod:`ulysses.trace_shortcuts`): the peaks are the same, the trace's cost no longer
     grows with the tile counts."""
+    import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
     fake_world(world)
@@ -158,7 +159,7 @@ def _trace(config, sp, world: int, seq_len: int, *, shard: bool,
         init_optimizer_state(model, optimizer)
         batch = make_batch(seq_len, config.vocab_size, mesh, "cpu")
         session = getattr(model, "activation_offload", None)
-        with track_peak(track=(model, optimizer, *batch.values()),
+        with track_peak(track=(model, optimizer, *filter(torch.is_tensor, batch.values())),
                         pools=buffer_pools(model), state=(model, optimizer)) as tracker:
             train_step(model, optimizer, batch, on_phase=tracker.end_phase)
     host = session.pool.stats.peak_host_bytes if session is not None else 0

@@ -61,7 +61,8 @@ def make_batch(seq_len: int, vocab: int, mesh, device) -> dict:
     from arctic.data import prepare_sp_batch
 
     ids = torch.randint(0, vocab, (1, seq_len), generator=torch.Generator().manual_seed(0))
-    return {k: v.to(device) for k, v in prepare_sp_batch({"input_ids": ids}, mesh).items()}
+    return {k: v.to(device) if torch.is_tensor(v) else v  # max_length_q/k are ints
+            for k, v in prepare_sp_batch({"input_ids": ids}, mesh).items()}
 
 
 def train_step(model: nn.Module, optimizer, batch: dict, *, on_phase=None) -> torch.Tensor:
@@ -78,11 +79,14 @@ def train_step(model: nn.Module, optimizer, batch: dict, *, on_phase=None) -> to
     return loss.detach()
 
 
-PLANNED_FIELDS = ("sequence_parallel_size", "ring_degree", "head_chunk_size", "seq_chunk",
+PLANNED_FIELDS = ("sequence_parallel_size", "ring_degree", "ring_layout", "head_chunk_size",
+                  "seq_chunk",
                   "fuse_projections", "tiled_mlp", "tiled_norms", "tiled_layer", "loss_tiles",
                   "activation_checkpointing", "offload_activations", "recompute_attention")
 """The :class:`SequenceParallelConfig` fields that change what the planner traces (the rest,
-the attention kernel and the exchanges' dtype, do not change memory)."""
+the attention kernel and the exchanges' dtype, do not change memory). The step is traced on
+one document per row (a packed batch's documents only shorten the attention's kernel calls),
+so ``ring_layout`` counts through the padding it asks for (``2 R U`` or ``R U``)."""
 
 STACKS: dict[str, dict] = {
     # name -> SequenceParallelConfig fields (sequence_parallel_size comes from the world)
