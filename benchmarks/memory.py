@@ -252,7 +252,8 @@ def main() -> None:
     mesh = SequenceParallelDims(world_size=world, ulysses_degree=world).build_mesh(device.type)
     group = flat_mesh(mesh, "sp").get_group()
     ids = torch.randint(0, 256, (1, args.seq), generator=torch.Generator().manual_seed(1))
-    batch = {k: v.to(device) for k, v in prepare_sp_batch({"input_ids": ids}, mesh).items()}
+    batch = {k: v.to(device) if torch.is_tensor(v) else v
+             for k, v in prepare_sp_batch({"input_ids": ids}, mesh).items()}
     _alst_peer.check_shards(ids.to(device), batch, mesh)
     seq_len = batch["input_ids"].shape[1] * world
 

@@ -67,7 +67,7 @@ def main() -> None:
     while step < args.max_steps:
         epoch, i, batch = next(batches)
         start = time.perf_counter()
-        batch = {k: v.to(device) for k, v in batch.items()}
+        batch = {k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()}
         loss = engine(**batch)
         engine.backward(loss)
         engine.step()

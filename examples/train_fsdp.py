@@ -217,7 +217,7 @@ def main() -> None:
     while step < args.max_steps:
         epoch, i, batch = next(batches)
         start = time.perf_counter()
-        loss = model(**{k: v.to(device) for k, v in batch.items()})
+        loss = model(**{k: v.to(device) if torch.is_tensor(v) else v for k, v in batch.items()})
         loss.backward()
         step += 1
         if args.dump_grads and step == first_step:
