@@ -83,7 +83,9 @@ def varlen_documents(kwargs, batch: int, full_len: int):
                          "other documents is not implemented; give the same for both")
     total = batch * full_len
     bounds = cu.cpu().tolist() if cu.dim() == 1 and not cu.is_floating_point() else None
-    if bounds is None or not bounds or bounds[0] != 0 or bounds[-1] != total or             any(b <= a for a, b in zip(bounds, bounds[1:])) or             not set(range(0, total, full_len)) <= set(bounds):
+    ok = bounds is not None and bounds and bounds[0] == 0 and bounds[-1] == total
+    ok = ok and all(b > a for a, b in zip(bounds, bounds[1:]))
+    if not ok or not set(range(0, total, full_len)) <= set(bounds):
         raise ValueError(f"cu_seq_lens_q must be the 1-D integer cumulative document lengths of "
                          f"the full batch ({batch} rows of {full_len} tokens, flattened): 0 "
                          f"first, {total} last, increasing, each row's start among them; got "

@@ -30,8 +30,8 @@ windows); flash-attn's varlen arguments (``cu_seq_lens_q``/``_k``, ``max_length_
 the documents, :func:`arctic.hf_batch.varlen_documents`). What is refused: attention dropout,
 other non-causal attention (another family's flag, ``config.is_causal=False``, a per-call
 ``is_causal=False``), explicit masks, ``seq_idx`` (the packed-sequence index of state-space
-layers, which sequence parallelism does not cut), and returned attention weights. Llama4's ``attn_temperature_tuning`` on
-NoPE layers is honoured by :func:`fix_temperature`.
+layers, which sequence parallelism does not cut), and returned attention weights. Llama4's
+``attn_temperature_tuning`` on NoPE layers is honoured by :func:`fix_temperature`.
 """
 
 from __future__ import annotations
