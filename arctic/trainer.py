@@ -48,9 +48,14 @@ DeepSpeed runs inside the Trainer without our ``mpu`` (accelerate builds the eng
 treats every rank as data parallel: it averages gradients over all ranks (the SP loss scales
 by sp to match) and must not see ``sequence_parallel_size``, with which it would size batches
 for world/sp ranks while the Trainer sizes them for all. The trainer hands DeepSpeed the
-config without our keys. accelerate's ``ParallelismConfig(sp_backend=...)`` cannot carry this
-backend: accelerate 1.15 accepts only ``"deepspeed"`` there, which installs DeepSpeed's own
-Ulysses attention.
+config without our keys.
+
+HF's ALST settings work as they are: ``TrainingArguments(parallelism_config=
+ParallelismConfig(sp_backend="deepspeed", sp_size=N, sp_handler=...))`` beside the DeepSpeed
+config is read as ``sequence_parallel_size=N`` and the handler's attention implementation
+(:mod:`arctic.hf_parallelism`), and removed from the arguments before the Trainer builds its
+accelerator, so accelerate installs neither DeepSpeed's Ulysses attention nor its dataloader
+adapter.
 """
 
 from __future__ import annotations
@@ -68,6 +73,7 @@ from arctic.config import SequenceParallelConfig, load_ds_config
 from arctic.data import IGNORE_INDEX, SequenceParallelDataLoader
 from arctic.engine import apply_sp_recipe, host_limit_beside_state
 from arctic.hf_batch import cut_documents
+from arctic.hf_parallelism import merge_parallelism_config
 from arctic.removal import (remove_sequence_parallel, restore_sequence_parallel,
                             sequence_parallel_on)
 from arctic.trainer_fields import refuse_unsupported_arguments
@@ -89,12 +95,18 @@ class SequenceParallelTrainer(Trainer):
     def __init__(self, model=None, args=None, data_collator=None, **kwargs) -> None:
         if args is None or not args.deepspeed:
             raise ValueError("SequenceParallelTrainer reads its settings from "
-                             "TrainingArguments(deepspeed=<config with sequence_parallel_size>)")
+                             "TrainingArguments(deepspeed=<config with sequence_parallel_size>, "
+                             "or parallelism_config=ParallelismConfig(sp_size=...) beside it)")
         _refuse_what_sp_cannot_give(args, kwargs)
         if model is None:
             raise ValueError("SequenceParallelTrainer needs model= (a HF causal LM)")
-        ds = dict(load_ds_config(args.deepspeed))
+        # HF's ALST settings (accelerate's ParallelismConfig) are read here; accelerate gets
+        # the arguments without them, so it installs none of DeepSpeed's Ulysses pieces.
+        ds = merge_parallelism_config(getattr(args, "parallelism_config", None),
+                                      dict(load_ds_config(args.deepspeed)), args.world_size)
         sp = SequenceParallelConfig.from_ds_config(ds, world_size=args.world_size)
+        if getattr(args, "parallelism_config", None) is not None:
+            args.parallelism_config = None
         allocator.use_expandable_segments()  # arctic.allocator: unless the user set it
         if getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing:
             # TrainingArguments(activation_checkpointing=True), or its older name

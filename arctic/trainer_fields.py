@@ -35,6 +35,8 @@ FIELDS: dict[str, tuple[str, str]] = {
     "per_device_train_batch_size": (HONOURED, _PARITY),  # 2 in its SGD case
     "per_device_eval_batch_size": (HONOURED, _PARITY),
     "dataloader_drop_last": (HONOURED, _LOADERS),
+    # HF's ALST settings: read as sequence_parallel_size and the kernel (arctic.hf_parallelism)
+    "parallelism_config": (HONOURED, _PARITY),  # its AdamW case, where accelerate has it
     "dataloader_num_workers": (HONOURED, _LOADERS),
     "dataloader_pin_memory": (HONOURED, _LOADERS),
     "dataloader_persistent_workers": (HONOURED, _LOADERS),
@@ -97,7 +99,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "auto_find_batch_size": (REFUSED, ""), "include_num_input_tokens_seen": (REFUSED, ""),
     "gradient_checkpointing_kwargs": (REFUSED, ""),
     "activation_checkpointing_kwargs": (REFUSED, ""), "accelerator_config": (REFUSED, ""),
-    "parallelism_config": (REFUSED, ""), "fsdp": (REFUSED, ""), "fsdp_config": (REFUSED, ""),
+    "fsdp": (REFUSED, ""), "fsdp_config": (REFUSED, ""),
     "length_column_name": (NO_EFFECT, "read by group_by_length sampling, which is refused"),
     # nothing trained or evaluated changes
     **{name: (NO_EFFECT, "output, logging, reporting or the hub") for name in (
@@ -151,7 +153,6 @@ REFUSALS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "accelerator_config": (_accelerate_changed, "split_batches, dispatch_batches and "
                                                 "even_batches act on accelerate's loaders, "
                                                 "and the SP loaders are not accelerate's"),
-    "parallelism_config": (_set, "the SP settings come from the DeepSpeed config"),
     "eval_use_gather_object": (_set, "the SP predictions are gathered as tensors over the "
                                      "data-parallel ranks"),
     "include_for_metrics": (lambda v: _set(v) and list(v) != ["loss"],

@@ -1,9 +1,13 @@
 """The HF Trainer path: ``SequenceParallelTrainer`` on the demo model and corpus.
 
     torchrun --nproc-per-node 2 examples/hf_trainer.py --deepspeed configs/cpu_trainer.json
+    torchrun --nproc-per-node 2 examples/hf_trainer.py --alst --deepspeed configs/cpu_alst.json
     python3 examples/hf_trainer.py --plain          # the same run as a plain 1-process Trainer
 
-The SP settings come from the DeepSpeed JSON given to ``TrainingArguments(deepspeed=...)``.
+The SP settings come from the DeepSpeed JSON given to ``TrainingArguments(deepspeed=...)``,
+or, with ``--alst``, as HF's ALST guide sets them: ``TrainingArguments(parallelism_config=
+ParallelismConfig(sp_backend="deepspeed", sp_size=<world>, ...))`` beside a DeepSpeed JSON
+whose ``"ulysses"`` block adds tiling and offload.
 ``--losses-out`` writes the logged training losses (and the eval loss) as JSON. After
 training the model is the user's own again: ``--use-model DIR`` saves it to ``DIR``, runs it
 on a whole sequence (logits) and generates from it, on every rank, and writes those too.
@@ -16,7 +20,7 @@ import json
 from pathlib import Path
 
 import torch
-from transformers import Trainer, TrainingArguments
+from transformers import Trainer, TrainerCallback, TrainingArguments
 
 # examples/_common.py, beside this file; importing it puts the checkout on sys.path.
 from _common import REPO, ByteCorpus, build_model
@@ -76,10 +80,47 @@ def _use_trained_model(trainer, corpus, out: Path) -> dict:
     return {"ids": ids.tolist(), "logits": logits.tolist(), "generated": generated.tolist()}
 
 
+def _alst_settings(alst: bool) -> dict:
+    """HF's ALST guide's ``parallelism_config``, over every rank of this run."""
+    if not alst:
+        return {}
+    import torch.distributed as dist
+    from accelerate.utils import DeepSpeedSequenceParallelConfig, ParallelismConfig
+
+    world = int(dist.get_world_size() if dist.is_initialized() else
+                __import__("os").environ.get("WORLD_SIZE", 1))
+    return {"parallelism_config": ParallelismConfig(
+        sp_backend="deepspeed", sp_size=world, dp_replicate_size=1,
+        sp_handler=DeepSpeedSequenceParallelConfig(sp_seq_length_is_variable=True,
+                                                   sp_attn_implementation="sdpa"))}
+
+
+class _SeesTiling(TrainerCallback):
+    """Whether the MLPs ran tiled during training (SP is on inside train() only)."""
+
+    seen = False
+
+    def on_step_end(self, args, state, control, model=None, **kwargs):
+        layers = getattr(getattr(model, "model", None), "layers", [])
+        self.seen = self.seen or any("Tiled" in type(m.mlp.forward).__name__ for m in layers)
+
+
+def _deepspeed_sp_installed(trainer) -> bool:
+    """Whether accelerate installed DeepSpeed's Ulysses pieces as well: its attention over the
+    global "sdpa" entry, or its dataloader adapter."""
+    from transformers.integrations.sdpa_attention import sdpa_attention_forward
+    from transformers.modeling_utils import ALL_ATTENTION_FUNCTIONS
+
+    loader = type(trainer.get_train_dataloader()).__name__
+    return ALL_ATTENTION_FUNCTIONS["sdpa"] is not sdpa_attention_forward or "Ulysses" in loader
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--deepspeed", default=str(REPO / "configs" / "cpu_trainer.json"))
     p.add_argument("--plain", action="store_true", help="plain Trainer, no SP, no DeepSpeed")
+    p.add_argument("--alst", action="store_true",
+                   help="HF's ALST settings: sp_size from TrainingArguments(parallelism_config)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--max-steps", type=int, default=5)
     p.add_argument("--output-dir", default="/tmp/arctic_hf_trainer")
@@ -135,7 +176,7 @@ def main() -> None:
         train_sampling_strategy="random" if args.shuffle else "sequential", optim=args.optim,
         seed=0, ignore_data_skip=args.ignore_data_skip,
         gradient_checkpointing=args.gradient_checkpointing,
-        deepspeed=None if args.plain else deepspeed)
+        deepspeed=None if args.plain else deepspeed, **_alst_settings(args.alst))
     metrics_fns = ({"compute_metrics": _accuracy, "preprocess_logits_for_metrics": _argmax}
                    if args.metrics else {})
     if args.plain:
@@ -144,6 +185,9 @@ def main() -> None:
     else:
         trainer = SequenceParallelTrainer(model=model, args=targs, train_dataset=train,
                                           eval_dataset=evaluation, **metrics_fns)
+    deepspeed_sp = _deepspeed_sp_installed(trainer)
+    tiling = _SeesTiling()
+    trainer.add_callback(tiling)
     trainer.train(resume_from_checkpoint=args.resume_from)
     metrics = trainer.evaluate()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
@@ -162,6 +206,8 @@ def main() -> None:
                                                    "metrics": metrics,
                                                    **used,
                                                    "offloaded_bytes": offloaded,
+                                                   "deepspeed_sp_installed": deepspeed_sp,
+                                                   "tiled_mlp": tiling.seen,
                                                    "hf_checkpointed_layers": sum(
                                                        getattr(m, "gradient_checkpointing", False)
                                                        is True for m in model.modules())}))

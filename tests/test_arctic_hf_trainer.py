@@ -62,11 +62,21 @@ def _sp_and_plain(tmp_path: Path, sp_cmd: list[str], optim: list[str]) -> tuple[
                   "--gradient-checkpointing", "--batch-size", "2"], marks=pytest.mark.slow)],
     ids=["adamw-batch2", "sgd-unclipped-gc-batch2"])
 def test_sp_trainer_matches_plain_trainer(tmp_path, optim):
+    """The batch-2 AdamW case runs with HF's ALST guide's settings where accelerate has
+    them (ParallelismConfig(sp_backend="deepspeed", sp_size=2, ...) beside a DeepSpeed JSON
+    without sequence_parallel_size, SequenceParallelTrainer in place of Trainer); the
+    other reads sequence_parallel_size from the DeepSpeed JSON, as every run does on an
+    accelerate without ParallelismConfig."""
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    sp, plain = _sp_and_plain(tmp_path, [torchrun, "--nproc-per-node", "2", SCRIPT,
-                                         "--deepspeed", str(REPO / "configs" /
-                                                            "cpu_trainer.json")] + optim,
-                              optim)
+    alst = "--metrics" in optim and _has_parallelism_config()
+    settings = (["--alst", "--deepspeed", str(REPO / "configs" / "cpu_alst.json")] if alst
+                else ["--deepspeed", str(REPO / "configs" / "cpu_trainer.json")])
+    sp, plain = _sp_and_plain(tmp_path, [torchrun, "--nproc-per-node", "2", SCRIPT] + settings
+                              + optim, optim)
+    # accelerate installed none of DeepSpeed's Ulysses pieces beside ours (its attention over
+    # the global "sdpa" entry, its loader); the JSON's "ulysses" block tiled the MLP
+    assert sp["deepspeed_sp_installed"] is False
+    assert sp["tiled_mlp"] and not plain["tiled_mlp"]
     assert sp["global_step"] == plain["global_step"] == 5
     assert len(sp["loss"]) == len(plain["loss"]) == 5
     assert sp["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=0)
@@ -79,6 +89,14 @@ def test_sp_trainer_matches_plain_trainer(tmp_path, optim):
     if "--metrics" in optim:  # compute_metrics on preprocess_logits_for_metrics' argmax
         _check_metrics(sp, plain)
     _check_the_trained_models(sp, plain)
+
+
+def _has_parallelism_config() -> bool:
+    try:
+        import accelerate.parallelism_config  # noqa: F401  (accelerate >= 1.10)
+    except ImportError:
+        return False
+    return True
 
 
 def _check_metrics(sp: dict, plain: dict) -> None:
@@ -383,3 +401,4 @@ def test_the_loaders_read_data_seed_and_num_workers():
     assert found[7, 2][3] == (True, True, True, 3, "spawn", False), found
     assert sorted(found[None, 0][2]) == sorted(found[7, 0][2]) == list(range(6))
     assert found[None, 0][2] != found[7, 0][2], found  # another seed, another order
+
