@@ -19,7 +19,8 @@ from ulysses.kernels import BACKENDS, check_supported
 
 GiB = 1 << 30
 MODEL, LAYERS, WORLD = "llama3-8b", 2, 8
-"""The model shape of the step, fits and host-blocks runs: one rank of 8, as in README's tables."""
+"""The model shape of the step, fits and host-blocks runs: one rank of 8, as in the tables of
+docs/benchmarks.md."""
 STEP_STACKS = ("alst", "ours", "ours-keep-attention")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HEAD_DIMS = (64, 128)

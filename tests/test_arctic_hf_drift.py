@@ -2,7 +2,7 @@
 forward arctic wraps, classified.
 
 transformers renames and adds the arguments its modules pass each other between releases
-(5.24 renamed ``past_key_values`` to ``cache``). For every family of the README's Supported
+(5.24 renamed ``past_key_values`` to ``cache``). For every family of docs/models.md's Supported
 models table, one training step of a tiny model runs with each wrapped forward on (fused
 projections and the tiled layer where the family supports them, else the tiled MLP and norms;
 the SP loss; checkpointing with offload), and every argument name that reaches a bound

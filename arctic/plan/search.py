@@ -201,7 +201,7 @@ def _try_seq_chunks(plan_with, candidates: list[Candidate], winner: Candidate, g
     goes past ``winner``, else ``winner``.
 
     With one Ulysses rank the head-chunk buffers already span one ring block and sequence
-    blocks cut nothing (the README's headline notes show it at 9.44M), so ring-only splits
+    blocks cut nothing (docs/planner.md's headline notes show it at 9.44M), so ring-only splits
     are not tried; of the others only the longest is, because a trace with blocks costs one
     to three minutes at Llama-3-8B's scale. Not tried when the settings cannot take blocks
     (no head chunks) or already set them. Like the host-side variants, it is searched only
