@@ -19,7 +19,7 @@ setup(
     install_requires=["torch>=2.5", "einops>=0.7"],
     extras_require={
         "test": ["pytest>=7", "deepspeed>=0.19.8", "numpy", "transformers>=5.13.0", "accelerate>=1.3.0",
-                 "matplotlib"],
+                 "matplotlib", "trl"],
         "hf": ["deepspeed>=0.19.8", "transformers>=5.13.0", "accelerate>=1.3.0"],
         "plan": ["transformers>=5.13.0", "matplotlib"],  # python -m arctic.plan [--plot]
     },

@@ -89,8 +89,17 @@ def _collate(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
                                           "position_ids")}
 
 
-class SequenceParallelTrainer(Trainer):
-    """``transformers.Trainer`` with the sequence parallelism named in ``args.deepspeed``."""
+class SequenceParallelMixin:
+    """Sequence parallelism for a ``transformers.Trainer`` class: put it first among the
+    bases, ``class SPSFTTrainer(SequenceParallelMixin, trl.SFTTrainer)``
+    (:class:`SequenceParallelTrainer` is it with ``Trainer``). The arguments are the
+    trainer's own; the SP settings come from ``args.deepspeed`` (and ``parallelism_config``).
+    With TRL's ``SFTTrainer``, its ``SFTConfig`` fields are honoured or refused as the
+    Trainer's are (:data:`arctic.trainer_fields.SFT_FIELDS`): its dataset preparation,
+    packing and padding-free collator run unchanged and feed the SP loaders (packed documents
+    become the attention's documents), and the completion and assistant masks reach the loss
+    through the labels. Its token accuracy and entropy logs need the whole logits, which are
+    never materialised: they are not logged."""
 
     def __init__(self, model=None, args=None, data_collator=None, **kwargs) -> None:
         if args is None or not args.deepspeed:
@@ -122,7 +131,18 @@ class SequenceParallelTrainer(Trainer):
                         host_memory_limit=host_limit_beside_state(ds, sp, model, self.sp_mesh))
         _hand_deepspeed_plain_config(args, {k: v for k, v in ds.items() if k not in SP_KEYS})
         self._sp_collate = data_collator or _collate
+        ours = model.__dict__.get("forward")
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
+        if model.__dict__.get("forward") is not ours:
+            # The trainer class after this one replaced the forward: TRL's SFTTrainer puts its
+            # fused LM head there (log-probabilities in chunks, for its loss and its accuracy
+            # and entropy logs). Under SP the forward is the tiled SP loss, and compute_loss
+            # (here) never asks for the fused head: the SP forward goes back.
+            model.forward = ours
+        if data_collator is None and not _stock_collator(self.data_collator):
+            # the trainer class's own collator (TRL's padding-free one makes the packed
+            # documents' position ids): the SP loaders cut what it makes
+            self._sp_collate = self.data_collator
         # The SP loss takes num_items_in_batch (its divisor): the Trainer then leaves the
         # accumulated loss undivided by the accumulation steps, as for HF's own losses.
         self.model_accepts_loss_kwargs = True
@@ -256,6 +276,17 @@ class SequenceParallelTrainer(Trainer):
         pieces = [torch.empty_like(tensor) for _ in range(dp)]
         dist.all_gather(pieces, tensor.contiguous(), group=axis_group(self.sp_mesh, "dp"))
         return torch.cat(pieces)
+
+
+def _stock_collator(collate) -> bool:
+    """Whether ``collate`` is the Trainer's own default (no collator of the trainer class's)."""
+    from transformers.data.data_collator import DataCollatorWithPadding, default_data_collator
+
+    return collate is default_data_collator or isinstance(collate, DataCollatorWithPadding)
+
+
+class SequenceParallelTrainer(SequenceParallelMixin, Trainer):
+    """``transformers.Trainer`` with the sequence parallelism named in ``args.deepspeed``."""
 
 
 class _ShuffleLikeTheEpoch(TrainerCallback):

@@ -29,6 +29,7 @@ _PARITY = _T + "test_sp_trainer_matches_plain_trainer"
 _ACCUMULATION = _T + "test_gradient_accumulation_weighs_tokens_like_hf"
 _RESUME = _T + "test_resume_gives_the_uninterrupted_losses"
 _LOADERS = _T + "test_the_loaders_read_data_seed_and_num_workers"
+_SFT = "tests/test_arctic_trl.py::test_sft_trainer_with_packing_matches_plain_sft"
 
 FIELDS: dict[str, tuple[str, str]] = {
     # the loaders
@@ -113,6 +114,18 @@ FIELDS: dict[str, tuple[str, str]] = {
     **{name: (NO_EFFECT, "DDP's settings: DeepSpeed runs the model") for name in (
         "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers",
         "ddp_static_graph", "ddp_backend", "ddp_timeout")},
+    # TRL's SFTConfig (arctic.trainer.SequenceParallelMixin with trl.SFTTrainer)
+    "packing": (HONOURED, _SFT), "padding_free": (HONOURED, _SFT),
+    "completion_only_loss": (HONOURED, _SFT),
+    "assistant_only_loss": (TRAINER, "TRL's collator masks the labels; the SP loss reads them"),
+    **{name: (TRAINER, "TRL's dataset preparation and collator, unchanged; the SP loaders cut "
+                       "what they make") for name in (
+        "chat_template_path", "dataset_text_field", "dataset_kwargs", "dataset_num_proc",
+        "eos_token", "pad_token", "max_length", "truncation_mode", "shuffle_dataset",
+        "packing_strategy", "pad_to_multiple_of", "eval_packing")},
+    "trust_remote_code": (NO_EFFECT, "for a model given by name, which is refused"),
+    "model_init_kwargs": (REFUSED, ""), "router_aux_loss_coef": (REFUSED, ""),
+    "loss_type": (REFUSED, ""), "activation_offloading": (REFUSED, ""),
 }
 
 
@@ -158,6 +171,15 @@ REFUSALS: dict[str, tuple[Callable[[Any], bool], str]] = {
     "include_for_metrics": (lambda v: _set(v) and list(v) != ["loss"],
                             "the inputs are sequence pieces; only 'loss' is supported"),
     "batch_eval_metrics": (_set, "metrics are computed once, over the whole evaluation"),
+    # TRL's SFTConfig
+    "model_init_kwargs": (_set, "the SP trainers take a model instance, to which sequence "
+                                "parallelism is applied, not a name to load"),
+    "router_aux_loss_coef": (lambda v: v is not None, "the MoE router loss is not computed "
+                                                      "over the sequence-parallel group"),
+    "loss_type": (lambda v: v != "nll", "the tiled SP loss is the token-mean cross-entropy "
+                                        "(\"nll\")"),
+    "activation_offloading": (_set, "checkpointing and offload are the DeepSpeed config's "
+                                    "(its ulysses block)"),
     "fsdp": (_set, "the SP Trainer runs under DeepSpeed (args.deepspeed)"),
     "fsdp_config": (lambda v: _set(v) and any(
         _set(x) for k, x in dict(v).items() if k not in ("min_num_params", "xla",
@@ -183,10 +205,10 @@ def refuse_unsupported_arguments(args) -> None:
         if name in REFUSALS:
             refused, why = REFUSALS[name]
             if refused(value):
-                raise ValueError(f"TrainingArguments({name}={value!r}) is not supported by "
+                raise ValueError(f"{type(args).__name__}({name}={value!r}) is not supported by "
                                  f"SequenceParallelTrainer: {why}")
         elif name not in FIELDS and value != _default(field):
-            raise ValueError(f"TrainingArguments({name}={value!r}): SequenceParallelTrainer "
+            raise ValueError(f"{type(args).__name__}({name}={value!r}): SequenceParallelTrainer "
                              f"does not know this field (newer than the transformers it was "
                              f"checked against), so it cannot say that sequence parallelism "
                              f"gives it its effect. Leave it at its default")
