@@ -193,6 +193,7 @@ def test_stopped_run_resumes_step_for_step(dp1_sp2_run, tmp_path):
     assert {k: r["loss"] for k, r in resumed.items()} == uninterrupted
 
 
+@pytest.mark.slow  # the refusal itself: test_apply_fsdp_refuses_zero_and_stages_after_it
 def test_zero_config_refused_on_every_rank_before_training(tmp_path):
     config = json.loads((REPO / "configs" / "cpu_demo.json").read_text())
     assert config["zero_optimization"]["stage"] == 3

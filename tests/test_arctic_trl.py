@@ -16,20 +16,31 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = str(REPO / "examples" / "trl_sft.py")
 
 
-def _run(cmd: list[str], out: Path) -> dict:
-    proc = subprocess.run(cmd + ["--losses-out", str(out), "--output-dir", str(out.parent)],
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-6000:]
+def _start(cmd: list[str], out: Path) -> tuple[subprocess.Popen, Path]:
+    out.parent.mkdir(parents=True, exist_ok=True)
+    return subprocess.Popen(cmd + ["--losses-out", str(out), "--output-dir", str(out.parent)],
+                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True), out
+
+
+def _finish(started: tuple[subprocess.Popen, Path]) -> dict:
+    proc, out = started
+    try:
+        log, _ = proc.communicate(timeout=300)
+    finally:
+        proc.kill()
+    assert proc.returncode == 0, log[-6000:]
     return json.loads(out.read_text())
 
 
 def _sp_and_plain(tmp_path: Path, *extra: str) -> tuple[dict, dict]:
+    """The SP run and the plain one, side by side (their imports overlap)."""
     pytest.importorskip("trl", reason="TRL is in the test extras")
     torchrun = str(Path(sys.executable).parent / "torchrun")
-    sp = _run([torchrun, "--nproc-per-node", "2", SCRIPT, "--deepspeed",
-               str(REPO / "configs" / "cpu_trainer.json"), *extra], tmp_path / "sp.json")
-    plain = _run([sys.executable, SCRIPT, "--plain", *extra], tmp_path / "plain.json")
-    return sp, plain
+    sp = _start([torchrun, "--nproc-per-node", "2", SCRIPT, "--deepspeed",
+                 str(REPO / "configs" / "cpu_trainer.json"), *extra], tmp_path / "sp" / "sp.json")
+    plain = _start([sys.executable, SCRIPT, "--plain", *extra], tmp_path / "plain" / "p.json")
+    return _finish(sp), _finish(plain)
 
 
 @pytest.mark.parametrize("extra", [
