@@ -197,3 +197,28 @@ def test_layout_segments_apart_from_the_attention_documents():
     want = reference(q, k, v, torch.zeros_like(q), starts=((0, 8, 13, 21, 29, 37, 45, 53, 61),))
     torch.testing.assert_close(out.double(), want[0], atol=1e-5, rtol=1e-5)
     assert (wrong.double() - want[0]).abs().max() > 1e-2
+
+
+def test_document_pieces_find_runs_by_bisection_and_agree_with_a_scan():
+    """``band.document_pieces`` finds each document's runs by bisection (a per-document
+    layout holds two runs per document): the same pieces as scanning every run for every
+    document, on layouts of many documents; and a repeated call is served from the cache."""
+    from ulysses.band import document_pieces, mask_pieces, runs_within
+    from ulysses.sharding import rows_of
+
+    rng = random.Random(7)
+    for _ in range(5):
+        R, total = rng.choice([2, 4]), 2 * 4 * rng.randint(50, 200)
+        starts = (0,) + tuple(sorted(rng.sample(range(1, total), rng.randint(1, 60))))
+        L = total // R
+        q = rows_of(ring_runs(total, R, 1, starts), 0, L)
+        k = rows_of(ring_runs(total, R, 0, starts), 0, L)
+        for causal, window in ((True, None), (True, 7), (False, None)):
+            scan = []
+            for a, e in zip(starts, starts[1:] + (total,)):
+                qs, ks = runs_within(q, a, e), runs_within(k, a, e)
+                if qs and ks:
+                    scan += mask_pieces(qs, ks, causal=causal, window=window)
+            got = document_pieces(q, k, starts, total, causal=causal, window=window)
+            assert list(got) == scan
+            assert document_pieces(q, k, starts, total, causal=causal, window=window) is got

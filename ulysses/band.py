@@ -40,6 +40,8 @@ Shape legend: B batch, S rows of q, L rows of k/v, H / K query / kv heads, D hea
 
 from __future__ import annotations
 
+import bisect
+import functools
 from dataclasses import dataclass
 
 import torch
@@ -193,17 +195,43 @@ def runs_within(runs, a: int, e: int):
 
 
 def document_pieces(q_segments, k_segments, starts, total: int, *, causal: bool,
-                    window: int | None) -> list[Piece]:
+                    window: int | None) -> tuple[Piece, ...]:
     """The kernel calls between queries and keys (runs as in :func:`band_pieces`) of one
     batch row of packed documents (``starts``: each document's first global position, 0
     first; the last ends at ``total``): per document, its queries against its keys under the
-    mask (:func:`mask_pieces`). Documents that do not meet in these runs give no call."""
+    mask (:func:`mask_pieces`). Documents that do not meet in these runs give no call.
+
+    Each document finds its runs by bisection (runs sorted by position), so a row of D
+    documents over a per-document layout's 2D runs costs O(D log D), not O(D^2); and the
+    result is cached, since every layer (and its backward) asks for the same block pairs."""
+    return _document_pieces(tuple(map(tuple, q_segments)), tuple(map(tuple, k_segments)),
+                            tuple(starts), total, causal, window)
+
+
+@functools.lru_cache(maxsize=256)  # a few batches' block pairs; a large one is 100 KB
+def _document_pieces(q_segments, k_segments, starts, total, causal, window):
+    qs_sorted, ks_sorted = sorted(q_segments), sorted(k_segments)
+    q_firsts, k_firsts = [g for g, _, _ in qs_sorted], [g for g, _, _ in ks_sorted]
     pieces = []
-    for a, e in zip(starts, tuple(starts[1:]) + (total,)):
-        qs, ks = runs_within(q_segments, a, e), runs_within(k_segments, a, e)
+    for a, e in zip(starts, starts[1:] + (total,)):
+        qs = _overlapping(qs_sorted, q_firsts, a, e)
+        ks = _overlapping(ks_sorted, k_firsts, a, e) if qs else []
         if qs and ks:
             pieces += mask_pieces(qs, ks, causal=causal, window=window)
-    return pieces
+    return tuple(pieces)
+
+
+def _overlapping(runs, firsts: list[int], a: int, e: int):
+    """:func:`runs_within` for disjoint ``runs`` sorted by position (``firsts``: their first
+    positions): the runs that can meet ``[a, e)`` are found by bisection."""
+    found = []
+    for g, n, row in runs[max(bisect.bisect_right(firsts, a) - 1, 0):]:
+        if g >= e:
+            break
+        lo, hi = max(g, a), min(g + n, e)
+        if lo < hi:
+            found.append((lo, hi - lo, row + lo - g))
+    return found
 
 
 def _coalesce(pieces: list[Piece]) -> list[Piece]:
