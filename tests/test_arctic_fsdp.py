@@ -352,3 +352,22 @@ def test_apply_fsdp_refuses_a_non_policy_before_any_collective():
     error, counts, untouched = dist_pool.run(_rank_bad_offload_policy, world_size=1)[0]
     assert "offload_policy must be a torch.distributed.fsdp.OffloadPolicy" in error, error
     assert counts == {} and untouched, (counts, untouched)
+
+
+def test_accelerate_launch_with_the_shipped_fsdp2_yaml(tmp_path):
+    """``accelerate launch --config_file configs/accelerate_fsdp2_cpu_2proc.yaml
+    examples/train_fsdp.py``: the script as it is, on the YAML's two processes (the script
+    applies FSDP2 itself; accelerate launches it through torchrun), gives the single-device
+    losses and gradients at dp=1 x sp=2."""
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    log, grads = tmp_path / "log.jsonl", tmp_path / "grads.pt"
+    proc = subprocess.run(
+        [accelerate, "launch", "--config_file",
+         str(REPO / "configs" / "accelerate_fsdp2_cpu_2proc.yaml"), "examples/train_fsdp.py",
+         "--seq-len", str(SEQ_LEN), "--lr", str(LR), "--sequence-parallel-size", "2",
+         "--max-steps", str(STEPS), "--dump-grads", str(grads), "--log-file", str(log)],
+        cwd=REPO, env=ENV, capture_output=True, text=True, timeout=240)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    records = {r["step"]: r for r in map(json.loads, log.read_text().splitlines())}
+    assert all(len(r["peak_mib"]) == 2 for r in records.values()), records  # two ranks ran
+    _check_parity(records, torch.load(grads), dp=1)
