@@ -41,7 +41,7 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSamp
 
 from arctic.hf_batch import varlen_documents
 from ulysses.mesh import axis_rank, axis_size, check_mesh, mesh_dims
-from ulysses.sharding import _seq_split, _sp_rank
+from ulysses.sharding import _positions, _seq_split, _sp_rank
 
 IGNORE_INDEX = -100
 
@@ -152,9 +152,7 @@ class _SequenceCut:
         else:
             documents = [tuple(row.nonzero().squeeze(1).tolist()) for row in starts]
         if self.split.per_document:
-            index = torch.stack([torch.cat([torch.arange(g, g + k) for g, k in
-                                            self.split.runs(n, self.sp_rank, row)])
-                                 for row in documents])
+            index = _positions(self.split, n, self.sp_rank, documents)  # as shard_sequence
             out = {k: v.gather(1, index) for k, v in full.items()}
         else:
             runs = self.split.runs(n, self.sp_rank)  # as ulysses.shard_sequence cuts

@@ -106,7 +106,7 @@ def _sp_attention(module: nn.Module, query, key, value, attention_mask, **kwargs
     q, k, v = (t.transpose(1, 2) for t in (query, key, value))
     full = q.shape[1] * axis_size(sp.mesh, "ulysses") * axis_size(sp.mesh, "ring")
     documents = sp.batch.segments()
-    if call.varlen is not None and \
+    if call.varlen is not None and not sp.batch.forwarded(call.varlen) and \
             _whole(varlen_documents(call.varlen, q.shape[0], full)) != documents:
         raise ValueError(f"{type(module).__name__} got other flash-attn varlen arguments than "
                          f"the model's forward: its documents would differ from the batch's")

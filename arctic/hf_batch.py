@@ -124,12 +124,14 @@ def chunk_starts(starts, chunk: int, batch: int,
 class _Batch:
     """One forward's batch: this rank's position ids until the documents are found."""
 
-    __slots__ = ("position_ids", "varlen", "starts", "awaiting_backward")
+    __slots__ = ("position_ids", "varlen", "varlen_given", "starts", "awaiting_backward")
 
-    def __init__(self, position_ids: Tensor, varlen=None) -> None:
+    def __init__(self, position_ids: Tensor, varlen=None, varlen_given=None) -> None:
         self.position_ids: Tensor | None = position_ids
         self.varlen = varlen
         """The documents the call's varlen arguments gave (:func:`varlen_documents`)."""
+        self.varlen_given = varlen_given or {}
+        """Those arguments as the forward got them (name -> object)."""
         self.starts = None
         self.awaiting_backward = False
 
@@ -181,11 +183,19 @@ class BatchState:
                              "documents as cu_seq_lens_q (arctic.data does on such a mesh)")
         return starts
 
-    def start(self, position_ids: Tensor, varlen=None) -> None:
-        """A new forward (``varlen``: the documents its varlen arguments gave): refuse it if
-        HF checkpointing would recompute the previous one's layers with this batch's
-        documents; then make it current."""
-        prev, new = self.current, _Batch(position_ids, varlen)
+    def forwarded(self, varlen_kwargs: dict) -> bool:
+        """Whether ``varlen_kwargs`` (what an attention call got) are the very objects the
+        model's forward was called with: then they name the batch's documents, read once
+        by the hook, and the call need not read them again (a device sync per layer)."""
+        given = {} if self.current is None else self.current.varlen_given
+        return given.keys() == varlen_kwargs.keys() and \
+            all(varlen_kwargs[n] is given[n] for n in given)
+
+    def start(self, position_ids: Tensor, varlen=None, varlen_given=None) -> None:
+        """A new forward (``varlen``: the documents its varlen arguments gave, and
+        ``varlen_given`` those arguments): refuse it if HF checkpointing would recompute the
+        previous one's layers with this batch's documents; then make it current."""
+        prev, new = self.current, _Batch(position_ids, varlen, varlen_given)
         if prev is not None and prev.awaiting_backward and hf_checkpointing(self.model):
             # Same control flow on every rank: the gathers below happen everywhere or nowhere.
             new.starts, new.position_ids = self._find(position_ids, varlen), None
@@ -233,7 +243,8 @@ def install_batch_hook(model: nn.Module, state: BatchState) -> None:
         full = position_ids.shape[-1] * axis_size(state.mesh, "ulysses") * \
             axis_size(state.mesh, "ring")
         batch = position_ids.shape[0] if position_ids.dim() == 2 else 1
-        state.start(position_ids, varlen_documents(kwargs, batch, full))
+        state.start(position_ids, varlen_documents(kwargs, batch, full),
+                    {n: kwargs[n] for n in VARLEN if kwargs.get(n) is not None})
 
     def after(module, args, output):
         batch = state.current

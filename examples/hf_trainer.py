@@ -100,7 +100,9 @@ class _SeesTiling(TrainerCallback):
 
     seen = False
 
-    def on_step_end(self, args, state, control, model=None, **kwargs):
+    def on_step_end(self, args, state, control, model=None, **event):
+        # ``event``: the rest of what the Trainer hands every callback (optimizer, loaders,
+        # ...), which this one does not need.
         layers = getattr(getattr(model, "model", None), "layers", [])
         self.seen = self.seen or any("Tiled" in type(m.mlp.forward).__name__ for m in layers)
 

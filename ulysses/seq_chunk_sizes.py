@@ -240,7 +240,7 @@ class Blocks:
         """The kernel calls between query block t and key block u of ring rank ``rho``, as
         ``(batch rows, pieces)``: all rows alike, or with packed documents each row its own
         (a row whose documents do not meet there has none)."""
-        seq, keys = self.seq, self.segments(rho, u)
+        seq = self.seq
         if seq.starts is not None:
             total = self.R * self.U * self.s
             work = [(slice(b, b + 1), document_pieces(self.segments(self.me, t, b),
@@ -248,6 +248,7 @@ class Blocks:
                                                       causal=seq.causal, window=seq.window))
                     for b, row in enumerate(seq.starts)]
             return [(rows, pieces) for rows, pieces in work if pieces]
+        keys = self.segments(rho, u)
         if not seq.causal and seq.window is None:
             # padding is the sequence's tail: a suffix of each block's rows
             n = sum(length if seq.kv_len is None else min(length, max(0, seq.kv_len - pos))
