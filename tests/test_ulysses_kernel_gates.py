@@ -12,7 +12,7 @@ import torch
 
 from test_ulysses_kernels import _fa4_validate_head_dims
 from ulysses import cuda_kernels
-from ulysses.kernels import check_supported, select_backend
+from ulysses.kernels import attention_backward, check_supported, select_backend
 
 CAPS = [(7, 0), (7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (11, 0), (12, 0)]
 HEAD_DIMS = [64, 80, 96, 100, 128, 192, 224, 256, 288]
@@ -350,3 +350,33 @@ def test_a_fetched_host_block_is_tied_to_the_copy_stream(monkeypatch):
     fetched = blocks.fetch(host)
     assert [(t is fetched._dev, s is side) for t, s in marked] == [(True, True)]
     assert torch.equal(fetched.get(), host)
+
+
+@pytest.mark.parametrize("backend,op", [
+    ("sdpa_efficient", "_scaled_dot_product_efficient_attention_backward"),
+    ("sdpa_cudnn", "_scaled_dot_product_cudnn_attention_backward"),
+    ("sdpa_flash", "_scaled_dot_product_flash_attention_backward")])
+def test_cuda_kernels_get_16_byte_aligned_tensors(monkeypatch, backend, op):
+    """A document piece of a one-head, one-row lse is a contiguous view 37 x 4 bytes into its
+    storage; handed on as it is, it stopped an H200 with "misaligned address" in the
+    memory-efficient backward. Every tensor reaching an aten kernel starts on a 16-byte
+    boundary, with the piece's values."""
+    seen = {}
+
+    def kernel(*args, **kw):
+        seen["ptrs"] = [a.data_ptr() % 16 for a in args if isinstance(a, torch.Tensor)]
+        seen["lse"] = next(a for a in args if isinstance(a, torch.Tensor) and a.dim() >= 3
+                           and a.dtype == torch.float32)
+        grads = tuple(t.clone() for t in args[1:4])
+        return grads + (None,) if backend == "sdpa_efficient" else grads
+
+    monkeypatch.setattr(cuda_kernels, "_aten", SimpleNamespace(**{op: kernel}))
+    full_lse = torch.randn(1, 1, 128)
+    lse = full_lse[:, :, 37:69]
+    assert lse.is_contiguous() and lse.data_ptr() % 16 == 4
+    q, dout, out = (torch.randn(1, 32, 1, 8, dtype=torch.float16) for _ in range(3))
+    k = v = torch.randn(1, 32, 1, 8, dtype=torch.float16)
+    attention_backward(dout, q, k, v, out, lse, causal=False, softmax_scale=1.0,
+                       backend=backend)
+    assert seen["ptrs"] and all(p == 0 for p in seen["ptrs"]), seen["ptrs"]
+    assert torch.equal(seen["lse"].reshape(-1)[:32], lse.reshape(-1))

@@ -480,12 +480,42 @@ def _fa4_backward(dout, q, k, v, out, lse, causal, scale):  # pragma: no cover
     return res[0], res[1], res[2]  # (dq, dk, dv[, dsink])
 
 
-FORWARD = {"sdpa_flash": _sdpa_flash_forward, "sdpa_efficient": _sdpa_efficient_forward,
-           "sdpa_cudnn": _sdpa_cudnn_forward, "flash_attn": _flash_attn_forward,
-           "fa3": _fa3_forward, "fa4": _fa4_forward}
-SOFTCAP_FORWARD = {"flash_attn": _flash_attn_forward, "fa3": _fa3_forward}
-SOFTCAP_BACKWARD = {"flash_attn": _flash_attn_backward, "fa3": _fa3_backward}
+ALIGNMENT = 16
+"""Bytes to which every tensor handed to a CUDA kernel is aligned: the widest vector load
+(128 bits) the kernels issue (cuDNN and the TMA copies of FA3/FA4 require it)."""
+
+
+def aligned(t):
+    """``t`` itself when its data pointer is on a :data:`ALIGNMENT` boundary, else a dense copy.
+
+    A view can start off the boundary when slicing drops a multiple of fewer than 16 bytes: a
+    document piece's rows of a one-head, one-row lse (``lse[:, :, 37:69]`` is contiguous, so
+    ``.contiguous()`` keeps it, 148 bytes in). On an H200 (torch 2.11) the memory-efficient
+    backward given such an lse, every other tensor of the call aligned, stopped the device with
+    "misaligned address"; the copy costs one piece's lse rows, and only when it is off."""
+    if not isinstance(t, torch.Tensor) or t.data_ptr() % ALIGNMENT == 0:
+        return t
+    return t.clone(memory_format=torch.contiguous_format)
+
+
+def _aligned_call(kernel):
+    @functools.wraps(kernel)
+    def call(*tensors_then_options):
+        return kernel(*(aligned(a) for a in tensors_then_options))
+    return call
+
+
+def _aligning(kernels: dict) -> dict:
+    return {name: _aligned_call(kernel) for name, kernel in kernels.items()}
+
+
+FORWARD = _aligning({"sdpa_flash": _sdpa_flash_forward, "sdpa_efficient": _sdpa_efficient_forward,
+                     "sdpa_cudnn": _sdpa_cudnn_forward, "flash_attn": _flash_attn_forward,
+                     "fa3": _fa3_forward, "fa4": _fa4_forward})
+SOFTCAP_FORWARD = _aligning({"flash_attn": _flash_attn_forward, "fa3": _fa3_forward})
+SOFTCAP_BACKWARD = _aligning({"flash_attn": _flash_attn_backward, "fa3": _fa3_backward})
 """The CUDA backends whose kernels take ``softcap`` (FA2 from 2.6, FA3)."""
-BACKWARD = {"sdpa_flash": _sdpa_flash_backward, "sdpa_efficient": _sdpa_efficient_backward,
-            "sdpa_cudnn": _sdpa_cudnn_backward, "flash_attn": _flash_attn_backward,
-            "fa3": _fa3_backward, "fa4": _fa4_backward}
+BACKWARD = _aligning({"sdpa_flash": _sdpa_flash_backward,
+                      "sdpa_efficient": _sdpa_efficient_backward,
+                      "sdpa_cudnn": _sdpa_cudnn_backward, "flash_attn": _flash_attn_backward,
+                      "fa3": _fa3_backward, "fa4": _fa4_backward})
