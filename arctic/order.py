@@ -58,7 +58,13 @@ def record_apply(model: nn.Module, stage: str) -> None:
         raise ValueError(f"cannot apply {stage} to {type(model).__name__}: {', '.join(later)} "
                          f"is already applied. The order is {' -> '.join(STAGES)}; apply "
                          f"{stage} to the model before {later[0]}")
-    setattr(model, _ATTR, tuple(sorted(done | {stage}, key=STAGES.index)))
+    # One list per model, extended in place: a stage applied after the recipe (FSDP2 by the
+    # Trainer) leaves the entry the recipe's journal recorded (arctic.removal) as it was.
+    recorded = vars(model).get(_ATTR)
+    if recorded is None:
+        recorded = []
+        setattr(model, _ATTR, recorded)
+    recorded[:] = sorted(done | {stage}, key=STAGES.index)
 
 
 __all__ = ["STAGES", "applied_stages", "record_apply"]

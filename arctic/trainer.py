@@ -73,6 +73,8 @@ from arctic.config import SequenceParallelConfig, load_ds_config
 from arctic.data import IGNORE_INDEX, SequenceParallelDataLoader
 from arctic.engine import apply_sp_recipe, host_limit_beside_state
 from arctic.hf_batch import cut_documents
+from arctic.hf_fsdp import (ShardedModel, full_state_dict, hand_accelerate_no_fsdp, read_fsdp,
+                            shard)
 from arctic.hf_parallelism import merge_parallelism_config
 from arctic.removal import (remove_sequence_parallel, restore_sequence_parallel,
                             sequence_parallel_on)
@@ -101,23 +103,26 @@ class SequenceParallelMixin:
     through the labels. Its token accuracy and entropy logs need the whole logits, which are
     never materialised: they are not logged."""
 
-    def __init__(self, model=None, args=None, data_collator=None, **kwargs) -> None:
-        if args is None or not args.deepspeed:
+    def __init__(self, model=None, args=None, data_collator=None, *, sp_config=None,
+                 **kwargs) -> None:
+        fsdp = read_fsdp(args) if args is not None else None
+        if args is None or not (args.deepspeed or fsdp):
             raise ValueError("SequenceParallelTrainer reads its settings from "
                              "TrainingArguments(deepspeed=<config with sequence_parallel_size>, "
-                             "or parallelism_config=ParallelismConfig(sp_size=...) beside it)")
+                             "or parallelism_config=ParallelismConfig(sp_size=...) beside it), "
+                             "or trains under FSDP2: TrainingArguments(fsdp='full_shard', "
+                             "fsdp_config={'version': 2}) with sp_config=<SP settings>")
         _refuse_what_sp_cannot_give(args, kwargs)
         if model is None:
             raise ValueError("SequenceParallelTrainer needs model= (a HF causal LM)")
         # HF's ALST settings (accelerate's ParallelismConfig) are read here; accelerate gets
         # the arguments without them, so it installs none of DeepSpeed's Ulysses pieces.
-        ds = merge_parallelism_config(getattr(args, "parallelism_config", None),
-                                      dict(load_ds_config(args.deepspeed)), args.world_size)
-        sp = SequenceParallelConfig.from_ds_config(ds, world_size=args.world_size)
+        ds, sp = _sp_settings(args, sp_config)
         if getattr(args, "parallelism_config", None) is not None:
             args.parallelism_config = None
         allocator.use_expandable_segments()  # arctic.allocator: unless the user set it
-        if getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing:
+        if getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing or \
+                (fsdp is not None and fsdp.activation_checkpointing):
             # TrainingArguments(activation_checkpointing=True), or its older name
             # gradient_checkpointing, means ours (non-reentrant, per layer, offload as
             # configured); HF's own would checkpoint every layer a second time.
@@ -129,7 +134,13 @@ class SequenceParallelMixin:
         self.sp_mesh = sp.dims(args.world_size).build_mesh(args.device.type)
         apply_sp_recipe(model, config=sp, mesh=self.sp_mesh, averaged_over_sp=True,
                         host_memory_limit=host_limit_beside_state(ds, sp, model, self.sp_mesh))
-        _hand_deepspeed_plain_config(args, {k: v for k, v in ds.items() if k not in SP_KEYS})
+        self._fsdp = fsdp
+        if fsdp is not None:
+            shard(model, self.sp_mesh, fsdp)
+            hand_accelerate_no_fsdp(args)
+        else:
+            _hand_deepspeed_plain_config(args, {k: v for k, v in ds.items() if k not in SP_KEYS})
+        self._full_state = None
         self._sp_collate = data_collator or _collate
         ours = model.__dict__.get("forward")
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
@@ -228,9 +239,35 @@ class SequenceParallelMixin:
             raise ValueError("SequenceParallelTrainer.train(trial=...) is not supported: a "
                              "hyperparameter search rebuilds the model with model_init, "
                              "which sequence parallelism is not applied to")
+        if self._fsdp is not None and resume_from_checkpoint:
+            raise ValueError("SequenceParallelTrainer under FSDP2 does not resume from "
+                             "checkpoints: their sharded optimizer state is not written")
         with self._sequence_parallel():
             return super().train(resume_from_checkpoint,
                                  ignore_keys_for_eval=ignore_keys_for_eval)
+
+    def _wrap_model(self, model, training=True, dataloader=None):
+        # Under FSDP2 the model is sharded already: accelerate must neither wrap it in DDP nor
+        # shard it again (nor wrap its forward in autocast), and the Trainer leaves a model
+        # that _wrap_model wrapped unprepared, in training and in evaluation.
+        if self._fsdp is None:
+            return super()._wrap_model(model, training, dataloader)
+        return model if isinstance(model, ShardedModel) else ShardedModel(self.model)
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        if self._fsdp is None:
+            return super().save_model(output_dir, _internal_call)
+        # Every rank gathers the whole state (a collective); the main process writes it.
+        self._full_state = full_state_dict(self.model)
+        try:
+            return super().save_model(output_dir, _internal_call)
+        finally:
+            self._full_state = None
+
+    def _save(self, output_dir=None, state_dict=None):
+        if state_dict is None and self._full_state is not None:
+            state_dict = self._full_state
+        return super()._save(output_dir, state_dict=state_dict)
 
     def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
         with self._sequence_parallel():
@@ -283,6 +320,31 @@ def _stock_collator(collate) -> bool:
     from transformers.data.data_collator import DataCollatorWithPadding, default_data_collator
 
     return collate is default_data_collator or isinstance(collate, DataCollatorWithPadding)
+
+
+def _sp_settings(args, sp_config) -> tuple[dict, SequenceParallelConfig]:
+    """The SP settings, from the DeepSpeed config, ``sp_config`` (a SequenceParallelConfig,
+    or a DeepSpeed-form dict or JSON path of SP keys) and ``parallelism_config``."""
+    pc = getattr(args, "parallelism_config", None)
+    if isinstance(sp_config, SequenceParallelConfig):
+        if args.deepspeed or pc is not None:
+            raise ValueError("sp_config=SequenceParallelConfig(...) is the whole SP setting: "
+                             "give it without parallelism_config, under FSDP2")
+        sp_config.dims(args.world_size)  # sequence_parallel_size must divide the world
+        return {}, sp_config
+    ds = dict(load_ds_config(args.deepspeed)) if args.deepspeed else {}
+    if sp_config is not None:
+        given = dict(load_ds_config(sp_config))
+        if args.deepspeed:
+            raise ValueError("give the SP settings once: in the DeepSpeed config "
+                             "(TrainingArguments(deepspeed=...)) or as sp_config=, not both")
+        other = sorted(set(given) - set(SP_KEYS) - {"activation_checkpointing"})
+        if other:
+            raise ValueError(f"sp_config holds DeepSpeed settings {other}, which nothing reads "
+                             f"under FSDP2; give only {list(SP_KEYS)}")
+        ds = given
+    ds = merge_parallelism_config(pc, ds, args.world_size)
+    return ds, SequenceParallelConfig.from_ds_config(ds, world_size=args.world_size)
 
 
 class SequenceParallelTrainer(SequenceParallelMixin, Trainer):

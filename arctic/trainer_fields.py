@@ -29,6 +29,7 @@ _PARITY = _T + "test_sp_trainer_matches_plain_trainer"
 _ACCUMULATION = _T + "test_gradient_accumulation_weighs_tokens_like_hf"
 _RESUME = _T + "test_resume_gives_the_uninterrupted_losses"
 _LOADERS = _T + "test_the_loaders_read_data_seed_and_num_workers"
+_FSDP = "tests/test_arctic_hf_fsdp.py::test_fsdp2_trainer_matches_plain_trainer"
 _SFT = "tests/test_arctic_trl.py::test_sft_trainer_with_packing_matches_plain_sft"
 
 FIELDS: dict[str, tuple[str, str]] = {
@@ -56,7 +57,9 @@ FIELDS: dict[str, tuple[str, str]] = {
                                         "trainer_s"),
     "max_steps": (HONOURED, _RESUME),
     "num_train_epochs": (HONOURED, _RESUME),  # two epochs of 4 steps
-    "deepspeed": (HONOURED, _PARITY),  # required: it carries the SP settings
+    "deepspeed": (HONOURED, _PARITY),  # it carries the SP settings
+    # FSDP2 instead of DeepSpeed (arctic.hf_fsdp: every setting honoured or refused there)
+    "fsdp": (HONOURED, _FSDP), "fsdp_config": (HONOURED, _FSDP),
     # the Trainer's own code, on the plain Trainer's parameters, gradients and losses
     "learning_rate": (TRAINER, _PARITY), "lr_scheduler_type": (TRAINER, _PARITY),
     "lr_scheduler_kwargs": (TRAINER, _PARITY), "warmup_steps": (TRAINER, _PARITY),
@@ -65,7 +68,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "adam_beta1": (TRAINER, _PARITY), "adam_beta2": (TRAINER, _PARITY),
     "adam_epsilon": (TRAINER, _PARITY), "optim_target_modules": (TRAINER, _PARITY),
     "max_grad_norm": (TRAINER, _PARITY),
-    "bf16": (TRAINER, "DeepSpeed's mixed precision"),
+    "bf16": (TRAINER, "DeepSpeed's mixed precision; under FSDP2 the Trainer's autocast"),
     "fp16": (TRAINER, "DeepSpeed's mixed precision"),
     "bf16_full_eval": (TRAINER, "the evaluated model's dtype"),
     "fp16_full_eval": (TRAINER, "the evaluated model's dtype"),
@@ -100,7 +103,6 @@ FIELDS: dict[str, tuple[str, str]] = {
     "auto_find_batch_size": (REFUSED, ""), "include_num_input_tokens_seen": (REFUSED, ""),
     "gradient_checkpointing_kwargs": (REFUSED, ""),
     "activation_checkpointing_kwargs": (REFUSED, ""), "accelerator_config": (REFUSED, ""),
-    "fsdp": (REFUSED, ""), "fsdp_config": (REFUSED, ""),
     "length_column_name": (NO_EFFECT, "read by group_by_length sampling, which is refused"),
     # nothing trained or evaluated changes
     **{name: (NO_EFFECT, "output, logging, reporting or the hub") for name in (
@@ -180,12 +182,6 @@ REFUSALS: dict[str, tuple[Callable[[Any], bool], str]] = {
                                         "(\"nll\")"),
     "activation_offloading": (_set, "checkpointing and offload are the DeepSpeed config's "
                                     "(its ulysses block)"),
-    "fsdp": (_set, "the SP Trainer runs under DeepSpeed (args.deepspeed)"),
-    "fsdp_config": (lambda v: _set(v) and any(
-        _set(x) for k, x in dict(v).items() if k not in ("min_num_params", "xla",
-                                                          "xla_fsdp_grad_ckpt",
-                                                          "xla_fsdp_v2")),
-                    "the SP Trainer runs under DeepSpeed (args.deepspeed)"),
 }
 
 

@@ -2,12 +2,15 @@
 
     torchrun --nproc-per-node 2 examples/hf_trainer.py --deepspeed configs/cpu_trainer.json
     torchrun --nproc-per-node 2 examples/hf_trainer.py --alst --deepspeed configs/cpu_alst.json
+    torchrun --nproc-per-node 2 examples/hf_trainer.py --fsdp configs/cpu_trainer_fsdp.json
     python3 examples/hf_trainer.py --plain          # the same run as a plain 1-process Trainer
 
 The SP settings come from the DeepSpeed JSON given to ``TrainingArguments(deepspeed=...)``,
 or, with ``--alst``, as HF's ALST guide sets them: ``TrainingArguments(parallelism_config=
 ParallelismConfig(sp_backend="deepspeed", sp_size=<world>, ...))`` beside a DeepSpeed JSON
-whose ``"ulysses"`` block adds tiling and offload.
+whose ``"ulysses"`` block adds tiling and offload. With ``--fsdp SP_JSON`` the Trainer runs
+FSDP2 instead of DeepSpeed (``TrainingArguments(fsdp="full_shard", fsdp_config={"version":
+2})``) and the SP settings are ``SequenceParallelTrainer(sp_config=SP_JSON)``.
 ``--losses-out`` writes the logged training losses (and the eval loss) as JSON. After
 training the model is the user's own again: ``--use-model DIR`` saves it to ``DIR``, runs it
 on a whole sequence (logits) and generates from it, on every rank, and writes those too.
@@ -25,7 +28,8 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 # examples/_common.py, beside this file; importing it puts the checkout on sys.path.
 from _common import REPO, ByteCorpus, build_model
 
-from arctic.trainer import SequenceParallelTrainer  # after _common: from the checkout
+from arctic.config import SequenceParallelConfig  # after _common: from the checkout
+from arctic.trainer import SequenceParallelTrainer
 
 
 class _Plain(Trainer):
@@ -107,6 +111,20 @@ class _SeesTiling(TrainerCallback):
         self.seen = self.seen or any("Tiled" in type(m.mlp.forward).__name__ for m in layers)
 
 
+def _sharding(trainer) -> dict:
+    """How the trained model is held: FSDP2 units (with their reshard and offload settings)
+    and what the Trainer trained it through."""
+    from torch.distributed.fsdp import FSDPModule
+
+    units = [m for m in trainer.model.modules() if isinstance(m, FSDPModule)]
+    state = units[-1]._get_fsdp_state() if units else None  # a decoder layer
+    group = state._fsdp_param_group if state is not None else None
+    return {"fsdp_units": len(units), "trained_through": type(trainer.model_wrapped).__name__,
+            "fsdp_offload": type(group.offload_policy).__name__ if group else None,
+            "fsdp_reshard": group.post_forward_mesh_info is not None if group else None,
+            "fsdp_param_dtype": str(group.mp_policy.param_dtype) if group else None}
+
+
 def _deepspeed_sp_installed(trainer) -> bool:
     """Whether accelerate installed DeepSpeed's Ulysses pieces as well: its attention over the
     global "sdpa" entry, or its dataloader adapter."""
@@ -121,6 +139,12 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--deepspeed", default=str(REPO / "configs" / "cpu_trainer.json"))
     p.add_argument("--plain", action="store_true", help="plain Trainer, no SP, no DeepSpeed")
+    p.add_argument("--fsdp", default=None, metavar="SP_JSON",
+                   help="FSDP2 instead of DeepSpeed, with these SP settings (sp_config=)")
+    p.add_argument("--sp-config-object", action="store_true",
+                   help="with --fsdp: pass sp_config as a SequenceParallelConfig, not the path")
+    p.add_argument("--fsdp-options", default="full_shard",
+                   help="TrainingArguments(fsdp=...) with --fsdp, e.g. 'shard_grad_op offload'")
     p.add_argument("--alst", action="store_true",
                    help="HF's ALST settings: sp_size from TrainingArguments(parallelism_config)")
     p.add_argument("--seq-len", type=int, default=256)
@@ -148,6 +172,7 @@ def main() -> None:
     p.add_argument("--resume-from", default=None, metavar="CHECKPOINT",
                    help="train(resume_from_checkpoint=CHECKPOINT)")
     p.add_argument("--ignore-data-skip", action="store_true")
+    p.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True)")
     p.add_argument("--metrics", action="store_true",
                    help="evaluate with compute_metrics (next-token accuracy) and "
                         "preprocess_logits_for_metrics (argmax)")
@@ -176,17 +201,21 @@ def main() -> None:
         logging_steps=1, save_strategy="steps" if args.save_steps else "no",
         save_steps=args.save_steps or 500, report_to=[], use_cpu=not torch.cuda.is_available(),
         train_sampling_strategy="random" if args.shuffle else "sequential", optim=args.optim,
-        seed=0, ignore_data_skip=args.ignore_data_skip,
+        seed=0, ignore_data_skip=args.ignore_data_skip, bf16=args.bf16,
         gradient_checkpointing=args.gradient_checkpointing,
-        deepspeed=None if args.plain else deepspeed, **_alst_settings(args.alst))
+        deepspeed=None if args.plain or args.fsdp else deepspeed,
+        **({"fsdp": args.fsdp_options, "fsdp_config": {"version": 2}} if args.fsdp else {}),
+        **_alst_settings(args.alst))
     metrics_fns = ({"compute_metrics": _accuracy, "preprocess_logits_for_metrics": _argmax}
                    if args.metrics else {})
     if args.plain:
         trainer = _Plain(model=model, args=targs, train_dataset=train, eval_dataset=evaluation,
                          data_collator=_plain_collate, **metrics_fns)
     else:
+        sp_config = {"sp_config": SequenceParallelConfig.from_ds_config(args.fsdp)
+                     if args.sp_config_object else args.fsdp} if args.fsdp else {}
         trainer = SequenceParallelTrainer(model=model, args=targs, train_dataset=train,
-                                          eval_dataset=evaluation, **metrics_fns)
+                                          eval_dataset=evaluation, **metrics_fns, **sp_config)
     deepspeed_sp = _deepspeed_sp_installed(trainer)
     tiling = _SeesTiling()
     trainer.add_callback(tiling)
@@ -210,6 +239,7 @@ def main() -> None:
                                                    "offloaded_bytes": offloaded,
                                                    "deepspeed_sp_installed": deepspeed_sp,
                                                    "tiled_mlp": tiling.seen,
+                                                   **_sharding(trainer),
                                                    "hf_checkpointed_layers": sum(
                                                        getattr(m, "gradient_checkpointing", False)
                                                        is True for m in model.modules())}))

@@ -237,7 +237,7 @@ REFUSED_VALUES = {
     "include_num_input_tokens_seen": True,
     "gradient_checkpointing_kwargs": {"use_reentrant": True},
     "activation_checkpointing_kwargs": {"every_n_layers": 2},
-    "parallelism_config": object(), "fsdp": ["full_shard"], "fsdp_config": {"version": 2},
+    "parallelism_config": object(),
     "eval_use_gather_object": True, "include_for_metrics": ["inputs"],
     "batch_eval_metrics": True,
 }
