@@ -44,6 +44,9 @@ from ulysses.mesh import axis_rank, axis_size, check_mesh, mesh_dims
 from ulysses.sharding import _positions, _seq_split, _sp_rank
 
 IGNORE_INDEX = -100
+BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "cu_seq_lens_q",
+              "cu_seq_lens_k", "max_length_q", "max_length_k")
+"""What a batch may hold (``seq_idx`` too, checked and dropped); any other key is refused."""
 
 
 def _pad_right(x: Tensor, length: int, value) -> Tensor:
@@ -89,6 +92,12 @@ class _SequenceCut:
     def __call__(self, batch: dict[str, Any], pad_token_id: int) -> dict[str, Tensor]:
         if "input_ids" not in batch:
             raise ValueError(f"batch needs input_ids, got keys {sorted(batch)}")
+        unread = sorted(set(batch) - set(BATCH_KEYS) - {"seq_idx"})
+        if unread:
+            raise ValueError(f"batch keys {unread} are not read by sequence parallelism (it cuts "
+                             f"{list(BATCH_KEYS)}); dropping them would change what the model "
+                             f"computes. Leave them out of the batch, or train this model "
+                             f"without sequence parallelism")
         input_ids = torch.as_tensor(batch["input_ids"])
         if input_ids.dim() != 2:
             raise ValueError(f"input_ids must be [batch, seq], got shape "
@@ -124,6 +133,8 @@ class _SequenceCut:
                                  f"document that cu_seq_lens_q gives; they must describe the "
                                  f"same documents")
             breaks |= named
+        if "seq_idx" in batch:
+            _check_seq_idx(torch.as_tensor(batch["seq_idx"]), breaks)
 
         shift = torch.full_like(labels, IGNORE_INDEX)
         shift[:, :-1] = labels[:, 1:]
@@ -161,6 +172,22 @@ class _SequenceCut:
         if by_documents:
             out.update(_varlen_arguments(documents, n))
         return out
+
+
+def _check_seq_idx(seq_idx: Tensor, breaks: Tensor) -> None:
+    """TRL's padding-free ``seq_idx`` (each token's document, over the flattened batch) is read
+    only by token mixers outside attention (the short convolutions of linear-attention
+    layers), which sequence parallelism refuses; it is dropped, once checked to name the
+    documents the cut uses."""
+    B, S = breaks.shape
+    if seq_idx.numel() != B * S:
+        raise ValueError(f"seq_idx has {seq_idx.numel()} entries for a batch of {B} x {S} tokens")
+    flat = seq_idx.reshape(-1)
+    starts = breaks.clone()
+    starts[:, 0] = True
+    if not torch.equal(flat[1:] != flat[:-1], starts.reshape(-1)[1:]):
+        raise ValueError("seq_idx changes where no document starts (or not where one does): it "
+                         "must number the documents that position_ids and cu_seq_lens_q give")
 
 
 def _varlen_arguments(documents: list[tuple[int, ...]], n: int) -> dict[str, Any]:

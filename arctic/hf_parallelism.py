@@ -25,6 +25,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from arctic.config import SequenceParallelConfig, load_ds_config
+
+SP_KEYS = ("sequence_parallel_size", "seq_parallel_communication_data_type", "ulysses")
+"""The DeepSpeed config's keys that hold the SP settings (DeepSpeed itself never sees them)."""
+
 ATTENTION = {"sdpa": {"attn_implementation": "ulysses_sdpa"},
              "flash_attention_2": {"attn_implementation": "ulysses_flash_attention_2"},
              "flash_attention_3": {"attn_implementation": "ulysses_sdpa",
@@ -86,3 +91,28 @@ def merge_parallelism_config(pc, ds: dict[str, Any], world_size: int) -> dict[st
                              f"sets {block[key]!r}; give one, or the same")
         block[key] = value
     return {**ds, "sequence_parallel_size": sp_size, "ulysses": block}
+
+
+def sp_settings(args, sp_config) -> tuple[dict, SequenceParallelConfig]:
+    """The SP settings, from the DeepSpeed config, ``sp_config`` (a SequenceParallelConfig,
+    or a DeepSpeed-form dict or JSON path of SP keys) and ``parallelism_config``."""
+    pc = getattr(args, "parallelism_config", None)
+    if isinstance(sp_config, SequenceParallelConfig):
+        if args.deepspeed or pc is not None:
+            raise ValueError("sp_config=SequenceParallelConfig(...) is the whole SP setting: "
+                             "give it without parallelism_config, under FSDP2")
+        sp_config.dims(args.world_size)  # sequence_parallel_size must divide the world
+        return {}, sp_config
+    ds = dict(load_ds_config(args.deepspeed)) if args.deepspeed else {}
+    if sp_config is not None:
+        given = dict(load_ds_config(sp_config))
+        if args.deepspeed:
+            raise ValueError("give the SP settings once: in the DeepSpeed config "
+                             "(TrainingArguments(deepspeed=...)) or as sp_config=, not both")
+        other = sorted(set(given) - set(SP_KEYS) - {"activation_checkpointing"})
+        if other:
+            raise ValueError(f"sp_config holds DeepSpeed settings {other}, which nothing reads "
+                             f"under FSDP2; give only {list(SP_KEYS)}")
+        ds = given
+    ds = merge_parallelism_config(pc, ds, args.world_size)
+    return ds, SequenceParallelConfig.from_ds_config(ds, world_size=args.world_size)

@@ -50,6 +50,12 @@ by sp to match) and must not see ``sequence_parallel_size``, with which it would
 for world/sp ranks while the Trainer sizes them for all. The trainer hands DeepSpeed the
 config without our keys.
 
+FSDP2 instead of DeepSpeed: ``TrainingArguments(fsdp="full_shard", fsdp_config={"version":
+2})`` with the SP settings as ``sp_config=`` (a JSON path or dict of the SP keys, or a
+:class:`arctic.config.SequenceParallelConfig`); the trainer shards the model itself and keeps
+accelerate from wrapping or sharding it again (:mod:`arctic.hf_fsdp`, where every FSDP setting
+is honoured or refused).
+
 HF's ALST settings work as they are: ``TrainingArguments(parallelism_config=
 ParallelismConfig(sp_backend="deepspeed", sp_size=N, sp_handler=...))`` beside the DeepSpeed
 config is read as ``sequence_parallel_size=N`` and the handler's attention implementation
@@ -61,6 +67,7 @@ adapter.
 from __future__ import annotations
 
 import dataclasses
+import inspect
 from contextlib import contextmanager
 from typing import Any
 
@@ -69,33 +76,49 @@ import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
 
 from arctic import allocator
-from arctic.config import SequenceParallelConfig, load_ds_config
 from arctic.data import IGNORE_INDEX, SequenceParallelDataLoader
 from arctic.engine import apply_sp_recipe, host_limit_beside_state
 from arctic.hf_batch import cut_documents
 from arctic.hf_fsdp import (ShardedModel, full_state_dict, hand_accelerate_no_fsdp, read_fsdp,
                             shard)
-from arctic.hf_parallelism import merge_parallelism_config
+from arctic.hf_parallelism import SP_KEYS, sp_settings
 from arctic.removal import (remove_sequence_parallel, restore_sequence_parallel,
                             sequence_parallel_on)
 from arctic.trainer_fields import refuse_unsupported_arguments
 from ulysses import flat_mesh, gather_sequence, shard_sequence
 from ulysses.mesh import axis_group, axis_size
 
-SP_KEYS = ("sequence_parallel_size", "seq_parallel_communication_data_type", "ulysses")
 
+@dataclasses.dataclass(frozen=True)
+class _Collate:
+    """The default collate: the samples' values stacked, key by key (strings and None left
+    out), as HF's default collator does. With ``remove_unused_columns`` (HF's default) the
+    keys that the model's own forward does not name go first, as HF's column removal drops
+    them; what is left is cut by :mod:`arctic.data`, which refuses a key it does not read."""
 
-def _collate(features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
-    return {k: torch.stack([torch.as_tensor(f[k]) for f in features])
-            for k in features[0] if k in ("input_ids", "labels", "attention_mask",
-                                          "position_ids")}
+    keep: frozenset[str] | None
+    """The keys kept; None: all."""
+
+    @classmethod
+    def of(cls, model, remove_unused_columns: bool) -> "_Collate":
+        if not remove_unused_columns:
+            return cls(None)
+        names = inspect.signature(type(model).forward).parameters
+        return cls(frozenset(names) | {"labels", "label", "label_ids"})
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        first = features[0]
+        return {k: torch.stack([torch.as_tensor(f[k]) for f in features]) for k in first
+                if (self.keep is None or k in self.keep) and
+                first[k] is not None and not isinstance(first[k], str)}
 
 
 class SequenceParallelMixin:
     """Sequence parallelism for a ``transformers.Trainer`` class: put it first among the
     bases, ``class SPSFTTrainer(SequenceParallelMixin, trl.SFTTrainer)``
     (:class:`SequenceParallelTrainer` is it with ``Trainer``). The arguments are the
-    trainer's own; the SP settings come from ``args.deepspeed`` (and ``parallelism_config``).
+    trainer's own; the SP settings come from ``args.deepspeed`` (and ``parallelism_config``),
+    or under FSDP2 (``args.fsdp``) from ``sp_config=``.
     With TRL's ``SFTTrainer``, its ``SFTConfig`` fields are honoured or refused as the
     Trainer's are (:data:`arctic.trainer_fields.SFT_FIELDS`): its dataset preparation,
     packing and padding-free collator run unchanged and feed the SP loaders (packed documents
@@ -117,7 +140,7 @@ class SequenceParallelMixin:
             raise ValueError("SequenceParallelTrainer needs model= (a HF causal LM)")
         # HF's ALST settings (accelerate's ParallelismConfig) are read here; accelerate gets
         # the arguments without them, so it installs none of DeepSpeed's Ulysses pieces.
-        ds, sp = _sp_settings(args, sp_config)
+        ds, sp = sp_settings(args, sp_config)
         if getattr(args, "parallelism_config", None) is not None:
             args.parallelism_config = None
         allocator.use_expandable_segments()  # arctic.allocator: unless the user set it
@@ -141,7 +164,7 @@ class SequenceParallelMixin:
         else:
             _hand_deepspeed_plain_config(args, {k: v for k, v in ds.items() if k not in SP_KEYS})
         self._full_state = None
-        self._sp_collate = data_collator or _collate
+        self._sp_collate = data_collator or _Collate.of(model, args.remove_unused_columns)
         ours = model.__dict__.get("forward")
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
         if model.__dict__.get("forward") is not ours:
@@ -322,33 +345,9 @@ def _stock_collator(collate) -> bool:
     return collate is default_data_collator or isinstance(collate, DataCollatorWithPadding)
 
 
-def _sp_settings(args, sp_config) -> tuple[dict, SequenceParallelConfig]:
-    """The SP settings, from the DeepSpeed config, ``sp_config`` (a SequenceParallelConfig,
-    or a DeepSpeed-form dict or JSON path of SP keys) and ``parallelism_config``."""
-    pc = getattr(args, "parallelism_config", None)
-    if isinstance(sp_config, SequenceParallelConfig):
-        if args.deepspeed or pc is not None:
-            raise ValueError("sp_config=SequenceParallelConfig(...) is the whole SP setting: "
-                             "give it without parallelism_config, under FSDP2")
-        sp_config.dims(args.world_size)  # sequence_parallel_size must divide the world
-        return {}, sp_config
-    ds = dict(load_ds_config(args.deepspeed)) if args.deepspeed else {}
-    if sp_config is not None:
-        given = dict(load_ds_config(sp_config))
-        if args.deepspeed:
-            raise ValueError("give the SP settings once: in the DeepSpeed config "
-                             "(TrainingArguments(deepspeed=...)) or as sp_config=, not both")
-        other = sorted(set(given) - set(SP_KEYS) - {"activation_checkpointing"})
-        if other:
-            raise ValueError(f"sp_config holds DeepSpeed settings {other}, which nothing reads "
-                             f"under FSDP2; give only {list(SP_KEYS)}")
-        ds = given
-    ds = merge_parallelism_config(pc, ds, args.world_size)
-    return ds, SequenceParallelConfig.from_ds_config(ds, world_size=args.world_size)
-
-
 class SequenceParallelTrainer(SequenceParallelMixin, Trainer):
-    """``transformers.Trainer`` with the sequence parallelism named in ``args.deepspeed``."""
+    """``transformers.Trainer`` with the sequence parallelism named in ``args.deepspeed`` (or,
+    under FSDP2, in ``sp_config=``)."""
 
 
 class _ShuffleLikeTheEpoch(TrainerCallback):

@@ -93,8 +93,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "eval_accumulation_steps": (TRAINER, "when the gathered predictions move to the host"),
     "eval_use_gather_object": (REFUSED, ""), "include_for_metrics": (REFUSED, ""),
     "batch_eval_metrics": (REFUSED, ""),
-    "remove_unused_columns": (TRAINER, "the SP collate reads input_ids, labels, "
-                                       "attention_mask and position_ids only"),
+    "remove_unused_columns": (HONOURED, _T + "test_the_default_collate_drops_what_hf_drops"),
     # refused when set (REFUSALS)
     "label_smoothing_factor": (REFUSED, ""), "label_names": (REFUSED, ""),
     "torch_compile": (REFUSED, ""), "torch_compile_backend": (REFUSED, ""),
@@ -113,7 +112,7 @@ FIELDS: dict[str, tuple[str, str]] = {
         "hub_model_id", "hub_strategy", "hub_always_push", "hub_revision", "skip_memory_metrics",
         "debug", "do_train", "do_eval", "do_predict", "resume_from_checkpoint", "local_rank",
         "use_cpu")},
-    **{name: (NO_EFFECT, "DDP's settings: DeepSpeed runs the model") for name in (
+    **{name: (NO_EFFECT, "DDP's settings: DeepSpeed or FSDP2 runs the model") for name in (
         "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers",
         "ddp_static_graph", "ddp_backend", "ddp_timeout")},
     # TRL's SFTConfig (arctic.trainer.SequenceParallelMixin with trl.SFTTrainer)

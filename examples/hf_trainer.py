@@ -29,6 +29,7 @@ from transformers import Trainer, TrainerCallback, TrainingArguments
 from _common import REPO, ByteCorpus, build_model
 
 from arctic.config import SequenceParallelConfig  # after _common: from the checkout
+from arctic.order import applied_stages
 from arctic.trainer import SequenceParallelTrainer
 
 
@@ -100,15 +101,17 @@ def _alst_settings(alst: bool) -> dict:
 
 
 class _SeesTiling(TrainerCallback):
-    """Whether the MLPs ran tiled during training (SP is on inside train() only)."""
+    """Whether the MLPs ran tiled during training (SP is on inside train() only), and whether
+    our activation checkpointing was applied."""
 
-    seen = False
+    seen = checkpointed = False
 
     def on_step_end(self, args, state, control, model=None, **event):
         # ``event``: the rest of what the Trainer hands every callback (optimizer, loaders,
         # ...), which this one does not need.
         layers = getattr(getattr(model, "model", None), "layers", [])
         self.seen = self.seen or any("Tiled" in type(m.mlp.forward).__name__ for m in layers)
+        self.checkpointed = "checkpointing" in applied_stages(model)
 
 
 def _sharding(trainer) -> dict:
@@ -143,6 +146,8 @@ def main() -> None:
                    help="FSDP2 instead of DeepSpeed, with these SP settings (sp_config=)")
     p.add_argument("--sp-config-object", action="store_true",
                    help="with --fsdp: pass sp_config as a SequenceParallelConfig, not the path")
+    p.add_argument("--fsdp-config", default="{}", type=json.loads,
+                   help="with --fsdp: more fsdp_config entries, as JSON")
     p.add_argument("--fsdp-options", default="full_shard",
                    help="TrainingArguments(fsdp=...) with --fsdp, e.g. 'shard_grad_op offload'")
     p.add_argument("--alst", action="store_true",
@@ -204,7 +209,8 @@ def main() -> None:
         seed=0, ignore_data_skip=args.ignore_data_skip, bf16=args.bf16,
         gradient_checkpointing=args.gradient_checkpointing,
         deepspeed=None if args.plain or args.fsdp else deepspeed,
-        **({"fsdp": args.fsdp_options, "fsdp_config": {"version": 2}} if args.fsdp else {}),
+        **({"fsdp": args.fsdp_options, "fsdp_config": {"version": 2, **args.fsdp_config}}
+           if args.fsdp else {}),
         **_alst_settings(args.alst))
     metrics_fns = ({"compute_metrics": _accuracy, "preprocess_logits_for_metrics": _argmax}
                    if args.metrics else {})
@@ -239,6 +245,7 @@ def main() -> None:
                                                    "offloaded_bytes": offloaded,
                                                    "deepspeed_sp_installed": deepspeed_sp,
                                                    "tiled_mlp": tiling.seen,
+                                                   "checkpointed": tiling.checkpointed,
                                                    **_sharding(trainer),
                                                    "hf_checkpointed_layers": sum(
                                                        getattr(m, "gradient_checkpointing", False)

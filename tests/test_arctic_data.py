@@ -56,7 +56,15 @@ def _rank_bad_batches():
     cases = {"input_ids": {"labels": ids},
              "left or inner padding": {"input_ids": ids,
                                        "attention_mask": torch.tensor([[0, 1, 1, 1]])},
-             "labels shape": {"input_ids": ids, "labels": torch.zeros(1, 5, dtype=torch.long)}}
+             "labels shape": {"input_ids": ids, "labels": torch.zeros(1, 5, dtype=torch.long)},
+             # a key the cut does not read is refused, not dropped (Gemma3's image tokens,
+             # targets already shifted)
+             "['token_type_ids'] are not read": {"input_ids": ids, "token_type_ids": ids},
+             "['shift_labels'] are not read": {"input_ids": ids, "shift_labels": ids},
+             # TRL's padding-free seq_idx must number the documents the positions give
+             "seq_idx changes where no document starts": {
+                 "input_ids": ids, "position_ids": torch.tensor([[0, 1, 0, 1]]),
+                 "seq_idx": torch.tensor([[0, 0, 0, 1]], dtype=torch.int32)}}
     got = {}
     for needle, batch in cases.items():
         try:
@@ -64,11 +72,17 @@ def _rank_bad_batches():
             got[needle] = "no error"
         except ValueError as e:
             got[needle] = str(e)
+    trl = {"input_ids": ids, "position_ids": torch.tensor([[0, 1, 0, 1]]),
+           "seq_idx": torch.tensor([[0, 0, 1, 1]], dtype=torch.int32)}
+    got["accepted"] = sorted(prepare_sp_batch(trl, mesh))
     return got
 
 
 def test_prepare_rejects_bad_batches():
     (got,) = dist_pool.run(_rank_bad_batches, world_size=1)
+    # seq_idx that numbers the documents is checked and dropped (only token mixers outside
+    # attention read it, and those are refused)
+    assert "seq_idx" not in got.pop("accepted")
     for needle, msg in got.items():
         assert needle in msg, msg
 

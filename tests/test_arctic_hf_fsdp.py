@@ -4,6 +4,7 @@ plain single-process Trainer on the same data; and every FSDP setting honoured o
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -18,10 +19,13 @@ from test_arctic_hf_trainer import (ACCUMULATE, REPO, SCRIPT, _check_metrics,  #
                                     _sp_and_plain)
 
 SP_JSON = str(REPO / "configs" / "cpu_trainer_fsdp.json")
+NO_CHECKPOINTING = {"sequence_parallel_size": 2, "ulysses": {"tiled_mlp": "auto"}}
 CASES = {  # id -> (the run's arguments, the plain run's, loss tolerance)
-    # AdamW with clipping at 1.0 (on the sharded gradients), batches of 2, metrics
-    "adamw-metrics": (["--optim", "adamw_torch", "--metrics", "--batch-size", "2"], None,
-                      1e-5),
+    # AdamW with clipping at 1.0 (on the sharded gradients), batches of 2, metrics; SP
+    # settings without checkpointing, which fsdp_config's activation_checkpointing turns on
+    "adamw-metrics": (["--optim", "adamw_torch", "--metrics", "--batch-size", "2",
+                       "--fsdp-config", '{"activation_checkpointing": true}'],
+                      ["--optim", "adamw_torch", "--metrics", "--batch-size", "2"], 1e-5),
     # uneven micro-batches, reduce-scatter deferred over them, layers kept gathered between
     # forward and backward, state on the host
     "accumulation-shard_grad_op-offload": (ACCUMULATE + ["--fsdp-options",
@@ -35,9 +39,9 @@ CASES = {  # id -> (the run's arguments, the plain run's, loss tolerance)
 }
 
 
-def _torchrun(*args: str) -> list[str]:
+def _torchrun(*args: str, sp_json: str = SP_JSON) -> list[str]:
     return [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", SCRIPT,
-            "--fsdp", SP_JSON, *args]
+            "--fsdp", sp_json, *args]
 
 
 @pytest.mark.parametrize("case", [
@@ -46,15 +50,19 @@ def _torchrun(*args: str) -> list[str]:
     pytest.param("bf16")])
 def test_fsdp2_trainer_matches_plain_trainer(tmp_path, case):
     args, plain_args, rel = CASES[case]
-    plain_args = args if plain_args is None else plain_args
-    sp, plain = _sp_and_plain(tmp_path, _torchrun(*args), plain_args)
+    sp_json = SP_JSON
+    if "--fsdp-config" in args:
+        sp_json = str(tmp_path / "sp.json")
+        Path(sp_json).write_text(json.dumps(NO_CHECKPOINTING))
+    sp, plain = _sp_and_plain(tmp_path, _torchrun(*args, sp_json=sp_json), plain_args)
     print(f"\n{case}: plain {plain['loss']} eval {plain['eval_loss']}\n"
           f"{' ' * len(case)}  FSDP2 SP=2 {sp['loss']} eval {sp['eval_loss']}")
     # sharded by FSDP2 (two decoder layers and the root), trained through the wrapper that
     # keeps accelerate from wrapping it in DDP; accelerate installed nothing of DeepSpeed's
     assert sp["fsdp_units"] == 3 and sp["trained_through"] == "ShardedModel"
     assert plain["fsdp_units"] == 0 and sp["deepspeed_sp_installed"] is False
-    assert sp["tiled_mlp"] and sp["offloaded_bytes"] > 0  # the sp_config's ulysses block
+    assert sp["tiled_mlp"] and sp["checkpointed"]  # the SP settings' ulysses block
+    assert (sp["offloaded_bytes"] > 0) == (sp_json == SP_JSON)  # offload where it says so
     assert sp["global_step"] == plain["global_step"]
     assert sp["loss"] == pytest.approx(plain["loss"], rel=rel, abs=0)
     assert sp["eval_loss"] == pytest.approx(plain["eval_loss"], rel=rel, abs=0)

@@ -363,11 +363,11 @@ def test_resume_with_ignore_data_skip_is_the_plain_trainer_s(tmp_path):
 def _rank_loader_reads_the_arguments():
     from types import SimpleNamespace
 
-    from arctic.trainer import SequenceParallelTrainer, _collate
+    from arctic.trainer import SequenceParallelTrainer, _Collate
     from helpers import get_mesh
 
     trainer = object.__new__(SequenceParallelTrainer)  # the loader reads these fields only
-    trainer.sp_mesh, trainer._sp_collate = get_mesh(1, 1), _collate
+    trainer.sp_mesh, trainer._sp_collate = get_mesh(1, 1), _Collate(None)
     data = [{"input_ids": torch.arange(8) + i} for i in range(6)]
     found = {}
     for data_seed, workers in ((None, 0), (7, 0), (7, 2)):
@@ -402,3 +402,28 @@ def test_the_loaders_read_data_seed_and_num_workers():
     assert sorted(found[None, 0][2]) == sorted(found[7, 0][2]) == list(range(6))
     assert found[None, 0][2] != found[7, 0][2], found  # another seed, another order
 
+
+
+def test_the_default_collate_drops_what_hf_drops(tmp_path):
+    """Without a data_collator the SP loaders stack the samples' keys; with
+    remove_unused_columns (the default) the keys the model's forward does not name go first,
+    the ones HF's own column removal drops (its signature columns). With
+    remove_unused_columns=False they are kept, and the cut refuses a key it does not read
+    (tests/test_arctic_data.py)."""
+    from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
+
+    from arctic.trainer import _Collate
+
+    model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
+                                         num_hidden_layers=1, num_attention_heads=2,
+                                         num_key_value_heads=1))
+    sample = {"input_ids": [1, 2, 3, 4], "labels": [1, 2, 3, 4], "attention_mask": [1] * 4,
+              "token_type_ids": [0, 0, 1, 1], "text": "abcd"}
+    plain = Trainer(model=model, args=TrainingArguments(output_dir=str(tmp_path), report_to=[],
+                                                        use_cpu=True))
+    plain._set_signature_columns_if_needed()
+    hf_kept = {k for k in sample if k in plain._signature_columns}
+    got = _Collate.of(model, True)([sample, sample])
+    assert set(got) == hf_kept == {"input_ids", "labels", "attention_mask"}
+    assert got["input_ids"].shape == (2, 4)
+    assert set(_Collate.of(model, False)([sample, sample])) == hf_kept | {"token_type_ids"}
