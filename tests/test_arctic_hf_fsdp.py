@@ -177,3 +177,16 @@ def test_the_wrapped_layer_class_must_be_the_decoder_layer():
                             bf16=False)
     with pytest.raises(ValueError, match=r"\['LlamaDecoderLayer'\]; name those"):
         shard(model, None, settings)
+
+
+def test_accelerate_launch_with_the_fsdp2_yaml_runs_the_trainer(tmp_path):
+    """``accelerate launch --config_file configs/accelerate_fsdp2_cpu_2proc.yaml
+    examples/hf_trainer.py --fsdp ...``: accelerate only launches (its YAML sets no FSDP
+    plugin, which would shard again), the trainer shards; the plain Trainer's losses."""
+    accelerate = str(Path(sys.executable).parent / "accelerate")
+    config = str(REPO / "configs" / "accelerate_fsdp2_cpu_2proc.yaml")
+    sp, plain = _sp_and_plain(tmp_path, [accelerate, "launch", "--config_file", config, SCRIPT,
+                                         "--fsdp", SP_JSON], [])
+    assert sp["fsdp_units"] == 3 and sp["trained_through"] == "ShardedModel"
+    assert sp["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=0)
+    assert sp["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5, abs=0)
