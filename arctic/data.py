@@ -71,7 +71,10 @@ def prepare_sp_batch(batch: dict[str, Any], mesh: DeviceMesh, *,
         ``per_document`` mesh, or when the batch gave them, also ``cu_seq_lens_q``/``_k``
         (int32, the document bounds of the padded full batch, flattened; the padding is a
         document of its own) and ``max_length_q``/``_k``: pass them to the model too
-        (``model(**batch)`` does).
+        (``model(**batch)`` does). When the batch is padded (its ``attention_mask``, or the
+        cut's padding to a multiple of the SP degree), ``token_mask`` (bool, True for the
+        batch's own tokens): the SP loss reads it for the MoE router loss, and the model's
+        base drops it.
     """
     check_mesh(mesh)
     return _SequenceCut.of(mesh)(batch, pad_token_id)
@@ -155,6 +158,12 @@ class _SequenceCut:
         full = {"input_ids": _pad_right(input_ids, n, pad_token_id),
                 "position_ids": positions,
                 "shift_labels": _pad_right(shift, n, IGNORE_INDEX)}
+        # The tokens that are the batch's own (not its attention_mask's padding, nor the
+        # cut's): only with padding. The MoE router loss counts them alone, as HF's does.
+        padded = mask is not None and not is_fake(mask) and not bool(mask.all())
+        if n > S or padded:
+            real_tokens = torch.ones(B, S, dtype=torch.bool) if mask is None else mask
+            full["token_mask"] = _pad_right(real_tokens, n, False)
         by_documents = self.split.per_document or varlen is not None
         if not by_documents:
             documents = None

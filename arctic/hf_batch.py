@@ -39,6 +39,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from arctic.anatomy import base_model, hf_checkpointing
 from arctic.hf_binding import of_module
+from arctic.router_loss import check_router_logits_asked
 from ulysses import gather_sequence
 from ulysses.mesh import axis_size, mesh_dims
 
@@ -234,6 +235,9 @@ def install_batch_hook(model: nn.Module, state: BatchState) -> None:
             old.remove()
 
     def before(module, args, kwargs):
+        check_router_logits_asked(kwargs)
+        # arctic.data's token_mask (the padding of the cut) is the SP loss's, not the model's
+        kwargs.pop("token_mask", None)
         # Bound through the installed forward: position ids given positionally count too.
         position_ids = of_module(module).bind(args, kwargs).role("position_ids")
         if position_ids is None:
@@ -245,6 +249,7 @@ def install_batch_hook(model: nn.Module, state: BatchState) -> None:
         batch = position_ids.shape[0] if position_ids.dim() == 2 else 1
         state.start(position_ids, varlen_documents(kwargs, batch, full),
                     {n: kwargs[n] for n in VARLEN if kwargs.get(n) is not None})
+        return args, kwargs
 
     def after(module, args, output):
         batch = state.current

@@ -41,6 +41,7 @@ from arctic.hf_binding import of_module
 from arctic.hf_features import loss_arguments
 from arctic.order import record_apply
 from arctic.removal import journaled
+from arctic.router_loss import RouterLoss, find_router_loss, routed_by_sp_loss, router_loss
 from arctic.tiling import (IGNORE_INDEX, _tile_logits, check_logit_transform,
                            tiled_logits_loss, transform_logits_)
 
@@ -172,6 +173,7 @@ class SPCausalLMLoss:
                              f"not the causal-LM loss that sequence parallelism computes over "
                              f"the pieces of the sequence; compute the loss yourself, or use "
                              f"arctic.apply_sp_loss")
+        kwargs.pop("token_mask", None)  # arctic.data's padding mask: the SP loss's alone
         asked = sorted(n for n, v in kwargs.items() if n in self.refused and v is not None)
         if asked:
             raise ValueError(f"the sequence-parallel causal-LM loss computes labels/"
@@ -363,19 +365,13 @@ def find_logit_transform(model: nn.Module) -> LogitTransform:
     works on ZeRO-3-partitioned, meta and fake (``FakeTensorMode``) parameters, on CPU in the
     last two cases.
 
-    Raises ``ValueError`` naming the model class when: ``config.output_router_logits`` is on
-    (HF adds the MoE router loss, the tiled loss would drop it); the head's input is not the
+    Raises ``ValueError`` naming the model class when: the head's input is not the
     base model's output, or that times a config scale key (MiniCPM3 divides by
     ``logits_scaling``: a scale of a bias-free head's logits, folded into the transform); no
     candidate transform reproduces the forward's logits; or the probe itself fails.
     """
     name = type(model).__name__
     config = getattr(model, "config", None)
-    if getattr(config, "output_router_logits", False):
-        raise ValueError(f"{name} has config.output_router_logits=True: its forward adds the "
-                         f"MoE router auxiliary loss, which the tiled SP loss would drop. Set "
-                         f"config.output_router_logits=False (the router is then trained "
-                         f"without the balancing loss), or train with the model's own loss")
     head, base = model.get_output_embeddings(), base_model(model)
     if head is None or base is model:
         raise ValueError(f"the tiled loss needs a causal LM with a base model and an lm_head "
@@ -492,8 +488,9 @@ def _sp_mesh(model: nn.Module):
 class _SPLossForward:
     """A causal LM instance's forward, replaced by the SP loss of one sharded batch."""
 
-    def __init__(self, model: nn.Module, group, averaged_over_sp: bool) -> None:
+    def __init__(self, model: nn.Module, group, averaged_over_sp: bool, router) -> None:
         self.model, self.group, self.averaged_over_sp = model, group, averaged_over_sp
+        self.router = router  # arctic.router_loss: a RouterLoss, why not (str), or None
         self.loss_arguments = loss_arguments(model) - {"shift_labels", "num_items_in_batch",
                                                        "labels", "ignore_index"}
 
@@ -527,8 +524,13 @@ class _SPLossForward:
         base = base_model(self.model)
         use_cache = of_module(base).name_of("use_cache") or "use_cache"
         kwargs.setdefault(use_cache, False)
-        hidden = base(input_ids=input_ids, position_ids=position_ids,
-                      **kwargs).last_hidden_state
+        token_mask = kwargs.pop("token_mask", None)
+        router = self._router(kwargs.pop("output_router_logits", None))
+        if router is not None:
+            kwargs["output_router_logits"] = True
+        with routed_by_sp_loss():
+            out = base(input_ids=input_ids, position_ids=position_ids, **kwargs)
+        hidden = out.last_hidden_state
         head = self.model.get_output_embeddings()
         if logits_fn is None:
             loss_sum, num_valid = head(hidden, shift_labels)
@@ -538,6 +540,13 @@ class _SPLossForward:
         loss = sp_token_loss(loss_sum, num_valid, group=self.group,
                              averaged_over_sp=self.averaged_over_sp,
                              num_items_in_batch=num_items_in_batch)
+        if router is not None:  # as HF's MoE forwards add it, to the loss of every call
+            aux = router_loss(out.router_logits, router, token_mask=token_mask,
+                              group=self.group, averaged_over_sp=self.averaged_over_sp)
+            loss = loss + router.coef * aux
+            if return_dict:
+                from transformers.modeling_outputs import MoeCausalLMOutputWithPast
+                return MoeCausalLMOutputWithPast(loss=loss, aux_loss=aux, logits=reduced)
         if reduced is not None:
             if return_dict is False:
                 return (loss, reduced)
@@ -549,6 +558,20 @@ class _SPLossForward:
             return (loss,)
         from transformers.modeling_outputs import CausalLMOutput
         return CausalLMOutput(loss=loss)
+
+
+    def _router(self, asked: bool | None):
+        """The router loss to add, when ``output_router_logits`` (the call's, else the
+        config's) asks for it; ``ValueError`` when it cannot be computed here."""
+        if asked is None:
+            asked = bool(getattr(self.model.config, "output_router_logits", False))
+        if not asked or self.router is None:  # no router loss: HF's forward adds none
+            return None
+        if isinstance(self.router, str):
+            raise ValueError(f"output_router_logits=True: {self.router}; the SP loss cannot "
+                             f"add it over the sequence-parallel group. Set "
+                             f"output_router_logits=False")
+        return self.router
 
 
 @journaled
@@ -567,6 +590,11 @@ def apply_sp_loss(model: nn.Module, *, group, loss_tiles: int | str = "auto",
     output's ``logits`` (``return_dict=False``: ``(loss, outputs)``).
     ``return_dict=True`` returns a ``CausalLMOutput`` whose ``loss`` is the SP loss (its
     ``logits`` None: they are never materialised), ``return_dict=False`` the tuple ``(loss,)``.
+    MoE models: with ``output_router_logits`` (the config's, or the call's) the router's
+    load-balancing loss of the whole sequence is added with ``router_aux_loss_coef``, as HF's
+    forward adds it (:mod:`arctic.router_loss`; ``return_dict=True`` then gives a
+    ``MoeCausalLMOutputWithPast`` with its ``aux_loss``); the batch's ``token_mask`` leaves the
+    cut's padding out of it.
 
     The batch is one from :func:`arctic.data.prepare_sp_batch`. The loss runs through module
     calls only (the base model, then the lm_head), so parameter-sharding hooks (ZeRO-3) fire
@@ -584,7 +612,12 @@ def apply_sp_loss(model: nn.Module, *, group, loss_tiles: int | str = "auto",
         raise ValueError(f"{type(model).__name__}'s lm_head has a bias; the tiled loss computes "
                          f"hidden @ weight^T only. Train with the model's own loss instead")
     transform = find_logit_transform(model)
+    router = find_router_loss(model)
+    if isinstance(router, str) and getattr(model.config, "output_router_logits", False):
+        raise ValueError(f"config.output_router_logits=True: {router}; the SP loss cannot "
+                         f"add it over the sequence-parallel group. Set it False, or train "
+                         f"with the model's own loss")
     record_apply(model, "tiling")  # after the checks: a refused call changes nothing
     head.forward = _TiledHeadForward(head, loss_tiles, group, transform)
-    model.forward = _SPLossForward(model, group, averaged_over_sp)
+    model.forward = _SPLossForward(model, group, averaged_over_sp, router)
     return model

@@ -175,8 +175,12 @@ REFUSALS: dict[str, tuple[Callable[[Any], bool], str]] = {
     # TRL's SFTConfig
     "model_init_kwargs": (_set, "the SP trainers take a model instance, to which sequence "
                                 "parallelism is applied, not a name to load"),
-    "router_aux_loss_coef": (lambda v: v is not None, "the MoE router loss is not computed "
-                                                      "over the sequence-parallel group"),
+    "router_aux_loss_coef": (lambda v: v is not None, "TRL rewrites the model config's router "
+                                                      "settings after sequence parallelism is "
+                                                      "applied; set output_router_logits and "
+                                                      "router_aux_loss_coef in the model's "
+                                                      "config, whose router loss the SP loss "
+                                                      "adds over the group"),
     "loss_type": (lambda v: v != "nll", "the tiled SP loss is the token-mean cross-entropy "
                                         "(\"nll\")"),
     "activation_offloading": (_set, "checkpointing and offload are the DeepSpeed config's "

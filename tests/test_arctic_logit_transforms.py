@@ -209,17 +209,21 @@ def test_refuses_a_head_with_bias():
 
 
 @pytest.mark.parametrize("cls", ["MixtralConfig", "Qwen3MoeConfig"])
-def test_refuses_router_logits(cls):
+def test_router_logits_are_honoured(cls):
+    """output_router_logits=True: the SP loss adds the router loss, as the model's forward
+    does (tests/test_arctic_moe.py); the probe reads its experts, top-k and weight from the
+    class's forward on meta weights."""
     from transformers import AutoModelForCausalLM
+
+    from arctic.router_loss import RouterLoss
 
     cfg = getattr(transformers, cls)(**SMALL, num_local_experts=4, num_experts=4,
                                      num_experts_per_tok=2, moe_intermediate_size=32,
-                                     output_router_logits=True)
+                                     output_router_logits=True, router_aux_loss_coef=0.25)
     with torch.device("meta"):
         model = AutoModelForCausalLM.from_config(cfg)
-    with pytest.raises(ValueError, match="output_router_logits=True"):
-        apply_sp_loss(model, group=None, loss_tiles=3)
-    cfg.output_router_logits = False
+    apply_sp_loss(model, group=None, loss_tiles=3)
+    assert model.forward.router == RouterLoss(num_experts=4, top_k=2, coef=0.25)
     assert find_logit_transform(model) == LogitTransform()
 
 

@@ -1,0 +1,194 @@
+"""The MoE router's auxiliary (load-balancing) loss over the sequence-parallel group.
+
+HF's MoE causal LMs (Mixtral, Qwen2/3-MoE, GPT-OSS, ...) add ``router_aux_loss_coef *
+load_balancing_loss_func(router_logits, num_experts, top_k, attention_mask)`` to the LM loss
+when ``output_router_logits`` is on. That loss is ``E * sum_e f_e * P_e``: ``f_e`` the share
+of (token, top-k slot) assignments routed to expert e, ``P_e`` the mean router probability of
+e, both over every token of every layer. A product of two means is not a mean over tokens, so
+each rank's own value on its piece of the sequence is not a share of the sequence's: the
+sums behind ``f`` and ``P`` and the token count are all-reduced over the SP group first,
+and the loss is then HF's, equal on the group's ranks. Backward gives this rank's router
+probabilities the gradient of the whole sequence's loss (scaled by sp for dp x sp gradient
+averaging, as the LM loss is: :func:`arctic.loss.sp_token_loss`).
+
+Padding the SP cut added (``arctic.data``'s ``token_mask``) counts for nothing, as the
+padding of an ``attention_mask`` counts for nothing in HF's.
+
+:func:`find_router_loss` reads ``num_experts`` and ``top_k`` from the config and checks them
+against the model class's own forward with a weight-free probe (stub base model returning
+random router logits, stub LM loss of 0), which also gives the weight the forward adds the
+router loss with: a class whose forward computes another router loss is refused when the
+loss is asked for.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
+TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
+
+
+@dataclass(frozen=True)
+class RouterLoss:
+    """HF's router loss of one model: what it computes and the weight its forward adds it
+    with (measured by the probe: the model's ``router_aux_loss_coef``)."""
+
+    num_experts: int
+    top_k: int
+    coef: float
+
+
+_SP_LOSS_CALL = contextvars.ContextVar("arctic_router_by_sp_loss", default=False)
+
+
+@contextlib.contextmanager
+def routed_by_sp_loss():
+    """The SP loss's call of the base model: its router logits go to :func:`router_loss`."""
+    token = _SP_LOSS_CALL.set(True)
+    try:
+        yield
+    finally:
+        _SP_LOSS_CALL.reset(token)
+
+
+def check_router_logits_asked(kwargs: dict) -> None:
+    """``ValueError`` when a base model call outside the SP loss asks for router logits: the
+    HF forward around it would add a router loss of this rank's piece alone (a product of
+    means over the piece, not the sequence's)."""
+    if kwargs.get("output_router_logits") and not _SP_LOSS_CALL.get():
+        raise ValueError("output_router_logits=True under sequence parallelism: the model's own "
+                         "forward would add the MoE router loss of this rank's piece of the "
+                         "sequence only. Use arctic.apply_sp_loss, which adds it over the "
+                         "sequence-parallel group, or set output_router_logits=False")
+
+
+class _GroupSum(torch.autograd.Function):
+    """Sum over the group; backward passes each rank the gradient of the (equal) result,
+    times ``scale``."""
+
+    @staticmethod
+    def forward(ctx, x, group, scale):
+        ctx.scale = scale
+        out = x.clone()
+        if group is not None and dist.get_world_size(group) > 1:
+            dist.all_reduce(out, group=group)
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale, None, None
+
+
+def router_loss(router_logits: tuple[Tensor, ...], spec: RouterLoss, *,
+                token_mask: Tensor | None = None, group=None,
+                averaged_over_sp: bool = True) -> Tensor:
+    """HF's load-balancing loss of the whole sequence from this rank's ``router_logits`` (one
+    ``[tokens, E]`` per layer, this rank's tokens); ``token_mask`` (``[tokens]`` or the batch's
+    ``[B, s]``): the tokens that count. Every rank of ``group`` must call it."""
+    if not router_logits:
+        raise ValueError("no router logits came back from the base model")
+    device = router_logits[0].device
+    counts = torch.zeros(spec.num_experts, dtype=torch.float32, device=device)
+    probs = torch.zeros(spec.num_experts, dtype=torch.float32, device=device)
+    rows = torch.zeros((), dtype=torch.float32, device=device)
+    weight = None if token_mask is None else token_mask.reshape(-1).to(device, torch.float32)
+    for layer in router_logits:
+        p = torch.softmax(layer.to(device), dim=-1)  # in the logits' dtype, as HF's
+        chosen = torch.topk(p, spec.top_k, dim=-1).indices
+        w = torch.ones(p.shape[0], device=device) if weight is None else weight
+        if w.numel() != p.shape[0]:
+            raise ValueError(f"token_mask has {w.numel()} entries for {p.shape[0]} router rows")
+        counts = counts.scatter_add(0, chosen.reshape(-1), w.repeat_interleave(spec.top_k))
+        probs = probs + (p.float() * w.unsqueeze(-1)).sum(0)
+        rows = rows + w.sum()
+    sp = dist.get_world_size(group) if group is not None else 1
+    totals = torch.cat([counts, rows.reshape(1)])
+    if sp > 1:
+        dist.all_reduce(totals, group=group)
+    probs = _GroupSum.apply(probs, group, sp if averaged_over_sp else 1)
+    rows = totals[-1].clamp(min=1.0)
+    return (totals[:-1] / rows * probs / rows).sum() * spec.num_experts
+
+
+def _first(config, keys) -> int | None:
+    for k in keys:
+        value = getattr(config, k, None)
+        if isinstance(value, int) and value > 0:
+            return value
+    return None
+
+
+def find_router_loss(model: nn.Module) -> RouterLoss | str | None:
+    """The router loss ``model``'s forward adds under ``output_router_logits``: a
+    :class:`RouterLoss` checked by a probe, None when its forward takes no
+    ``output_router_logits`` or computes no router loss (HF's forward adds none then, and
+    neither does the SP loss), or a string saying why the one it computes is not this
+    module's."""
+    import inspect
+
+    from arctic.anatomy import base_model
+    from arctic.loss import _probe_output_type, _stubbed
+
+    params = inspect.signature(type(model).forward).parameters
+    if "output_router_logits" not in params and \
+            not any(p.kind is p.VAR_KEYWORD for p in params.values()):
+        return None
+    config, name = model.config, type(model).__name__
+    experts, top_k = _first(config, EXPERT_KEYS), _first(config, TOP_K_KEYS)
+    if experts is None and "output_router_logits" not in params:
+        return None  # no experts named and no router flag of its own: a dense model
+    if experts is None or top_k is None:
+        return (f"{name}'s config does not give its experts and top-k under the names read "
+                f"here ({EXPERT_KEYS}, {TOP_K_KEYS})")
+    spec = RouterLoss(experts, top_k, 0.0)
+    base, head = base_model(model), model.get_output_embeddings()
+    g = torch.Generator().manual_seed(0)
+    T, weight = 6, head.weight
+    device = torch.device("cpu") if weight.is_meta or weight.device.type == "meta" else \
+        weight.device
+    logits = tuple(torch.randn(T, experts, generator=g).to(device) * 3 for _ in range(2))
+    hidden = torch.zeros(1, T, getattr(weight, "ds_shape", weight.shape)[1], device=device)
+    vocab = getattr(weight, "ds_shape", weight.shape)[0]
+    out_type = _probe_output_type()
+    # HF's loss_function property reads the instance's _loss_function: stubbed, then put back
+    had = "_loss_function" in vars(model)
+    old = vars(model).get("_loss_function")
+    model.loss_function = lambda *a, **k: torch.zeros((), device=device)
+    try:
+        with torch.no_grad(), \
+                _stubbed(base, lambda *a, **k: out_type(last_hidden_state=hidden,
+                                                        router_logits=logits)), \
+                _stubbed(head, lambda x: torch.zeros(1, T, vocab, device=device)):
+            ids = torch.zeros(1, T, dtype=torch.long, device=device)
+            out = type(model).forward(model, input_ids=ids, labels=ids,
+                                      position_ids=torch.arange(T, device=device)[None],
+                                      output_router_logits=True, use_cache=False)
+    except Exception as e:  # a forward that cannot be probed is not honoured
+        return f"{name}.forward could not be probed for its router loss ({type(e).__name__}: {e})"
+    finally:
+        if had:
+            model._loss_function = old
+        else:
+            del model._loss_function
+    aux = getattr(out, "aux_loss", None)
+    if aux is None:
+        return None
+    ours = router_loss(logits, spec)
+    if not torch.allclose(torch.as_tensor(aux).float().cpu(), ours.cpu(), rtol=1e-5, atol=1e-6):
+        return (f"{name}.forward's router loss ({float(aux):.6g} on the probe) is not HF's "
+                f"load-balancing loss with {experts} experts and top-{top_k} ({float(ours):.6g})")
+    # The weight the forward adds it with (its own router_aux_loss_coef): the loss of the
+    # probe is that times the router loss, the LM loss being stubbed to 0.
+    added = float(torch.as_tensor(out.loss).float()) if out.loss is not None else 0.0
+    return RouterLoss(experts, top_k, added / float(aux))
+
+
+__all__ = ["RouterLoss", "check_router_logits_asked", "find_router_loss", "routed_by_sp_loss",
+           "router_loss"]
