@@ -94,6 +94,13 @@ def router_loss(router_logits: tuple[Tensor, ...], spec: RouterLoss, *,
     ``[B, s]``): the tokens that count. Every rank of ``group`` must call it."""
     if not router_logits:
         raise ValueError("no router logits came back from the base model")
+    if torch.is_grad_enabled() and not all(r.requires_grad for r in router_logits):
+        # the same on every rank, before the collectives below
+        raise ValueError("the router logits carry no gradient: a tiled MLP or tiled layer "
+                         "(ulysses.tiled_mlp / tiled_layer) runs its forward without autograd "
+                         "and recomputes it in backward, so the router loss would not train "
+                         "the router. Turn tiling off for this MoE model (tiled_mlp: null), "
+                         "or set output_router_logits=False")
     device = router_logits[0].device
     counts = torch.zeros(spec.num_experts, dtype=torch.float32, device=device)
     probs = torch.zeros(spec.num_experts, dtype=torch.float32, device=device)
@@ -180,7 +187,8 @@ def find_router_loss(model: nn.Module) -> RouterLoss | str | None:
     aux = getattr(out, "aux_loss", None)
     if aux is None:
         return None
-    ours = router_loss(logits, spec)
+    with torch.no_grad():
+        ours = router_loss(logits, spec)
     if not torch.allclose(torch.as_tensor(aux).float().cpu(), ours.cpu(), rtol=1e-5, atol=1e-6):
         return (f"{name}.forward's router loss ({float(aux):.6g} on the probe) is not HF's "
                 f"load-balancing loss with {experts} experts and top-{top_k} ({float(ours):.6g})")

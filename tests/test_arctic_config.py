@@ -18,7 +18,7 @@ from ulysses.mesh import mesh_dims
 
 CONFIGS = Path(__file__).resolve().parent.parent / "configs"
 WORLD = {"cpu_demo.json": 2, "cpu_trainer.json": 2, "llama3_8b_5m_8xh100.json": 8,
-         "hybrid_2node.json": 16, "cpu_alst.json": 2}
+         "hybrid_2node.json": 16, "cpu_alst.json": 2, "cpu_trainer_fsdp.json": 2}
 ALST = {"cpu_alst.json"}
 """Configs for HF's ALST settings: the SP size comes from TrainingArguments'
 parallelism_config (arctic.hf_parallelism), not from the JSON."""

@@ -164,3 +164,127 @@ def test_router_loss_the_sp_loss_cannot_give_is_refused():
         assert "is not HF's load-balancing loss" in got["another router loss"], got
         with_flag, without = got["dense"]
         assert with_flag == without
+
+
+# --- under ZeRO-3 (arctic.initialize) and FSDP2 (examples/train_fsdp.py) ---------------------
+
+def _ds_config(extra):
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "steps_per_print": 10**6,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+            "zero_optimization": {"stage": 3}, "sequence_parallel_size": 2,
+            "ulysses": {"loss_tiles": 3, **extra}}
+
+
+def _rank_zero3(family: str, extra: dict):
+    from deepspeed.utils import safe_get_full_grad
+
+    import arctic.engine
+    from arctic.data import prepare_sp_batch
+    from helpers import init_deepspeed_comm
+
+    init_deepspeed_comm()
+    engine, _, _, _ = arctic.engine.initialize(model=_model(family), config=_ds_config(extra))
+    ids, _ = _batch(S, 0)
+    loss = engine(**prepare_sp_batch({"input_ids": ids}, engine.sp_mesh))
+    engine.backward(loss)
+    return loss.item(), {n: safe_get_full_grad(p).clone()
+                         for n, p in engine.module.named_parameters()}
+
+
+@pytest.mark.parametrize("family,extra", [
+    pytest.param("mixtral", {"activation_checkpointing": True}, marks=pytest.mark.hf_facing),
+    ("qwen3_moe", {})], ids=["mixtral-checkpointed", "qwen3_moe"])
+def test_moe_under_zero3_matches_single_device(family, extra):
+    """ZeRO-3 partitions the experts' stacked weights and the router; every rank calls every
+    MoE block (the experts' weights are gathered whatever the routing), so no rank waits on a
+    gather another never makes. The router loss is on."""
+    ref_loss, ref_grads = _reference(family, S, 0)
+    for loss, grads in dist_pool.run(_rank_zero3, family, extra, world_size=2):
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+        assert set(grads) == set(ref_grads)
+        for n, g in grads.items():
+            torch.testing.assert_close(g, ref_grads[n], **TOL[torch.float32],
+                                       msg=lambda m: f"{n}: {m}")
+
+
+def _rank_tiled_router():
+    from arctic.data import prepare_sp_batch
+    from arctic.engine import apply_sp_recipe
+    from arctic.config import SequenceParallelConfig
+
+    config = SequenceParallelConfig(sequence_parallel_size=2, tiled_mlp=2)
+    mesh = config.dims(2).build_mesh("cpu")
+    model = _model("mixtral")
+    apply_sp_recipe(model, config=config, mesh=mesh, averaged_over_sp=True)
+    ids, _ = _batch(S, 0)
+    try:
+        model(**prepare_sp_batch({"input_ids": ids}, mesh))
+    except ValueError as e:
+        return str(e)
+    return "no error"
+
+
+def test_a_tiled_moe_mlp_with_the_router_loss_is_refused():
+    """The tiled MLP runs its forward without autograd (and recomputes it in backward): the
+    router logits it records carry no gradient, so the router loss would not train the
+    router. Refused on every rank, before the router loss's collectives."""
+    for message in dist_pool.run(_rank_tiled_router, world_size=2):
+        assert "router logits carry no gradient" in message, message
+
+
+def _fsdp_reference(model_path: str, steps: int, seq_len: int):
+    """Single-device training of the job's model on the job's samples (dp=1: the shuffled
+    order of its DistributedSampler), as test_arctic_fsdp's reference, for a config file."""
+    from torch.utils.data import DistributedSampler
+
+    from test_arctic_fsdp import LR, REPO, _examples_common
+
+    train = _examples_common()
+    torch.manual_seed(0)
+    model = train.build_model(model_path, seq_len)
+    data = train.ByteCorpus(REPO / "examples" / "data" / "corpus.txt", seq_len)
+    order = list(DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0))
+    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
+    losses, grads = [], None
+    for k in range(steps):
+        ids = data[order[k]]["input_ids"][None]
+        loss = model(input_ids=ids, labels=ids).loss  # LM loss + coef x router loss
+        loss.backward()
+        if grads is None:
+            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return losses, grads
+
+
+@pytest.mark.parametrize("family", [pytest.param("mixtral", marks=pytest.mark.slow),
+                                    "qwen3_moe"])
+def test_moe_under_fsdp2_job_matches_single_device(tmp_path, family):
+    """examples/train_fsdp.py on 2 ranks (SP=2, FSDP2 over both, checkpointed layers) with a
+    MoE config file and the router loss on: the step-1 gradients and the losses of 3 AdamW
+    steps equal single-device training."""
+    import json
+
+    from test_arctic_fsdp import GRAD_TOL, LOSS_RTOL, _train
+
+    config = _config(family).to_dict()
+    config.update(vocab_size=256, output_router_logits=True)  # the byte corpus
+    model_path = tmp_path / "config.json"
+    model_path.write_text(json.dumps(config))
+    sp = tmp_path / "sp.json"
+    sp.write_text(json.dumps({"sequence_parallel_size": 2,
+                              "ulysses": {"activation_checkpointing": True}}))
+    steps = 3
+    records, _ = _train(tmp_path, 2, ["--model", str(model_path), "--config", str(sp),
+                                      "--max-steps", str(steps),
+                                      "--dump-grads", str(tmp_path / "grads.pt")])
+    grads = torch.load(tmp_path / "grads.pt")
+    ref_losses, ref_grads = _fsdp_reference(str(model_path), steps, 64)
+    losses = [records[k]["loss"] for k in range(1, steps + 1)]
+    print(f"\n{family} FSDP2 SP=2 {losses}\n{' ' * len(family)} single device {ref_losses}")
+    assert losses == pytest.approx(ref_losses, rel=LOSS_RTOL, abs=0)
+    assert set(grads) == set(ref_grads)
+    for n, g in grads.items():
+        torch.testing.assert_close(g, ref_grads[n], **GRAD_TOL, msg=lambda m: f"{n}: {m}")
