@@ -72,8 +72,10 @@ def _train(tmp: Path, nproc: int, args: list[str],
     return {r["step"]: r for r in map(json.loads, log.read_text().splitlines())}, proc.stdout
 
 
-def _reference(dp: int, steps: int, seq_len: int) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """Single-device training of the same model on the same samples.
+def _reference(dp: int, steps: int, seq_len: int,
+               model_name: str = "tiny-llama") -> tuple[list[float], dict[str, torch.Tensor]]:
+    """Single-device training of the same model (``model_name``: the job's ``--model``) on the
+    same samples.
 
     Step k of the job trains dp rank r on the k-th sample of its ``DistributedSampler``
     (shuffled, seed 0, split over the dp axis only), and FSDP2's mean over the ranks makes
@@ -85,7 +87,7 @@ def _reference(dp: int, steps: int, seq_len: int) -> tuple[list[float], dict[str
 
     train = _examples_common()
     torch.manual_seed(0)
-    model = train.build_model("tiny-llama", seq_len)
+    model = train.build_model(model_name, seq_len)
     data = train.ByteCorpus(REPO / "examples" / "data" / "corpus.txt", seq_len)
     samplers = [DistributedSampler(data, num_replicas=dp, rank=r, shuffle=True, seed=0)
                 for r in range(dp)]

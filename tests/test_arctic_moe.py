@@ -1,8 +1,9 @@
 """MoE models under sequence parallelism with the router's load-balancing loss on
 (``output_router_logits=True``): the loss and gradients of one SP step against the unmodified
 model on one process, whose forward adds ``router_aux_loss_coef`` times HF's loss of the
-whole sequence; with the cut's padding and an attention mask's padding left out of it; and
-what is refused."""
+whole sequence; with the cut's padding and an attention mask's padding left out of it; under
+ZeRO-3 (``arctic.initialize``) and FSDP2 (``examples/train_fsdp.py``) against single-device
+training; and what is refused."""
 
 from __future__ import annotations
 
@@ -234,32 +235,6 @@ def test_a_tiled_moe_mlp_with_the_router_loss_is_refused():
         assert "router logits carry no gradient" in message, message
 
 
-def _fsdp_reference(model_path: str, steps: int, seq_len: int):
-    """Single-device training of the job's model on the job's samples (dp=1: the shuffled
-    order of its DistributedSampler), as test_arctic_fsdp's reference, for a config file."""
-    from torch.utils.data import DistributedSampler
-
-    from test_arctic_fsdp import LR, REPO, _examples_common
-
-    train = _examples_common()
-    torch.manual_seed(0)
-    model = train.build_model(model_path, seq_len)
-    data = train.ByteCorpus(REPO / "examples" / "data" / "corpus.txt", seq_len)
-    order = list(DistributedSampler(data, num_replicas=1, rank=0, shuffle=True, seed=0))
-    optimizer = torch.optim.AdamW(model.parameters(), lr=LR, weight_decay=0.0)
-    losses, grads = [], None
-    for k in range(steps):
-        ids = data[order[k]]["input_ids"][None]
-        loss = model(input_ids=ids, labels=ids).loss  # LM loss + coef x router loss
-        loss.backward()
-        if grads is None:
-            grads = {n: p.grad.clone() for n, p in model.named_parameters()}
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        losses.append(loss.item())
-    return losses, grads
-
-
 @pytest.mark.parametrize("family", [pytest.param("mixtral", marks=pytest.mark.slow),
                                     "qwen3_moe"])
 def test_moe_under_fsdp2_job_matches_single_device(tmp_path, family):
@@ -269,6 +244,7 @@ def test_moe_under_fsdp2_job_matches_single_device(tmp_path, family):
     import json
 
     from test_arctic_fsdp import GRAD_TOL, LOSS_RTOL, _train
+    from test_arctic_fsdp import _reference as _job_reference
 
     config = _config(family).to_dict()
     config.update(vocab_size=256, output_router_logits=True)  # the byte corpus
@@ -282,7 +258,8 @@ def test_moe_under_fsdp2_job_matches_single_device(tmp_path, family):
                                       "--max-steps", str(steps),
                                       "--dump-grads", str(tmp_path / "grads.pt")])
     grads = torch.load(tmp_path / "grads.pt")
-    ref_losses, ref_grads = _fsdp_reference(str(model_path), steps, 64)
+    # single-device training, whose loss is the LM loss + coef x router loss
+    ref_losses, ref_grads = _job_reference(1, steps, 64, model_name=str(model_path))
     losses = [records[k]["loss"] for k in range(1, steps + 1)]
     print(f"\n{family} FSDP2 SP=2 {losses}\n{' ' * len(family)} single device {ref_losses}")
     assert losses == pytest.approx(ref_losses, rel=LOSS_RTOL, abs=0)
