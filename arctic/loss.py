@@ -559,7 +559,6 @@ class _SPLossForward:
         from transformers.modeling_outputs import CausalLMOutput
         return CausalLMOutput(loss=loss)
 
-
     def _router(self, asked: bool | None):
         """The router loss to add, when ``output_router_logits`` (the call's, else the
         config's) asks for it; ``ValueError`` when it cannot be computed here."""

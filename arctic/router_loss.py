@@ -25,11 +25,13 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import inspect
 from dataclasses import dataclass
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
@@ -138,11 +140,6 @@ def find_router_loss(model: nn.Module) -> RouterLoss | str | None:
     ``output_router_logits`` or computes no router loss (HF's forward adds none then, and
     neither does the SP loss), or a string saying why the one it computes is not this
     module's."""
-    import inspect
-
-    from arctic.anatomy import base_model
-    from arctic.loss import _probe_output_type, _stubbed
-
     params = inspect.signature(type(model).forward).parameters
     if "output_router_logits" not in params and \
             not any(p.kind is p.VAR_KEYWORD for p in params.values()):
@@ -154,24 +151,35 @@ def find_router_loss(model: nn.Module) -> RouterLoss | str | None:
     if experts is None or top_k is None:
         return (f"{name}'s config does not give its experts and top-k under the names read "
                 f"here ({EXPERT_KEYS}, {TOP_K_KEYS})")
-    spec = RouterLoss(experts, top_k, 0.0)
+    with unset_fake_temporarily(), torch.no_grad():  # real values, also under the planner
+        return _probe(model, name, RouterLoss(experts, top_k, 0.0))
+
+
+def _probe(model: nn.Module, name: str, spec: RouterLoss) -> RouterLoss | str | None:
+    from arctic.anatomy import base_model
+    from arctic.loss import _probe_output_type, _stubbed
+
     base, head = base_model(model), model.get_output_embeddings()
     g = torch.Generator().manual_seed(0)
     T, weight = 6, head.weight
-    device = torch.device("cpu") if weight.is_meta or weight.device.type == "meta" else \
-        weight.device
-    logits = tuple(torch.randn(T, experts, generator=g).to(device) * 3 for _ in range(2))
-    hidden = torch.zeros(1, T, getattr(weight, "ds_shape", weight.shape)[1], device=device)
+    # Meta and fake weights hold no values; the probe reads none, so CPU does (ZeRO-3: the
+    # partitioned weight's full shape is its ds_shape).
+    device = torch.device("cpu") if weight.is_meta or is_fake(weight) else weight.device
+    hidden_size = getattr(weight, "ds_shape", weight.shape)[1]
     vocab = getattr(weight, "ds_shape", weight.shape)[0]
+    logits = tuple(torch.randn(T, spec.num_experts, generator=g).to(device) * 3
+                   for _ in range(2))
+    hidden = torch.zeros(1, T, hidden_size, device=device)
     out_type = _probe_output_type()
-    # HF's loss_function property reads the instance's _loss_function: stubbed, then put back
+    # The stubs take whatever the forward passes them: nothing it passes can change what
+    # they return, which is the point of the probe. HF's loss_function property reads the
+    # instance's _loss_function: stubbed (an LM loss of 0), then put back.
     had = "_loss_function" in vars(model)
     old = vars(model).get("_loss_function")
-    model.loss_function = lambda *a, **k: torch.zeros((), device=device)
+    model.loss_function = lambda *args, **kwargs: torch.zeros((), device=device)
     try:
-        with torch.no_grad(), \
-                _stubbed(base, lambda *a, **k: out_type(last_hidden_state=hidden,
-                                                        router_logits=logits)), \
+        with _stubbed(base, lambda *args, **kwargs: out_type(last_hidden_state=hidden,
+                                                             router_logits=logits)), \
                 _stubbed(head, lambda x: torch.zeros(1, T, vocab, device=device)):
             ids = torch.zeros(1, T, dtype=torch.long, device=device)
             out = type(model).forward(model, input_ids=ids, labels=ids,
@@ -187,15 +195,15 @@ def find_router_loss(model: nn.Module) -> RouterLoss | str | None:
     aux = getattr(out, "aux_loss", None)
     if aux is None:
         return None
-    with torch.no_grad():
-        ours = router_loss(logits, spec)
+    ours = router_loss(logits, spec)
     if not torch.allclose(torch.as_tensor(aux).float().cpu(), ours.cpu(), rtol=1e-5, atol=1e-6):
         return (f"{name}.forward's router loss ({float(aux):.6g} on the probe) is not HF's "
-                f"load-balancing loss with {experts} experts and top-{top_k} ({float(ours):.6g})")
+                f"load-balancing loss with {spec.num_experts} experts and top-{spec.top_k} "
+                f"({float(ours):.6g})")
     # The weight the forward adds it with (its own router_aux_loss_coef): the loss of the
     # probe is that times the router loss, the LM loss being stubbed to 0.
     added = float(torch.as_tensor(out.loss).float()) if out.loss is not None else 0.0
-    return RouterLoss(experts, top_k, added / float(aux))
+    return RouterLoss(spec.num_experts, spec.top_k, added / float(aux))
 
 
 __all__ = ["RouterLoss", "check_router_logits_asked", "find_router_loss", "routed_by_sp_loss",
