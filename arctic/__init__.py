@@ -14,6 +14,7 @@ from arctic.loss import apply_sp_loss, sp_token_loss
 from arctic.removal import remove_sequence_parallel, restore_sequence_parallel
 from arctic.tiled_layer import apply_tiled_layers
 from arctic.tiling import TiledMLP, apply_tiled_mlp, tiled_logits_loss
+from arctic.vlm import vision_inputs
 
 __all__ = [
     "SequenceParallelConfig",
@@ -31,6 +32,7 @@ __all__ = [
     "restore_sequence_parallel",
     "sp_token_loss",
     "tiled_logits_loss",
+    "vision_inputs",
 ]
 
 

@@ -27,16 +27,34 @@ def base_model(model: nn.Module) -> nn.Module:
     return base
 
 
+def language_model(model: nn.Module) -> nn.Module:
+    """The text decoder: a vision-language model's ``language_model`` (Qwen2.5-VL, Qwen3-VL,
+    Gemma3: its base model holds it beside the vision tower), else :func:`base_model`. The
+    recipe's stages work on it alone; a vision tower keeps its own layers and attention."""
+    base = base_model(model)
+    inner = getattr(base, "language_model", None)
+    return inner if isinstance(inner, nn.Module) else base
+
+
+def text_config(model: nn.Module):
+    """The config of the text decoder: a VLM's ``text_config``, else the model's own."""
+    config = model.config
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers of a HF causal LM: modules with both ``self_attn`` and ``mlp``."""
-    return [m for m in model.modules() if isinstance(getattr(m, "mlp", None), nn.Module)
+    """The decoder layers of a HF causal LM (of a VLM's language model): modules with both
+    ``self_attn`` and ``mlp``."""
+    return [m for m in language_model(model).modules()
+            if isinstance(getattr(m, "mlp", None), nn.Module)
             and isinstance(getattr(m, "self_attn", None), nn.Module)]
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
-    """The self-attention modules of a HF decoder: they hold q/k/v projections and know their
-    ``layer_idx``."""
-    return [m for m in model.modules()
+    """The self-attention modules of a HF decoder (of a VLM's language model): they hold
+    q/k/v projections and know their ``layer_idx``."""
+    return [m for m in language_model(model).modules()
             if all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj")) and
             hasattr(m, "layer_idx")]
 
@@ -46,7 +64,7 @@ def token_norms(model: nn.Module) -> list[nn.Module]:
     :data:`NORM_NAMES` that it has, then the base model's final ``norm`` if there is one."""
     norms = [getattr(layer, n) for layer in decoder_layers(model)
              for n in NORM_NAMES if isinstance(getattr(layer, n, None), nn.Module)]
-    final = getattr(getattr(model, "model", model), "norm", None)
+    final = getattr(language_model(model), "norm", None)
     if isinstance(final, nn.Module):
         norms.append(final)
     return norms
@@ -61,5 +79,5 @@ def hf_checkpointing(model: nn.Module) -> bool:
     return False
 
 
-__all__ = ["NORM_NAMES", "attention_modules", "decoder_layers",
-           "hf_checkpointing", "token_norms"]
+__all__ = ["NORM_NAMES", "attention_modules", "decoder_layers", "hf_checkpointing",
+           "language_model", "text_config", "token_norms"]

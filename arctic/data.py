@@ -40,6 +40,7 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSamp
                               default_collate)
 
 from arctic.hf_batch import varlen_documents
+from arctic.vlm import VisionInputs
 from ulysses.mesh import axis_rank, axis_size, check_mesh, mesh_dims
 from ulysses.sharding import _positions, _seq_split, _sp_rank
 
@@ -50,11 +51,11 @@ BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "cu_seq_l
 
 
 def _pad_right(x: Tensor, length: int, value) -> Tensor:
-    return torch.nn.functional.pad(x, (0, length - x.shape[1]), value=value)
+    return torch.nn.functional.pad(x, (0, length - x.shape[-1]), value=value)
 
 
-def prepare_sp_batch(batch: dict[str, Any], mesh: DeviceMesh, *,
-                     pad_token_id: int = 0) -> dict[str, Tensor]:
+def prepare_sp_batch(batch: dict[str, Any], mesh: DeviceMesh, *, pad_token_id: int = 0,
+                     vision: VisionInputs | None = None) -> dict[str, Tensor]:
     """This rank's shard of a causal-LM batch; see the module doc for the steps.
 
     Args:
@@ -64,6 +65,12 @@ def prepare_sp_batch(batch: dict[str, Any], mesh: DeviceMesh, *,
             ``max_length_q``/``_k``) over the flattened batch.
         mesh: the SP mesh; batches are cut in its sequence layout (zigzag over a ring, or
             not), the one the attention reads from it too.
+        pad_token_id: what pads ``input_ids`` up to what the mesh splits evenly.
+        vision: for a vision-language model, :func:`arctic.vision_inputs` of it: the batch
+            may then hold its images (``pixel_values``, ``image_grid_thw``,
+            ``mm_token_type_ids``), and each rank gets the images its piece has tokens of,
+            with ``image_embed_index``, and M-RoPE ``position_ids [4, B, s]`` where the model
+            uses them (:mod:`arctic.vlm`).
 
     Returns:
         ``input_ids``, ``position_ids`` and ``shift_labels``, each ``[B, S_pad / sp]``.
@@ -77,7 +84,7 @@ def prepare_sp_batch(batch: dict[str, Any], mesh: DeviceMesh, *,
         base drops it.
     """
     check_mesh(mesh)
-    return _SequenceCut.of(mesh)(batch, pad_token_id)
+    return _SequenceCut.of(mesh, vision)(batch, pad_token_id)
 
 
 @dataclass(frozen=True)
@@ -87,15 +94,20 @@ class _SequenceCut:
     split: Any  # ulysses.sharding's sequence layout
     sp_rank: int
     divisor: int
+    vision: VisionInputs | None = None
 
     @classmethod
-    def of(cls, mesh: DeviceMesh) -> "_SequenceCut":
-        return cls(_seq_split(mesh), _sp_rank(mesh), mesh_dims(mesh).seq_len_divisor)
+    def of(cls, mesh: DeviceMesh, vision: VisionInputs | None = None) -> "_SequenceCut":
+        if vision is not None and not isinstance(vision, VisionInputs):
+            raise ValueError(f"vision must be arctic.vision_inputs(model), got "
+                             f"{type(vision).__name__}")
+        return cls(_seq_split(mesh), _sp_rank(mesh), mesh_dims(mesh).seq_len_divisor, vision)
 
     def __call__(self, batch: dict[str, Any], pad_token_id: int) -> dict[str, Tensor]:
         if "input_ids" not in batch:
             raise ValueError(f"batch needs input_ids, got keys {sorted(batch)}")
-        unread = sorted(set(batch) - set(BATCH_KEYS) - {"seq_idx"})
+        known = set(BATCH_KEYS) | set(self.vision.keys if self.vision else ())
+        unread = sorted(set(batch) - known - {"seq_idx"})
         if unread:
             raise ValueError(f"batch keys {unread} are not read by sequence parallelism (it cuts "
                              f"{list(BATCH_KEYS)}); dropping them would change what the model "
@@ -107,7 +119,8 @@ class _SequenceCut:
                              f"{tuple(input_ids.shape)}")
         B, S = input_ids.shape
         labels = torch.as_tensor(batch.get("labels", input_ids)).clone()
-        for name in ("labels", "attention_mask", "position_ids"):
+        checked = ("labels", "attention_mask") + (() if self.vision else ("position_ids",))
+        for name in checked:
             if name in batch and tuple(torch.as_tensor(batch[name]).shape) != (B, S):
                 raise ValueError(f"{name} shape {tuple(torch.as_tensor(batch[name]).shape)} "
                                  f"does not match input_ids {(B, S)}")
@@ -118,7 +131,13 @@ class _SequenceCut:
                 raise ValueError("attention_mask has left or inner padding; sequence parallelism "
                                  "supports right padding only (or pack without padding)")
             labels[~mask] = IGNORE_INDEX
-        position_ids = batch.get("position_ids")
+        position_ids, mrope, rows = batch.get("position_ids"), None, None
+        if self.vision is not None:
+            position_ids, mrope, rows = self.vision.full(batch, input_ids, mask)
+            for name, t in (("position_ids", position_ids), ("M-RoPE position_ids", mrope)):
+                if t is not None and tuple(t.shape[-2:]) != (B, S):
+                    raise ValueError(f"{name} shape {tuple(t.shape)} does not match "
+                                     f"input_ids {(B, S)}")
         if position_ids is None:
             position_ids = torch.arange(S).expand(B, S)
         position_ids = torch.as_tensor(position_ids)
@@ -158,6 +177,10 @@ class _SequenceCut:
         full = {"input_ids": _pad_right(input_ids, n, pad_token_id),
                 "position_ids": positions,
                 "shift_labels": _pad_right(shift, n, IGNORE_INDEX)}
+        if mrope is not None:  # the text positions first: transformers' packed format
+            full["position_ids"] = torch.cat([positions[None], _pad_right(mrope, n, 0)])
+        if rows is not None:
+            full["embed_rows"] = _pad_right(rows, n, -1)
         # The tokens that are the batch's own (not its attention_mask's padding, nor the
         # cut's): only with padding. The MoE router loss counts them alone, as HF's does.
         padded = mask is not None and not is_fake(mask) and not bool(mask.all())
@@ -173,13 +196,15 @@ class _SequenceCut:
             documents = [tuple(row.nonzero().squeeze(1).tolist()) for row in starts]
         if self.split.per_document:
             index = _positions(self.split, n, self.sp_rank, documents)  # as shard_sequence
-            out = {k: v.gather(1, index) for k, v in full.items()}
+            out = {k: v.gather(-1, index.expand(*v.shape[:-1], -1)) for k, v in full.items()}
         else:
             runs = self.split.runs(n, self.sp_rank)  # as ulysses.shard_sequence cuts
-            out = {k: torch.cat([v[:, start:start + size] for start, size in runs], dim=1)
+            out = {k: torch.cat([v[..., start:start + size] for start, size in runs], dim=-1)
                    for k, v in full.items()}
         if by_documents:
             out.update(_varlen_arguments(documents, n))
+        if rows is not None:
+            out.update(self.vision.rank_inputs(batch, out.pop("embed_rows")))
         return out
 
 
@@ -246,6 +271,7 @@ class SequenceParallelDataLoader(DataLoader):
         batch_size: samples per batch on each dp rank.
         collate_fn: default ``torch.utils.data.default_collate``.
         shuffle, seed, drop_last: as for ``DistributedSampler``.
+        pad_token_id, vision: as for :func:`prepare_sp_batch`.
         num_workers, pin_memory, persistent_workers, prefetch_factor,
         multiprocessing_context, in_order: as for ``DataLoader``.
     """
@@ -253,7 +279,8 @@ class SequenceParallelDataLoader(DataLoader):
     def __init__(self, dataset: Dataset, mesh: DeviceMesh, *, batch_size: int = 1,
                  collate_fn: Callable | None = None, shuffle: bool = True, seed: int = 0,
                  drop_last: bool = False, pad_token_id: int = 0,
-                 num_workers: int = 0, pin_memory: bool = False,
+                 vision: VisionInputs | None = None, num_workers: int = 0,
+                 pin_memory: bool = False,
                  persistent_workers: bool = False, prefetch_factor: int | None = None,
                  multiprocessing_context=None, in_order: bool = True) -> None:
         check_mesh(mesh)
@@ -265,7 +292,8 @@ class SequenceParallelDataLoader(DataLoader):
                                      drop_last=drop_last)
         super().__init__(dataset, batch_sampler=_EpochBatchSampler(sampler, batch_size,
                                                                    drop_last),
-                         collate_fn=_SPCollate(collate_fn, _SequenceCut.of(mesh), pad_token_id),
+                         collate_fn=_SPCollate(collate_fn, _SequenceCut.of(mesh, vision),
+                                               pad_token_id),
                          num_workers=num_workers, pin_memory=pin_memory,
                          persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
                          multiprocessing_context=multiprocessing_context, **ordering)

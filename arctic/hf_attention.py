@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface
 
-from arctic.anatomy import attention_modules
+from arctic.anatomy import attention_modules, language_model, text_config
 from arctic.hf_batch import (BatchState, chunk_starts, document_starts, install_batch_hook,
                              varlen_documents)
 from arctic.hf_features import (attention_chunk, check_model_features, fix_temperature,
@@ -34,6 +34,7 @@ from arctic.hf_fused import check_fusable, fuse, unfuse
 from arctic.loss import install_sp_causal_lm_loss
 from arctic.order import record_apply
 from arctic.removal import journaled
+from arctic.vlm import install_vision, is_vlm, vision_inputs
 from ulysses import BufferPool, shard_sequence, ulysses_attention
 from ulysses.all_to_all import check_comm_dtype
 from ulysses.head_chunking import resolve_chunk_size
@@ -209,12 +210,15 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
     if attn_implementation not in IMPLEMENTATIONS:
         raise ValueError(f"attn_implementation must be one of {sorted(IMPLEMENTATIONS)}, got "
                          f"{attn_implementation!r}")
-    config = model.config
+    config = text_config(model)
     modules = attention_modules(model)
     if not modules:
         raise ValueError(f"{type(model).__name__} has no attention module with q/k/v "
                          f"projections to make sequence-parallel")
     check_model_features(model, modules)
+    vlm = is_vlm(model)
+    if vlm:
+        vision_inputs(model)  # ValueError for a VLM family whose images are not supported
     chunks = {m: attention_chunk(config, m) for m in modules}
     H = config.num_attention_heads
     K = getattr(config, "num_key_value_heads", None) or H
@@ -264,8 +268,11 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
             handle.remove()
         m._sp_ran_hooks = (m.register_forward_pre_hook(_before_attention, with_kwargs=True),
                            m.register_forward_hook(_after_attention))
-    model.set_attn_implementation(REGISTERED)
+    # A VLM's vision tower keeps its own attention: only the language model is switched.
+    (language_model(model) if vlm else model).set_attn_implementation(REGISTERED)
     install_batch_hook(model, batch)
+    if vlm:
+        install_vision(model)
     # model(..., labels=) on the pieces: HF's loss of the whole sequence
     install_sp_causal_lm_loss(model, mesh)
     return model

@@ -122,6 +122,21 @@ def chunk_starts(starts, chunk: int, batch: int,
                  for row in rows)
 
 
+def text_positions(position_ids: Tensor) -> Tensor | None:
+    """The positions that tell documents apart: ``position_ids`` themselves, or the text row
+    of M-RoPE positions (Qwen2.5-VL, Qwen3-VL): ``[4, B, s]`` carries it first, as
+    transformers' packed format; ``[3, B, s]`` has none (None: whole rows, as transformers
+    then builds no packed mask either)."""
+    if position_ids.dim() != 3:
+        return position_ids
+    if position_ids.shape[0] == 4:
+        return position_ids[0]
+    if position_ids.shape[0] == 3:
+        return None
+    raise ValueError(f"3-D position_ids must be M-RoPE's [3, batch, seq] or [4, batch, seq] "
+                     f"(text positions first), got shape {tuple(position_ids.shape)}")
+
+
 class _Batch:
     """One forward's batch: this rank's position ids until the documents are found."""
 
@@ -158,7 +173,9 @@ class BatchState:
             batch.position_ids = None
         return batch.starts
 
-    def _find(self, position_ids: Tensor, varlen):
+    def _find(self, position_ids: Tensor | None, varlen):
+        if position_ids is None:  # M-RoPE positions without a text row: what varlen says
+            return None if varlen is None or all(row == (0,) for row in varlen) else varlen
         per_document = mesh_dims(self.mesh).per_document_ring
         cut = varlen if per_document and varlen is not None else None
         full = gather_sequence(position_ids, self.mesh, dim=1, segments=cut)
@@ -206,6 +223,8 @@ class BatchState:
                     "backward, under HF gradient checkpointing: its recompute would use the "
                     "new documents. Run backward before the next forward, or checkpoint with "
                     "arctic.apply_activation_checkpointing, which keeps each layer's batch")
+        if position_ids is None:
+            new.starts = self._find(None, varlen)
         if torch.is_grad_enabled():
             new.awaiting_backward = True
         self.current = new
@@ -246,8 +265,8 @@ def install_batch_hook(model: nn.Module, state: BatchState) -> None:
                              "builds them); without them every rank would start RoPE at 0")
         full = position_ids.shape[-1] * axis_size(state.mesh, "ulysses") * \
             axis_size(state.mesh, "ring")
-        batch = position_ids.shape[0] if position_ids.dim() == 2 else 1
-        state.start(position_ids, varlen_documents(kwargs, batch, full),
+        batch = position_ids.shape[-2] if position_ids.dim() >= 2 else 1
+        state.start(text_positions(position_ids), varlen_documents(kwargs, batch, full),
                     {n: kwargs[n] for n in VARLEN if kwargs.get(n) is not None})
         return args, kwargs
 

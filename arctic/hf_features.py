@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from arctic.anatomy import base_model
+from arctic.anatomy import language_model, text_config
 from ulysses.softcap import check_softcap
 
 HONOURED = ("scaling", "sliding_window", "s_aux", "softcap", "cu_seq_lens_q", "cu_seq_lens_k",
@@ -230,8 +230,8 @@ def attention_chunk(config, module: nn.Module) -> int | None:
 def is_bidirectional(model: nn.Module) -> bool:
     """Whether ``model`` asks for bidirectional attention that is honoured
     (:data:`BIDIRECTIONAL`)."""
-    return getattr(model.config, "use_bidirectional_attention", None) is True and \
-        type(base_model(model)).__name__ in BIDIRECTIONAL
+    return getattr(text_config(model), "use_bidirectional_attention", None) is True and \
+        type(language_model(model)).__name__ in BIDIRECTIONAL
 
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention",
@@ -252,14 +252,14 @@ def check_token_mixers(model: nn.Module) -> None:
     Bamba, ...): sequence parallelism cuts the sequence for every layer, and only attention
     sees the whole of it."""
     name = type(model).__name__
-    types = [t for t in getattr(model.config, "layer_types", None) or ()
+    types = [t for t in getattr(text_config(model), "layer_types", None) or ()
              if t not in ATTENTION_LAYER_TYPES]
     if types:
         raise ValueError(f"{name}: config.layer_types has {sorted(set(types))} layers, which mix "
                          f"tokens outside attention; under sequence parallelism they would see "
                          f"only this rank's piece of the sequence. Train it without sequence "
                          f"parallelism")
-    for path, m in base_model(model).named_modules():
+    for path, m in language_model(model).named_modules():
         kind = type(m).__name__
         if isinstance(m, nn.Conv1d) or any(part in kind for part in RECURRENT_NAMES):
             raise ValueError(f"{name}: {path} ({kind}) mixes tokens along the sequence outside "
@@ -271,7 +271,7 @@ def check_token_mixers(model: nn.Module) -> None:
 def check_model_features(model: nn.Module, modules: list[nn.Module]) -> None:
     """``ValueError`` for what the config of ``model`` (or its attention ``modules``) asks for
     and the SP attention cannot reproduce; called before any collective."""
-    config, name = model.config, type(model).__name__
+    config, name = text_config(model), type(model).__name__
     check_token_mixers(model)
     value = getattr(config, "attention_dropout", None)
     if value:
@@ -282,7 +282,7 @@ def check_model_features(model: nn.Module, modules: list[nn.Module]) -> None:
     if bidirectional and not is_bidirectional(model):
         raise ValueError(f"{name}: config.use_bidirectional_attention={bidirectional!r} is "
                          f"honoured for {list(BIDIRECTIONAL)} only (decoders whose masks were "
-                         f"read); {type(base_model(model)).__name__}'s is not, since "
+                         f"read); {type(language_model(model)).__name__}'s is not, since "
                          f"transformers' own result for it may depend on the attention "
                          f"implementation. Train it causally or without sequence parallelism")
     if getattr(config, "is_causal", True) is False:

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from arctic.anatomy import decoder_layers
+from arctic.anatomy import decoder_layers, text_config
 from arctic.hf_binding import of_module
 from arctic.hf_fused import _positional_input
 from arctic.order import record_apply
@@ -194,7 +194,7 @@ def apply_tiled_layers(model: nn.Module, *, tiles: int | str = "auto",
     for layer in layers:
         if not isinstance(getattr(layer, "_sp_tiled_layer", None), _TileSettings):
             check_tilable(layer)
-    intermediate = getattr(model.config, "intermediate_size", None)
+    intermediate = getattr(text_config(model), "intermediate_size", None)
     if not isinstance(intermediate, int):
         raise ValueError(f"tiled_layer needs config.intermediate_size, got {intermediate!r}")
     record_apply(model, "tiling")

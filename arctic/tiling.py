@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from arctic.anatomy import decoder_layers, token_norms
+from arctic.anatomy import decoder_layers, text_config, token_norms
 from arctic.hf_binding import of_callable
 from arctic.order import record_apply
 from arctic.removal import journaled
@@ -209,7 +209,7 @@ def apply_tiled_mlp(model: nn.Module, *, tiles: int | str = "auto",
     activation checkpointing. Returns ``model``; ``ValueError`` if it has no decoder layer
     with an ``mlp``.
     """
-    intermediate = getattr(model.config, "intermediate_size", None)
+    intermediate = getattr(text_config(model), "intermediate_size", None)
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no decoder layer with an mlp to tile")
@@ -245,7 +245,7 @@ def apply_tiled_norms(model: nn.Module, *, tiles: int | str = "auto",
     row, so tiling changes nothing in the result. ``"auto"`` sizes tiles so that about four
     float32 rows of the tile fit ``budget_bytes``. Returns ``model``.
     """
-    hidden = model.config.hidden_size
+    hidden = text_config(model).hidden_size
     norms = token_norms(model)
     if not norms:
         raise ValueError(f"{type(model).__name__} has no decoder-layer norms to tile")

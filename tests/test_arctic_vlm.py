@@ -1,0 +1,262 @@
+"""Vision-language models under sequence parallelism (:mod:`arctic.vlm`): Qwen2.5-VL, Qwen3-VL
+(M-RoPE, deepstack) and Gemma3 built from tiny configs, images as random pixel tensors, two
+rows of 48 tokens whose images the cut splits at image boundaries and mid-image. Loss and
+gradients (the vision tower's included) of one SP step against the unmodified model on one
+process; each rank encodes exactly the images its piece has tokens of; what is refused."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dist_pool
+from helpers import TOL, get_mesh
+
+pytest.importorskip("transformers", reason="arctic needs transformers ([hf])")
+
+S, VOCAB, IMAGE = 48, 128, 120
+TEXT = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            max_position_embeddings=512, pad_token_id=0)
+QWEN_VISION = dict(depth=2, hidden_size=32, intermediate_size=64, num_heads=2,
+                   out_hidden_size=64, patch_size=2, temporal_patch_size=2, spatial_merge_size=2)
+PATCH = 3 * 2 * 2 * 2  # channels x temporal patch x patch x patch: a pixel_values row (Qwen)
+# (row, first token, grid t/h/w): 4, 8 and 16 tokens (merge 2), each between its start and end
+# tokens. At 24 tokens per rank (SP=2) and 12 (SP=4): A and B end at a boundary; D is cut
+# inside (both SPs), C at 36 (SP=4).
+QWEN_IMAGES = [(0, 8, (1, 4, 4)), (0, 16, (1, 4, 8)), (0, 26, (1, 8, 8)), (1, 20, (1, 8, 8))]
+# Gemma3: 4 tokens per image. B is cut at 24 (both SPs), D at 12 (SP=4); E starts at 24.
+GEMMA_IMAGES = [(0, 8), (0, 22), (0, 36), (1, 10), (1, 24)]
+
+
+def _model(family: str):
+    import transformers as tf
+
+    torch.manual_seed(0)
+    ids = dict(image_token_id=IMAGE, video_token_id=121, vision_start_token_id=122,
+               vision_end_token_id=123)
+    if family == "qwen2_5_vl":
+        config = tf.Qwen2_5_VLConfig(
+            text_config=dict(**TEXT, rope_scaling={"type": "mrope", "mrope_section": [2, 3, 3]}),
+            vision_config=dict(**QWEN_VISION, in_chans=3, window_size=8,
+                               fullatt_block_indexes=[1]), **ids)
+        return tf.Qwen2_5_VLForConditionalGeneration(config)
+    if family == "qwen3_vl":
+        rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "mrope_interleaved": True}
+        config = tf.Qwen3VLConfig(
+            text_config=dict(**TEXT, rope_scaling=rope),
+            vision_config=dict(**QWEN_VISION, in_channels=3, num_position_embeddings=64,
+                               deepstack_visual_indexes=[0]), **ids)
+        return tf.Qwen3VLForConditionalGeneration(config)
+    config = tf.Gemma3Config(
+        text_config=dict(**TEXT, sliding_window=8,
+                         layer_types=["sliding_attention", "full_attention"]),
+        vision_config=dict(image_size=16, patch_size=4, hidden_size=32, intermediate_size=64,
+                           num_hidden_layers=1, num_attention_heads=2),
+        mm_tokens_per_image=4, image_token_id=IMAGE, boi_token_index=121, eoi_token_index=122)
+    return tf.Gemma3ForConditionalGeneration(config)
+
+
+def _images(family: str) -> list[tuple[int, int, int]]:
+    """(row, first token, tokens) of each image, in the batch's order."""
+    if family == "gemma3":
+        return [(r, a, 4) for r, a in GEMMA_IMAGES]
+    return [(r, a, t * h * w // 4) for r, a, (t, h, w) in QWEN_IMAGES]
+
+
+def _batch(family: str, length: int = S, masked: int = 0) -> dict:
+    g = torch.Generator().manual_seed(1)
+    ids = torch.randint(1, 100, (2, length), generator=g)
+    start, end = (121, 122) if family == "gemma3" else (122, 123)
+    for r, a, n in _images(family):
+        ids[r, a - 1], ids[r, a:a + n], ids[r, a + n] = start, IMAGE, end
+    batch = {"input_ids": ids, "labels": ids.masked_fill(ids == IMAGE, -100)}
+    if family == "gemma3":
+        batch["pixel_values"] = torch.randn(len(GEMMA_IMAGES), 3, 16, 16, generator=g)
+    else:
+        grid = torch.tensor([thw for _, _, thw in QWEN_IMAGES])
+        batch["pixel_values"] = torch.randn(int(grid.prod(-1).sum()), PATCH, generator=g)
+        batch["image_grid_thw"] = grid
+        batch["mm_token_type_ids"] = (ids == IMAGE).int()
+    if masked:
+        mask = torch.ones(2, length, dtype=torch.long)
+        mask[:, -masked:] = 0
+        batch["attention_mask"] = mask
+        batch["labels"] = batch["labels"].masked_fill(mask == 0, -100)
+    return batch
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _reference(family: str, length: int, masked: int):
+    model = _model(family)
+    out = model(**_batch(family, length, masked))
+    out.loss.backward()
+    return out.loss.item(), _grads(model)
+
+
+def _rank_step(family: str, sp: int, ring: int, length: int, masked: int):
+    import torch.distributed as dist
+
+    from arctic import prepare_sp_batch, vision_inputs
+    from arctic.hf_attention import apply_sequence_parallel
+
+    mesh = get_mesh(sp, sp // ring, ring)
+    model = _model(family)
+    vision_attention = model.config.vision_config._attn_implementation
+    apply_sequence_parallel(model, mesh=mesh)
+    batch = prepare_sp_batch(_batch(family, length, masked), mesh, vision=vision_inputs(model))
+    out = model(**batch, labels=batch["shift_labels"])  # HF computes a loss given labels
+    out.loss.backward()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= sp
+    encoded = batch["pixel_values"].shape[0]
+    kept = batch["image_embed_index"].numel()
+    attention = (model.config.vision_config._attn_implementation, vision_attention,
+                 model.config.text_config._attn_implementation)
+    return out.loss.item(), _grads(model), encoded, kept, batch["position_ids"].shape, attention
+
+
+def _rank_positions(sp: int, ring: int, n: int) -> list[int]:
+    from ulysses.sharding import _seq_split, _sp_rank
+
+    mesh = get_mesh(sp, sp // ring, ring)
+    runs = _seq_split(mesh).runs(n, _sp_rank(mesh))
+    return [p for start, size in runs for p in range(start, start + size)]
+
+
+CASES = {  # id -> (family, sp, ring, length, masked)
+    "qwen2_5_vl-sp2": ("qwen2_5_vl", 2, 1, S, 0),
+    "qwen2_5_vl-sp4": ("qwen2_5_vl", 4, 1, S, 0),
+    "qwen2_5_vl-sp4-ring2-padded": ("qwen2_5_vl", 4, 2, S - 3, 2),
+    "qwen3_vl-sp2": ("qwen3_vl", 2, 1, S, 0),
+    "qwen3_vl-sp4": ("qwen3_vl", 4, 1, S, 0),
+    "gemma3-sp2": ("gemma3", 2, 1, S, 0),
+    "gemma3-sp4": ("gemma3", 4, 1, S, 0),
+}
+SLOW = {"qwen3_vl-sp4", "qwen2_5_vl-sp4"}
+
+
+@pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c
+                                  for c in CASES])
+def test_vlm_matches_single_device(case):
+    family, sp, ring, length, masked = CASES[case]
+    ref_loss, ref_grads = _reference(family, length, masked)
+    assert any("visual" in n or "vision" in n for n in ref_grads)
+    images = _images(family)
+    results = dist_pool.run(_rank_step, family, sp, ring, length, masked, world_size=sp)
+    pieces = dist_pool.run(_rank_positions, sp, ring,
+                           -(-length // (2 * sp if ring > 1 else sp)) * (2 * sp if ring > 1
+                                                                         else sp),
+                           world_size=sp)
+    # the cut splits images at a boundary and inside one (the layout's own pieces)
+    firsts = {piece[0] for piece in pieces} | {piece[-1] + 1 for piece in pieces}
+    assert any(a in firsts or a + n in firsts for _, a, n in images)
+    assert any(any(a < f < a + n for f in firsts) for _, a, n in images)
+    for (loss, grads, encoded, kept, shape, attention), piece in zip(results, pieces):
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+        assert set(grads) == set(ref_grads)
+        for n, g in grads.items():
+            # Gemma3's projection weight has gradients up to ~125: the tolerance scales with it
+            scale = max(1.0, float(ref_grads[n].abs().max()))
+            torch.testing.assert_close(g, ref_grads[n], rtol=TOL[torch.float32]["rtol"],
+                                       atol=TOL[torch.float32]["atol"] * scale,
+                                       msg=lambda m: f"{n}: {m}")
+        # each rank encodes exactly the images its piece has tokens of
+        mine = [i for i, (r, a, n) in enumerate(images) if set(range(a, a + n)) & set(piece)]
+        tokens = sum(len(set(range(a, a + n)) & set(piece)) for r, a, n in images)
+        assert kept == tokens
+        if family == "gemma3":
+            assert encoded == len(mine) or (not mine and encoded == 1)
+        else:
+            rows = [t * h * w for _, _, (t, h, w) in QWEN_IMAGES]
+            assert encoded == sum(rows[i] for i in mine) or (not mine and encoded == min(rows))
+        assert len(mine) < len(images)
+        if family != "gemma3":
+            assert tuple(shape)[0] == 4  # text positions, then M-RoPE
+        # the vision tower keeps its own attention; the language model runs ours
+        assert attention[0] == attention[1] and attention[2] == "ulysses"
+
+
+def _rank_refusals():
+    import transformers as tf
+
+    from arctic import prepare_sp_batch, remove_sequence_parallel, vision_inputs
+    from arctic.hf_attention import apply_sequence_parallel
+
+    mesh = get_mesh(2, 2)
+    got = {}
+
+    def refused(name, call):
+        try:
+            call()
+            got[name] = "no error"
+        except ValueError as e:
+            got[name] = str(e)
+
+    qwen = apply_sequence_parallel(_model("qwen2_5_vl"), mesh=mesh)
+    vision = vision_inputs(qwen)
+    full = _batch("qwen2_5_vl")
+    videos = {**full, "pixel_values_videos": full["pixel_values"],
+              "video_grid_thw": full["image_grid_thw"]}
+    refused("videos-data", lambda: prepare_sp_batch(videos, mesh, vision=vision))
+    batch = prepare_sp_batch(full, mesh, vision=vision)
+    refused("videos-model", lambda: qwen(**batch, pixel_values_videos=batch["pixel_values"],
+                                         video_grid_thw=batch["image_grid_thw"]))
+    uncut = {k: v for k, v in batch.items() if k != "image_embed_index"}
+    refused("no-index", lambda: qwen(**{**uncut, "pixel_values": full["pixel_values"],
+                                        "image_grid_thw": full["image_grid_thw"]}))
+    refused("no-vision", lambda: prepare_sp_batch(full, mesh))
+    refused("not-vision-inputs", lambda: prepare_sp_batch(full, mesh, vision={"x": 1}))
+    refused("3-row-positions-2d", lambda: prepare_sp_batch(
+        {**full, "position_ids": torch.arange(S).expand(2, S)}, mesh, vision=vision))
+    features = qwen.model.get_image_features(full["pixel_values"], full["image_grid_thw"])
+    got["stock-outside-forward"] = sum(t.shape[0] for t in features.pooler_output)
+
+    gemma = apply_sequence_parallel(_model("gemma3"), mesh=mesh)
+    g_full = _batch("gemma3")
+    marks = (g_full["input_ids"] == IMAGE).long()
+    refused("token-type-data", lambda: prepare_sp_batch({**g_full, "token_type_ids": marks}, mesh,
+                                                        vision=vision_inputs(gemma)))
+    g_batch = prepare_sp_batch(g_full, mesh, vision=vision_inputs(gemma))
+    piece_marks = (g_batch["input_ids"] == IMAGE).long()
+    refused("token-type-model", lambda: gemma(**g_batch, token_type_ids=piece_marks))
+    zeros = prepare_sp_batch({**g_full, "token_type_ids": torch.zeros_like(marks)}, mesh,
+                             vision=vision_inputs(gemma))
+    got["zero-token-types-dropped"] = "token_type_ids" not in zeros
+
+    llava = tf.LlavaForConditionalGeneration(tf.LlavaConfig(
+        text_config=tf.LlamaConfig(**TEXT), image_token_id=IMAGE,
+        vision_config=tf.CLIPVisionConfig(image_size=16, patch_size=4, hidden_size=32,
+                                          intermediate_size=64, num_hidden_layers=1,
+                                          num_attention_heads=2)))
+    refused("llava", lambda: apply_sequence_parallel(llava, mesh=mesh))
+    got["llava-unchanged"] = llava.config.text_config._attn_implementation
+
+    # removed: the stock forward on the full batch gives the unmodified model's loss
+    remove_sequence_parallel(qwen)
+    got["removed-attention"] = qwen.config.text_config._attn_implementation
+    got["removed-loss"] = qwen(**full).loss.item()
+    return got
+
+
+def test_vlm_refusals_and_removal():
+    ref = _model("qwen2_5_vl")(**_batch("qwen2_5_vl")).loss.item()
+    got = dist_pool.run(_rank_refusals, world_size=2)[0]
+    for name, words in {"videos-data": "videos", "videos-model": "videos",
+                        "no-index": "each rank encodes its own images",
+                        "no-vision": "pixel_values", "not-vision-inputs": "vision_inputs",
+                        "3-row-positions-2d": "M-RoPE",
+                        "token-type-data": "both directions",
+                        "token-type-model": "both directions",
+                        "llava": "Qwen2-VL"}.items():
+        assert words in got[name], (name, got[name])
+    assert got["stock-outside-forward"] == sum(n for _, _, n in _images("qwen2_5_vl"))
+    assert got["zero-token-types-dropped"] is True
+    assert got["llava-unchanged"] != "ulysses"
+    assert got["removed-attention"] != "ulysses"
+    assert abs(got["removed-loss"] - ref) <= 1e-5 * abs(ref)
