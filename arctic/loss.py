@@ -203,6 +203,35 @@ def install_sp_causal_lm_loss(model: nn.Module, mesh) -> None:
         current = current.replaced or LOSS_MAPPING["ForCausalLM"]
     model.loss_function = SPCausalLMLoss(
         mesh, None if current is LOSS_MAPPING["ForCausalLM"] else current, loss_arguments(model))
+    old = getattr(model, "_sp_own_loss_hook", None)
+    if old is not None:
+        old.remove()
+    if not _uses_loss_function(type(model)):
+        model._sp_own_loss_hook = model.register_forward_pre_hook(_refuse_own_loss,
+                                                                  with_kwargs=True)
+
+
+def _uses_loss_function(cls: type) -> bool:
+    """Whether ``cls.forward`` computes its loss through ``self.loss_function`` (read from
+    its source: transformers 5.13's Gemma3ForConditionalGeneration computes a cross-entropy
+    of its own instead, which on the pieces would be this rank's loss alone)."""
+    import inspect
+
+    try:
+        return "loss_function" in inspect.getsource(inspect.unwrap(cls.forward))
+    except (OSError, TypeError):
+        return False
+
+
+def _refuse_own_loss(module, args, kwargs):
+    if "forward" in vars(module):  # apply_sp_loss's forward computes the loss: honoured
+        return
+    if of_module(module).bind(args, kwargs).named.get("labels") is not None:
+        raise ValueError(f"{type(module).__name__}.forward computes its loss itself, not "
+                         f"through loss_function, so labels= on the pieces would give this "
+                         f"rank's loss alone; use arctic.apply_sp_loss (the model then takes "
+                         f"shift_labels from arctic.prepare_sp_batch), or compute the loss "
+                         f"from the logits with arctic.sp_token_loss")
 
 
 # --- the head's logit transform -----------------------------------------------------------------

@@ -97,19 +97,38 @@ def _reference(family: str, length: int, masked: int):
     return out.loss.item(), _grads(model)
 
 
+def _label_piece(labels, mesh):
+    """This rank's piece of HF's unshifted labels, padded and cut as the inputs are."""
+    from ulysses import shard_sequence
+    from ulysses.mesh import mesh_dims
+
+    n = -(-labels.shape[1] // mesh_dims(mesh).seq_len_divisor) * mesh_dims(mesh).seq_len_divisor
+    return shard_sequence(torch.nn.functional.pad(labels, (0, n - labels.shape[1]), value=-100),
+                          mesh)
+
+
 def _rank_step(family: str, sp: int, ring: int, length: int, masked: int):
+    """One step: the model's own forward and loss (``labels=`` pieces; the SP loss stands in
+    for HF's), or, for Gemma3, arctic.apply_sp_loss (transformers 5.13's Gemma3 forward
+    computes a loss of its own, which is refused)."""
     import torch.distributed as dist
 
-    from arctic import prepare_sp_batch, vision_inputs
+    from arctic import apply_sp_loss, prepare_sp_batch, vision_inputs
     from arctic.hf_attention import apply_sequence_parallel
+    from ulysses import flat_mesh
 
     mesh = get_mesh(sp, sp // ring, ring)
     model = _model(family)
     vision_attention = model.config.vision_config._attn_implementation
     apply_sequence_parallel(model, mesh=mesh)
-    batch = prepare_sp_batch(_batch(family, length, masked), mesh, vision=vision_inputs(model))
-    out = model(**batch, labels=batch["shift_labels"])  # HF computes a loss given labels
-    out.loss.backward()
+    full = _batch(family, length, masked)
+    batch = prepare_sp_batch(full, mesh, vision=vision_inputs(model))
+    if family == "gemma3":
+        apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group(), loss_tiles=2)
+        loss = model(**batch)  # the SP loss itself
+    else:
+        loss = model(**batch, labels=_label_piece(full["labels"], mesh)).loss
+    loss.backward()
     for p in model.parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad)
@@ -118,7 +137,7 @@ def _rank_step(family: str, sp: int, ring: int, length: int, masked: int):
     kept = batch["image_embed_index"].numel()
     attention = (model.config.vision_config._attn_implementation, vision_attention,
                  model.config.text_config._attn_implementation)
-    return out.loss.item(), _grads(model), encoded, kept, batch["position_ids"].shape, attention
+    return loss.item(), _grads(model), encoded, kept, batch["position_ids"].shape, attention
 
 
 def _rank_positions(sp: int, ring: int, n: int) -> list[int]:
@@ -182,6 +201,23 @@ def test_vlm_matches_single_device(case):
         assert attention[0] == attention[1] and attention[2] == "ulysses"
 
 
+def _own_loss_model():
+    """A causal LM whose forward computes its cross-entropy itself, not through
+    ``self.loss_function``."""
+    import transformers as tf
+
+    class OwnLossLM(tf.LlamaForCausalLM):
+        def forward(self, input_ids=None, position_ids=None, labels=None):
+            out = super().forward(input_ids=input_ids, position_ids=position_ids)
+            if labels is not None:
+                out.loss = torch.nn.functional.cross_entropy(
+                    out.logits[:, :-1].flatten(0, 1), labels[:, 1:].flatten())
+            return out
+
+    torch.manual_seed(0)
+    return OwnLossLM(tf.LlamaConfig(**TEXT))
+
+
 def _rank_refusals():
     import transformers as tf
 
@@ -237,6 +273,15 @@ def _rank_refusals():
     refused("llava", lambda: apply_sequence_parallel(llava, mesh=mesh))
     got["llava-unchanged"] = llava.config.text_config._attn_implementation
 
+    # a forward that computes its loss itself (5.13's Gemma3ForConditionalGeneration does):
+    # labels= would give this rank's loss alone
+    own = apply_sequence_parallel(_own_loss_model(), mesh=mesh)
+    piece = prepare_sp_batch({"input_ids": full["input_ids"]}, mesh)
+    refused("own-loss", lambda: own(input_ids=piece["input_ids"],
+                                    position_ids=piece["position_ids"], labels=piece["input_ids"]))
+    got["own-loss-logits"] = tuple(own(input_ids=piece["input_ids"],
+                                       position_ids=piece["position_ids"]).logits.shape)
+
     # removed: the stock forward on the full batch gives the unmodified model's loss
     remove_sequence_parallel(qwen)
     got["removed-attention"] = qwen.config.text_config._attn_implementation
@@ -253,7 +298,7 @@ def test_vlm_refusals_and_removal():
                         "3-row-positions-2d": "M-RoPE",
                         "token-type-data": "both directions",
                         "token-type-model": "both directions",
-                        "llava": "Qwen2-VL"}.items():
+                        "llava": "Qwen2-VL", "own-loss": "not through loss_function"}.items():
         assert words in got[name], (name, got[name])
     assert got["stock-outside-forward"] == sum(n for _, _, n in _images("qwen2_5_vl"))
     assert got["zero-token-types-dropped"] is True
