@@ -119,7 +119,8 @@ class _SequenceCut:
                              f"{tuple(input_ids.shape)}")
         B, S = input_ids.shape
         labels = torch.as_tensor(batch.get("labels", input_ids)).clone()
-        checked = ("labels", "attention_mask") + (() if self.vision else ("position_ids",))
+        checked = ("labels", "attention_mask") + (self.vision.cut_keys if self.vision
+                                                  else ("position_ids",))
         for name in checked:
             if name in batch and tuple(torch.as_tensor(batch[name]).shape) != (B, S):
                 raise ValueError(f"{name} shape {tuple(torch.as_tensor(batch[name]).shape)} "
@@ -181,6 +182,9 @@ class _SequenceCut:
             full["position_ids"] = torch.cat([positions[None], _pad_right(mrope, n, 0)])
         if rows is not None:
             full["embed_rows"] = _pad_right(rows, n, -1)
+        for key in self.vision.cut_keys if self.vision else ():
+            if batch.get(key) is not None:
+                full[key] = _pad_right(torch.as_tensor(batch[key]), n, 0)
         # The tokens that are the batch's own (not its attention_mask's padding, nor the
         # cut's): only with padding. The MoE router loss counts them alone, as HF's does.
         padded = mask is not None and not is_fake(mask) and not bool(mask.all())

@@ -34,7 +34,7 @@ from arctic.hf_fused import check_fusable, fuse, unfuse
 from arctic.loss import install_sp_causal_lm_loss
 from arctic.order import record_apply
 from arctic.removal import journaled
-from arctic.vlm import install_vision, is_vlm, vision_inputs
+from arctic.vlm import image_block_key, install_vision, is_vlm, vision_inputs
 from ulysses import BufferPool, shard_sequence, ulysses_attention
 from ulysses.all_to_all import check_comm_dtype
 from ulysses.head_chunking import resolve_chunk_size
@@ -119,6 +119,7 @@ def _sp_attention(module: nn.Module, query, key, value, attention_mask, **kwargs
     if tunes_temperature(module):
         rows = torch.arange(full).expand(q.shape[0], full)
         q = fix_temperature(module, q, shard_sequence(rows, sp.mesh, segments=layout))
+    blocks = sp.batch.blocks()  # after the documents' gather, on every rank alike
     segments = documents
     if sp.chunk_size is not None:
         segments = chunk_starts(segments, sp.chunk_size, q.shape[0], full)
@@ -131,7 +132,7 @@ def _sp_attention(module: nn.Module, query, key, value, attention_mask, **kwargs
                             layout_segments=layout if sp.chunk_size is not None else None,
                             window=call.window, sinks=call.sinks,
                             comm_dtype=sp.communication_dtype, seq_chunk=sp.seq_chunk,
-                            softcap=call.softcap)
+                            softcap=call.softcap, blocks=blocks)
     return out, None
 
 
@@ -252,7 +253,7 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
     # to their peak (benchmarks/memory.py measured +6.5% on the full stack).
     pool = BufferPool(keep_between_calls=False) if head_chunk_size is not None else None
     record_apply(model, "sp_attention")  # after the checks: a refused call changes nothing
-    batch = BatchState(model, mesh)
+    batch = BatchState(model, mesh, block_key=image_block_key(model) if vlm else None)
     passed_over = loss_arguments(model)
     for m in modules:
         m.sp_attention = SPAttentionSettings(

@@ -137,12 +137,23 @@ def text_positions(position_ids: Tensor) -> Tensor | None:
                      f"(text positions first), got shape {tuple(position_ids.shape)}")
 
 
+def image_blocks(token_types: Tensor) -> tuple[tuple[tuple[int, int], ...], ...]:
+    """Per row of ``token_types [B, S]``, ``(first, end)`` of each run of 1 (an image's tokens,
+    as transformers' ``get_block_sequence_ids_for_mask`` numbers them)."""
+    marks = torch.nn.functional.pad((token_types == 1).int(), (1, 1))
+    edges = marks[:, 1:] - marks[:, :-1]
+    return tuple(tuple(zip((row == 1).nonzero().squeeze(1).tolist(),
+                           (row == -1).nonzero().squeeze(1).tolist())) for row in edges)
+
+
 class _Batch:
     """One forward's batch: this rank's position ids until the documents are found."""
 
-    __slots__ = ("position_ids", "varlen", "varlen_given", "starts", "awaiting_backward")
+    __slots__ = ("position_ids", "varlen", "varlen_given", "starts", "awaiting_backward",
+                 "token_types", "blocks")
 
-    def __init__(self, position_ids: Tensor, varlen=None, varlen_given=None) -> None:
+    def __init__(self, position_ids: Tensor, varlen=None, varlen_given=None,
+                 token_types: Tensor | None = None) -> None:
         self.position_ids: Tensor | None = position_ids
         self.varlen = varlen
         """The documents the call's varlen arguments gave (:func:`varlen_documents`)."""
@@ -150,13 +161,19 @@ class _Batch:
         """Those arguments as the forward got them (name -> object)."""
         self.starts = None
         self.awaiting_backward = False
+        self.token_types = token_types
+        """This rank's piece of the token types whose runs of 1 are image blocks (Gemma3's
+        ``token_type_ids``), until :meth:`BatchState.blocks` reads them."""
+        self.blocks = None
 
 
 class BatchState:
     """The batch of the model's latest forward, shared by its SP attention modules."""
 
-    def __init__(self, model: nn.Module, mesh: DeviceMesh) -> None:
+    def __init__(self, model: nn.Module, mesh: DeviceMesh, block_key: str | None = None) -> None:
         self.model, self.mesh = model, mesh
+        self.block_key = block_key
+        """The base model's argument whose 1s mark image blocks (:meth:`blocks`), or None."""
         self.current: _Batch | None = None
 
     def segments(self):
@@ -209,15 +226,39 @@ class BatchState:
         return given.keys() == varlen_kwargs.keys() and \
             all(varlen_kwargs[n] is given[n] for n in given)
 
-    def start(self, position_ids: Tensor, varlen=None, varlen_given=None) -> None:
+    def blocks(self):
+        """The current batch's image blocks in the full sequence (per row, ``(first, end)``
+        of each run of token type 1), or None: no token types given. The first call of a
+        forward gathers the token types (after :meth:`segments`' gather, on every rank)."""
+        batch = self.current
+        if batch is None:
+            return None
+        if batch.token_types is not None:
+            batch.blocks = self._find_blocks(batch.token_types, batch.varlen)
+            batch.token_types = None
+        return batch.blocks
+
+    def _find_blocks(self, token_types: Tensor, varlen):
+        per_document = mesh_dims(self.mesh).per_document_ring
+        cut = varlen if per_document and varlen is not None else None
+        full = gather_sequence(token_types, self.mesh, dim=1, segments=cut)
+        if dist.get_backend(self.mesh.get_group(0)) == "fake":
+            return None  # no values: planned as text
+        blocks = image_blocks(full)
+        return blocks if any(e - a > 1 for row in blocks for a, e in row) else None
+
+    def start(self, position_ids: Tensor, varlen=None, varlen_given=None,
+              token_types: Tensor | None = None) -> None:
         """A new forward (``varlen``: the documents its varlen arguments gave, and
         ``varlen_given`` those arguments): refuse it if HF checkpointing would recompute the
         previous one's layers with this batch's documents; then make it current."""
-        prev, new = self.current, _Batch(position_ids, varlen, varlen_given)
+        prev, new = self.current, _Batch(position_ids, varlen, varlen_given, token_types)
         if prev is not None and prev.awaiting_backward and hf_checkpointing(self.model):
             # Same control flow on every rank: the gathers below happen everywhere or nowhere.
             new.starts, new.position_ids = self._find(position_ids, varlen), None
-            if self.segments() != new.starts:
+            if token_types is not None:
+                new.blocks, new.token_types = self._find_blocks(token_types, varlen), None
+            if self.segments() != new.starts or self.blocks() != new.blocks:
                 raise ValueError(
                     "a forward with other documents ran before the previous forward's "
                     "backward, under HF gradient checkpointing: its recompute would use the "
@@ -258,7 +299,8 @@ def install_batch_hook(model: nn.Module, state: BatchState) -> None:
         # arctic.data's token_mask (the padding of the cut) is the SP loss's, not the model's
         kwargs.pop("token_mask", None)
         # Bound through the installed forward: position ids given positionally count too.
-        position_ids = of_module(module).bind(args, kwargs).role("position_ids")
+        call = of_module(module).bind(args, kwargs)
+        position_ids = call.role("position_ids")
         if position_ids is None:
             raise ValueError("position_ids are required under sequence parallelism: pass this "
                              "rank's shard of the full sequence's position_ids (arctic.data "
@@ -266,8 +308,11 @@ def install_batch_hook(model: nn.Module, state: BatchState) -> None:
         full = position_ids.shape[-1] * axis_size(state.mesh, "ulysses") * \
             axis_size(state.mesh, "ring")
         batch = position_ids.shape[-2] if position_ids.dim() >= 2 else 1
+        types = None
+        if state.block_key is not None:  # Gemma3: its token_type_ids mark image blocks
+            types = call.named.get(state.block_key, call.extra.get(state.block_key))
         state.start(text_positions(position_ids), varlen_documents(kwargs, batch, full),
-                    {n: kwargs[n] for n in VARLEN if kwargs.get(n) is not None})
+                    {n: kwargs[n] for n in VARLEN if kwargs.get(n) is not None}, types)
         return args, kwargs
 
     def after(module, args, output):

@@ -26,11 +26,13 @@ model on the merged sequence. Under sequence parallelism the merged sequence is 
 
 M-RoPE positions go to the model as ``[4, B, s]``: the text positions first (transformers'
 packed format; they restart at the cut's padding, a document of its own), then the three
-M-RoPE rows. What is refused, each with a ``ValueError`` before any collective: videos
-(``pixel_values_videos``), precomputed ``mm_encoder_outputs``, Gemma3's ``token_type_ids``
-that mark images (transformers then lets an image's tokens attend to each other both ways,
-which the sequence-parallel attention does not implement), ``pixel_values`` without
-``image_embed_index`` (a batch not cut by the data path), and VLM families other than these.
+M-RoPE rows. Gemma3's ``token_type_ids`` are cut with the tokens: where they mark an image
+(runs of 1), transformers lets the image's tokens attend to each other in both directions,
+and so does the sequence-parallel attention (the batch hook gathers them, and each run is a
+block of :mod:`ulysses.blocks`; not on a ring). What is refused, each with a ``ValueError``
+before any collective: videos (``pixel_values_videos``), precomputed ``mm_encoder_outputs``,
+``pixel_values`` without ``image_embed_index`` (a batch not cut by the data path), and VLM
+families other than these.
 """
 
 from __future__ import annotations
@@ -99,8 +101,14 @@ class VisionInputs:
     @property
     def keys(self) -> tuple[str, ...]:
         """The batch keys read besides :data:`arctic.data.BATCH_KEYS`."""
-        return ("pixel_values", "image_grid_thw", "mm_token_type_ids", "token_type_ids",
-                *REFUSED_KEYS)
+        own = ("token_type_ids",) if self.rope is None else ("image_grid_thw",
+                                                            "mm_token_type_ids")
+        return ("pixel_values", *own, *REFUSED_KEYS)
+
+    @property
+    def cut_keys(self) -> tuple[str, ...]:
+        """Batch keys ``[B, S]`` cut as the tokens are and passed to the model."""
+        return ("token_type_ids",) if self.rope is None else ()
 
     def _counts(self, batch: dict[str, Any]) -> tuple[list[int], list[int]]:
         """Per image: its tokens, and its rows of ``pixel_values``."""
@@ -125,9 +133,6 @@ class VisionInputs:
             if batch.get(key) is not None:
                 raise ValueError(f"{key}: {what} are not implemented under sequence "
                                  f"parallelism for {self.model}; leave them out")
-        types_ = batch.get("token_type_ids")
-        if types_ is not None and bool((torch.as_tensor(types_) == 1).any()):
-            raise ValueError(_BLOCKS_REFUSAL.format(model=self.model))
         images = input_ids == self.image_token_id
         found = int(images.sum())
         rows = torch.full(input_ids.shape, -1, dtype=torch.long)
@@ -186,13 +191,6 @@ class VisionInputs:
         return out
 
 
-_BLOCKS_REFUSAL = ("{model}: token_type_ids mark image tokens, for which transformers lets "
-                   "each image's tokens attend to each other in both directions; the "
-                   "sequence-parallel attention does not implement that mask. Leave "
-                   "token_type_ids out (images are then attended causally, like text), or "
-                   "train without sequence parallelism")
-
-
 def vision_inputs(model: nn.Module) -> VisionInputs:
     """What :func:`arctic.data.prepare_sp_batch` needs (its ``vision=``) to cut batches of the
     VLM ``model``; ``ValueError`` for a model that is not one of the supported families."""
@@ -214,6 +212,21 @@ def vision_inputs(model: nn.Module) -> VisionInputs:
                      f"Qwen2.5-VL, Qwen3-VL and Gemma3 (models whose image tokens and M-RoPE "
                      f"positions were read); this VLM's are not. Train it without sequence "
                      f"parallelism")
+
+
+def image_block_key(model: nn.Module) -> str | None:
+    """The argument of the VLM's base model whose runs of 1 are image blocks that attend
+    both ways (Gemma3's ``token_type_ids``, read in transformers 5.13 and 5.24), or None."""
+    base = base_model(model)
+    if type(base).__name__ in BLOCK_MODELS and "token_type_ids" in \
+            inspect.signature(type(base).forward).parameters:
+        return "token_type_ids"
+    return None
+
+
+BLOCK_MODELS = ("Gemma3Model",)
+"""VLM base models whose ``token_type_ids`` make each image's tokens attend to each other in
+both directions (``create_masks_for_vision_model``)."""
 
 
 class _VisionState:
@@ -241,7 +254,6 @@ def install_vision(model: nn.Module) -> None:
     called by :func:`arctic.apply_sequence_parallel` after :func:`vision_inputs` accepted
     the model. Applying again replaces what an earlier call installed."""
     base = base_model(model)
-    blocks = hasattr(base, "multi_modal_projector")  # Gemma3: token_type_ids mean blocks
     state = _VisionState()
     stock = types.MethodType(type(base).get_image_features, base)
 
@@ -264,9 +276,6 @@ def install_vision(model: nn.Module) -> None:
             if given.get(key) is not None:
                 raise ValueError(f"{key}: {what} are not implemented under sequence "
                                  f"parallelism for {type(model).__name__}; leave them out")
-        types_ = given.get("token_type_ids")
-        if blocks and types_ is not None and bool((types_ == 1).any()):
-            raise ValueError(_BLOCKS_REFUSAL.format(model=type(model).__name__))
         pixels = given.get("pixel_values")
         if (pixels is None) != (index is None):
             raise ValueError(f"{'pixel_values' if index is None else INDEX_KEY} without "
@@ -289,4 +298,5 @@ def install_vision(model: nn.Module) -> None:
     base._sp_vision_done = base.register_forward_hook(after)
 
 
-__all__ = ["INDEX_KEY", "VisionInputs", "install_vision", "is_vlm", "vision_inputs"]
+__all__ = ["BLOCK_MODELS", "INDEX_KEY", "VisionInputs", "image_block_key", "install_vision",
+           "is_vlm", "vision_inputs"]

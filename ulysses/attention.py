@@ -17,6 +17,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ulysses.all_to_all import all_to_all, check_comm_dtype
 from ulysses.band import check_window
+from ulysses.blocks import BlockAttention, check_blocks
 from ulysses.buffer_pool import BufferPool
 from ulysses.head_chunking import (DEFAULT_CHUNK_BUDGET_BYTES, head_chunked_attention,
                                    resolve_chunk_size)
@@ -53,10 +54,11 @@ def between_exchanges(mesh: DeviceMesh, *, batch: int, local_len: int, causal: b
                       scale: float, backend: str, unpadded_len: int | None, segments,
                       window: int | None = None,
                       comm_dtype: torch.dtype | None = None, softcap: float = 0.0,
-                      layout_segments=None):
+                      layout_segments=None, blocks=None):
     """The attention that runs between the two all-to-alls, on ``[B, S, h, D]`` tensors:
     within documents (``segments``), the ring (R > 1), or the local kernel; each with a
-    causal sliding ``window`` when one is given. ``comm_dtype``: what a ring's hops carry.
+    causal sliding ``window`` when one is given, and ``blocks`` seen whole by their own
+    queries (:mod:`ulysses.blocks`; causal, no ring). ``comm_dtype``: what a ring's hops carry.
     ``softcap``: logit softcapping inside the softmax (0: none). On a mesh built with
     ``per_document``, a ring's rows were cut by ``layout_segments`` (default: ``segments``).
 
@@ -79,9 +81,20 @@ def between_exchanges(mesh: DeviceMesh, *, batch: int, local_len: int, causal: b
     if starts is not None and mesh_dims(mesh).per_document_ring:
         layout = starts if layout_segments is None else check_segments(layout_segments, batch,
                                                                        full)
-    return inner_attention(mesh, causal=causal, scale=scale, backend=backend, kv_len=kv_len,
+    if blocks is not None:
+        if not causal:
+            raise ValueError("blocks= widen a causal mask; a non-causal attention sees them "
+                             "whole already")
+        if axis_size(mesh, "ring") > 1:
+            raise ValueError("blocks= (tokens that see their whole block, Gemma3's images) "
+                             "are not implemented across a ring; use a mesh without one")
+        blocks = check_blocks(blocks, batch, full, starts)
+    attn = inner_attention(mesh, causal=causal, scale=scale, backend=backend, kv_len=kv_len,
                            window=window, comm_dtype=comm_dtype, softcap=softcap,
                            starts=starts, layout=layout)
+    if blocks is not None and any(blocks):
+        attn = BlockAttention(attn, blocks, scale, backend, softcap)
+    return attn
 
 
 def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, causal: bool,
@@ -94,7 +107,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
                       sinks: Tensor | None = None,
                       comm_dtype: torch.dtype | None = None,
                       seq_chunk: int | str | None = None, softcap: float | None = None,
-                      layout_segments=None) -> Tensor:
+                      layout_segments=None, blocks=None) -> Tensor:
     """Sequence-parallel attention over the mesh's ``"ulysses"`` and ``"ring"`` axes.
 
     Args:
@@ -156,6 +169,10 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
         layout_segments: on a ``per_document`` mesh, the documents the sequence was cut by
             when the attention's ``segments`` cut them further (Llama4's chunks of each
             document); default ``segments``.
+        blocks: per batch row, ``(first, end)`` full-sequence positions of blocks whose
+            tokens also see every token of their own block (Gemma3's images,
+            :mod:`ulysses.blocks`); needs ``causal``, no ring and no ``seq_chunk``; each
+            block within one document of ``segments``.
 
     Returns:
         ``out_BsHD``, sharded like ``q``.
@@ -176,7 +193,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
                              scale=scale, backend=backend, unpadded_len=unpadded_len,
                              segments=segments, window=window,
                              comm_dtype=comm_dtype, softcap=softcap,
-                             layout_segments=layout_segments)
+                             layout_segments=layout_segments, blocks=blocks)
+    if blocks is not None and seq_chunk is not None:
+        raise ValueError("blocks= are not implemented with seq_chunk; leave seq_chunk out")
     verify_call(backend, q, causal=causal, window=window, sinks=sinks is not None,
                 ring=axis_size(mesh, "ring") > 1, softcap=softcap)
     if sinks is not None:  # [H] -> [h]: this rank's query heads (autograd scatters the grad)
