@@ -64,7 +64,7 @@ def _images(family: str) -> list[tuple[int, int, int]]:
     return [(r, a, t * h * w // 4) for r, a, (t, h, w) in QWEN_IMAGES]
 
 
-def _batch(family: str, length: int = S, masked: int = 0) -> dict:
+def _batch(family: str, length: int = S, masked: int = 0, packed: bool = False) -> dict:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, 100, (2, length), generator=g)
     start, end = (121, 122) if family == "gemma3" else (122, 123)
@@ -79,6 +79,12 @@ def _batch(family: str, length: int = S, masked: int = 0) -> dict:
         batch["pixel_values"] = torch.randn(int(grid.prod(-1).sum()), PATCH, generator=g)
         batch["image_grid_thw"] = grid
         batch["mm_token_type_ids"] = (ids == IMAGE).int()
+    if packed:  # the first token of a document is no label of the one before
+        for r, cut in enumerate(PACKED_AT):
+            batch["labels"][r, cut] = -100
+        batch["position_ids"] = _packed_positions(family, batch) if family != "gemma3" else \
+            torch.stack([torch.cat([torch.arange(c), torch.arange(length - c)])
+                         for c in PACKED_AT])
     if masked:
         mask = torch.ones(2, length, dtype=torch.long)
         mask[:, -masked:] = 0
@@ -87,13 +93,36 @@ def _batch(family: str, length: int = S, masked: int = 0) -> dict:
     return batch
 
 
+PACKED_AT = (43, 38)  # per row, where its second document starts (after an image's end)
+
+
+def _packed_positions(family: str, batch: dict):
+    """Two documents per row, as a packing collator gives them: M-RoPE positions of each
+    document on its own (the model's get_rope_index), text positions restarting at 0 first
+    (``[4, B, S]``, transformers' packed format)."""
+    model, ids = _model(family), batch["input_ids"]
+    images = _images(family)
+    grid = batch["image_grid_thw"]
+    pos = torch.zeros(4, *ids.shape, dtype=torch.long)
+    for r, cut in enumerate(PACKED_AT):
+        for a, e in ((0, cut), (cut, ids.shape[1])):
+            mine = [i for i, (row, first, _) in enumerate(images) if row == r and a <= first < e]
+            sub = ids[r:r + 1, a:e]
+            rope, _ = model.model.get_rope_index(sub, mm_token_type_ids=(sub == IMAGE).int(),
+                                                 image_grid_thw=grid[mine] if mine else None)
+            pos[1:, r, a:e] = rope[:, 0]
+            pos[0, r, a:e] = torch.arange(e - a)
+    return pos
+
+
 def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _reference(family: str, length: int, masked: int):
+def _reference(family: str, length: int, masked: int, packed: bool = False):
     model = _model(family)
-    out = model(**_batch(family, length, masked))
+    # use_cache=False: transformers builds packed documents' masks only without a KV cache
+    out = model(**_batch(family, length, masked, packed), use_cache=False)
     out.loss.backward()
     return out.loss.item(), _grads(model)
 
@@ -108,7 +137,7 @@ def _label_piece(labels, mesh):
                           mesh)
 
 
-def _rank_step(family: str, sp: int, ring: int, length: int, masked: int):
+def _rank_step(family: str, sp: int, ring: int, length: int, masked: int, packed: bool):
     """One step: the model's own forward and loss (``labels=`` pieces; the SP loss stands in
     for HF's), or, for Gemma3, arctic.apply_sp_loss (transformers 5.13's Gemma3 forward
     computes a loss of its own, which is refused)."""
@@ -122,7 +151,7 @@ def _rank_step(family: str, sp: int, ring: int, length: int, masked: int):
     model = _model(family)
     vision_attention = model.config.vision_config._attn_implementation
     apply_sequence_parallel(model, mesh=mesh)
-    full = _batch(family, length, masked)
+    full = _batch(family, length, masked, packed)
     batch = prepare_sp_batch(full, mesh, vision=vision_inputs(model))
     if family == "gemma3":
         apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group(), loss_tiles=2)
@@ -149,14 +178,16 @@ def _rank_positions(sp: int, ring: int, n: int) -> list[int]:
     return [p for start, size in runs for p in range(start, start + size)]
 
 
-CASES = {  # id -> (family, sp, ring, length, masked)
-    "qwen2_5_vl-sp2": ("qwen2_5_vl", 2, 1, S, 0),
-    "qwen2_5_vl-sp4": ("qwen2_5_vl", 4, 1, S, 0),
-    "qwen2_5_vl-sp4-ring2-padded": ("qwen2_5_vl", 4, 2, S - 3, 2),
-    "qwen3_vl-sp2": ("qwen3_vl", 2, 1, S, 0),
-    "qwen3_vl-sp4": ("qwen3_vl", 4, 1, S, 0),
-    "gemma3-sp2": ("gemma3", 2, 1, S, 0),
-    "gemma3-sp4": ("gemma3", 4, 1, S, 0),
+CASES = {  # id -> (family, sp, ring, length, masked, packed)
+    "qwen2_5_vl-sp2": ("qwen2_5_vl", 2, 1, S, 0, False),
+    "qwen2_5_vl-sp4": ("qwen2_5_vl", 4, 1, S, 0, False),
+    "qwen2_5_vl-sp4-ring2-padded": ("qwen2_5_vl", 4, 2, S - 3, 2, False),
+    "qwen2_5_vl-sp2-packed": ("qwen2_5_vl", 2, 1, S, 0, True),
+    "qwen3_vl-sp2": ("qwen3_vl", 2, 1, S, 0, False),
+    "qwen3_vl-sp4": ("qwen3_vl", 4, 1, S, 0, False),
+    "gemma3-sp2": ("gemma3", 2, 1, S, 0, False),
+    "gemma3-sp4": ("gemma3", 4, 1, S, 0, False),
+    "gemma3-sp4-packed": ("gemma3", 4, 1, S, 0, True),
 }
 SLOW = {"qwen3_vl-sp4", "qwen2_5_vl-sp4"}
 
@@ -164,11 +195,12 @@ SLOW = {"qwen3_vl-sp4", "qwen2_5_vl-sp4"}
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c
                                   for c in CASES])
 def test_vlm_matches_single_device(case):
-    family, sp, ring, length, masked = CASES[case]
-    ref_loss, ref_grads = _reference(family, length, masked)
+    family, sp, ring, length, masked, packed = CASES[case]
+    ref_loss, ref_grads = _reference(family, length, masked, packed)
     assert any("visual" in n or "vision" in n for n in ref_grads)
     images = _images(family)
-    results = dist_pool.run(_rank_step, family, sp, ring, length, masked, world_size=sp)
+    results = dist_pool.run(_rank_step, family, sp, ring, length, masked, packed,
+                            world_size=sp)
     pieces = dist_pool.run(_rank_positions, sp, ring,
                            -(-length // (2 * sp if ring > 1 else sp)) * (2 * sp if ring > 1
                                                                          else sp),
