@@ -14,6 +14,9 @@ from torch import nn
 
 NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
 """The per-token norms of a HF decoder layer that see ``[B, S, E]`` (Llama, Mistral, Qwen2/3)."""
+MLP_NAMES = ("mlp", "feed_forward")
+"""What a HF decoder layer calls its MLP (or MoE block): ``mlp``, or ``feed_forward``
+(Llama4)."""
 
 def base_model(model: nn.Module) -> nn.Module:
     """The decoder under a causal LM's head: HF's ``base_model``, or ``model.model`` where that
@@ -43,12 +46,20 @@ def text_config(model: nn.Module):
     return get() if callable(get) else config
 
 
+def layer_mlp(layer: nn.Module) -> nn.Module | None:
+    """The MLP (or MoE block) of a decoder layer: its first of :data:`MLP_NAMES`."""
+    for name in MLP_NAMES:
+        mlp = getattr(layer, name, None)
+        if isinstance(mlp, nn.Module):
+            return mlp
+    return None
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder layers of a HF causal LM (of a VLM's language model): modules with both
-    ``self_attn`` and ``mlp``."""
+    ``self_attn`` and an MLP (:func:`layer_mlp`)."""
     return [m for m in language_model(model).modules()
-            if isinstance(getattr(m, "mlp", None), nn.Module)
-            and isinstance(getattr(m, "self_attn", None), nn.Module)]
+            if layer_mlp(m) is not None and isinstance(getattr(m, "self_attn", None), nn.Module)]
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
@@ -79,5 +90,5 @@ def hf_checkpointing(model: nn.Module) -> bool:
     return False
 
 
-__all__ = ["NORM_NAMES", "attention_modules", "decoder_layers", "hf_checkpointing",
-           "language_model", "text_config", "token_norms"]
+__all__ = ["MLP_NAMES", "NORM_NAMES", "attention_modules", "decoder_layers", "hf_checkpointing",
+           "language_model", "layer_mlp", "text_config", "token_norms"]

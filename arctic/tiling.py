@@ -24,7 +24,7 @@ import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from arctic.anatomy import decoder_layers, text_config, token_norms
+from arctic.anatomy import decoder_layers, layer_mlp, text_config, token_norms
 from arctic.hf_binding import of_callable
 from arctic.order import record_apply
 from arctic.removal import journaled
@@ -71,6 +71,12 @@ class _TiledMLPFn(torch.autograd.Function):
         with torch.no_grad():
             for _, x_t, start in _tiles(x_BSE.detach(), tiles):
                 y_t = mlp(x_t)                      # [B, s_t, F] lives only inside the call
+                if not isinstance(y_t, Tensor):
+                    raise ValueError(
+                        f"a tiled MLP needs an MLP that returns one tensor; "
+                        f"{type(_owner(mlp)).__name__} returns {type(y_t).__name__} (an MoE "
+                        f"block's router logits beside its output: GPT-OSS, Llama4). Leave "
+                        f"the tiled MLP off (tiled_mlp: null) for this model")
                 if out is None:
                     out = x_BSE.new_empty(x_BSE.shape[:2] + y_t.shape[2:], dtype=y_t.dtype)
                 out[:, start:start + x_t.shape[1]] = y_t
@@ -99,6 +105,11 @@ class _TiledMLPFn(torch.autograd.Function):
             dx[:, start:start + n] = leaf.grad
             del y_t, leaf
         return dx, None, None
+
+
+def _owner(mlp):
+    """The module of a tiled MLP callable (a module, or a module's bound forward)."""
+    return mlp if isinstance(mlp, nn.Module) else getattr(mlp, "__self__", mlp)
 
 
 def _tile_rows(x: Tensor, rows: int, tiles: int):
@@ -194,7 +205,8 @@ class _TiledForward:
 def apply_tiled_mlp(model: nn.Module, *, tiles: int | str = "auto",
                     budget_bytes: int = DEFAULT_TILE_BUDGET_BYTES,
                     group: dist.ProcessGroup | None = None) -> nn.Module:
-    """Tile the ``mlp`` of every decoder layer of a HF model in place.
+    """Tile the ``mlp`` (Llama4: ``feed_forward``) of every decoder layer of a HF model in
+    place.
 
     Each mlp keeps its class, parameters and state_dict keys (checkpoints stay loadable); only
     the instance's ``forward`` is replaced by the tiled run of the original. The per-tile
@@ -213,8 +225,8 @@ def apply_tiled_mlp(model: nn.Module, *, tiles: int | str = "auto",
     layers = decoder_layers(model)
     if not layers:
         raise ValueError(f"{type(model).__name__} has no decoder layer with an mlp to tile")
-    _tile_forwards(model, [layer.mlp for layer in layers], tiles, intermediate, budget_bytes,
-                   group)
+    _tile_forwards(model, [layer_mlp(layer) for layer in layers], tiles, intermediate,
+                   budget_bytes, group)
     return model
 
 

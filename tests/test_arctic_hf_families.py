@@ -142,12 +142,14 @@ def _cached_reference(*key):
 
 
 def _rank_step(family, ulysses, ring=1, chunk=None, fuse=False, documents=False,
-               tiled_layer=False, seq_chunk=None, dp=1, layout=True, varlen=None):
+               tiled_layer=False, seq_chunk=None, dp=1, layout=True, varlen=None,
+               checkpoint=False):
     """One SP training step of ``family``: loss and DDP-averaged gradients (``dp`` data-
     parallel groups, each running the same batch). ``layout``: the ring's (True zigzag,
     False contiguous, ``"per_document"``). ``varlen``: the documents also (``"given"``) or
     only (``"only"``: positions that do not restart) as flash-attn's varlen arguments, or
-    the batch's varlen arguments left out (``"dropped"``)."""
+    the batch's varlen arguments left out (``"dropped"``). ``checkpoint``: tiled norms and
+    activation checkpointing with the layer inputs offloaded."""
     import torch.distributed as dist
 
     from arctic.data import prepare_sp_batch
@@ -164,6 +166,12 @@ def _rank_step(family, ulysses, ring=1, chunk=None, fuse=False, documents=False,
 
         apply_tiled_layers(model, tiles=3)
     apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group(), loss_tiles=2)
+    if checkpoint:
+        from arctic import apply_activation_checkpointing
+        from arctic.tiling import apply_tiled_norms
+
+        apply_tiled_norms(model, tiles=2)
+        apply_activation_checkpointing(model, offload_to_cpu=True)
     raw = {"input_ids": _tokens(), "labels": _tokens()}
     if documents:
         raw["position_ids"] = _doc_positions()
@@ -321,6 +329,40 @@ def test_fused_projections_and_tiled_layer(family, sp):
     results = dist_pool.run(_rank_step, family, sp, 1, 1, True, False, True, world_size=sp)
     off = None if family == "llama" else _cached_reference(family, False)
     _check(results, _cached_reference(family), off)
+
+
+def test_llama4_layers_checkpointed():
+    """Llama4's decoder layers hold ``feed_forward`` (an MoE block on MoE layers): the
+    anatomy finds them, so activation checkpointing (layer inputs offloaded) and the tiled
+    norms wrap every layer, with packed documents and its chunks; the tiled MLP is refused
+    (its MoE block returns the router logits beside its output)."""
+    from arctic.anatomy import decoder_layers
+
+    assert len(decoder_layers(_model("llama4"))) == _config("llama4").num_hidden_layers
+    results = dist_pool.run(_rank_step, "llama4", 2, documents=True, checkpoint=True,
+                            world_size=2)
+    _check(results, _cached_reference("llama4", True, True), _cached_reference("llama4"))
+    got = dist_pool.run(_rank_llama4_tiled_mlp, world_size=2)[0]
+    assert "returns tuple" in got and "Llama4TextMoe" in got, got
+
+
+def _rank_llama4_tiled_mlp() -> str:
+    from arctic import apply_tiled_mlp
+    from arctic.data import prepare_sp_batch
+    from arctic.hf_attention import apply_sequence_parallel
+    from arctic.loss import apply_sp_loss
+    from ulysses import flat_mesh
+
+    mesh = get_mesh(2, 2)
+    model = apply_sequence_parallel(_model("llama4"), mesh=mesh)
+    apply_tiled_mlp(model, tiles=2)
+    apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group(), loss_tiles=2)
+    batch = prepare_sp_batch({"input_ids": _tokens(), "labels": _tokens()}, mesh)
+    try:
+        model(**batch)
+    except ValueError as e:
+        return str(e)
+    return "no error"
 
 
 # --- refusals -------------------------------------------------------------------------------
