@@ -547,3 +547,61 @@ def test_plans_each_ring_layout(tmp_path):
         assert out["estimate"]["sp"]["ring_layout"] == layout, out["estimate"]["sp"]
         peaks[layout] = out["estimate"]["device_peak_bytes"]
     assert peaks["per_document"] - peaks["zigzag"] == 2 * 2 * 4 and peaks["zigzag"] > 0, peaks
+
+
+def _parameters(config) -> tuple[int, int]:
+    """The model's parameter count, and its vision tower's (0 without one)."""
+    import torch
+    import transformers
+
+    vlm = hasattr(config, "vision_config")
+    auto = transformers.AutoModelForImageTextToText if vlm else transformers.AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    vision = sum(p.numel() for p in model.model.visual.parameters()) if vlm else 0
+    return sum(p.numel() for p in model.parameters()), vision
+
+
+def test_plans_a_vlm_with_its_vision_tower(tmp_path):
+    """A VLM config (tiny Qwen2.5-VL): the whole model is built and sharded, so the planned
+    parameter shard holds the vision tower's share too; the step is traced on the merged
+    sequence, and the plan says what it leaves out (the vision activations)."""
+    from transformers import Qwen2_5_VLConfig
+
+    text = dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
+                num_attention_heads=4, num_key_value_heads=2,
+                rope_scaling={"type": "mrope", "mrope_section": [4, 6, 6]})
+    vision = dict(depth=2, hidden_size=256, intermediate_size=512, num_heads=4,
+                  out_hidden_size=128, patch_size=14, spatial_merge_size=2)
+    config = Qwen2_5_VLConfig(text_config=text, vision_config=vision)
+    config.save_pretrained(tmp_path)
+    est = _plan(tmp_path, "--model", str(tmp_path / "config.json"), "--seq-len", "4K",
+                "--gpus", "2", "--stack", "ours-no-offload", "--quick", "--no-search")["estimate"]
+    assert est["fits"] and any("vision tower" in n for n in est["notes"]), est
+    whole, vision = _parameters(config)
+    assert vision > 0.3 * whole  # the test's vision tower is no rounding error
+    # FSDP2 shards each unit's parameters over the 2 ranks (padded to even rows)
+    assert abs(est["shard_params"] - whole / 2) <= 0.01 * whole / 2, (est, whole, vision)
+
+
+def test_plans_an_moe_with_its_experts(tmp_path):
+    """An MoE config (tiny Mixtral, 4 experts): every expert's parameters are in the planned
+    shard, and the routed activations are traced: two experts per token plan a larger peak
+    than one."""
+    from transformers import MixtralConfig
+
+    peaks = {}
+    for k in (1, 2):
+        config = MixtralConfig(vocab_size=256, hidden_size=128, intermediate_size=512,
+                               num_hidden_layers=2, num_attention_heads=8,
+                               num_key_value_heads=4, num_local_experts=4,
+                               num_experts_per_tok=k, tie_word_embeddings=False)
+        config.save_pretrained(tmp_path / f"k{k}")
+        est = _plan(tmp_path, "--model", str(tmp_path / f"k{k}" / "config.json"), "--seq-len",
+                    "8K", "--gpus", "2", "--stack", "ours-no-offload", "--tiled-mlp", "none",
+                    "--quick", "--no-search", name=f"k{k}.json")["estimate"]
+        whole, _ = _parameters(config)
+        assert abs(est["shard_params"] - whole / 2) <= 0.01 * whole / 2, (est, whole)
+        peaks[k] = est["device_peak_bytes"]
+    # k=2 routes each token to two experts: at least one more [tokens, intermediate] buffer
+    assert peaks[2] - peaks[1] >= 4096 * 512 * 2, peaks

@@ -27,6 +27,7 @@ PATCH = 3 * 2 * 2 * 2  # channels x temporal patch x patch x patch: a pixel_valu
 QWEN_IMAGES = [(0, 8, (1, 4, 4)), (0, 16, (1, 4, 8)), (0, 26, (1, 8, 8)), (1, 20, (1, 8, 8))]
 # Gemma3: 4 tokens per image. B is cut at 24 (both SPs), D at 12 (SP=4); E starts at 24.
 GEMMA_IMAGES = [(0, 8), (0, 22), (0, 36), (1, 10), (1, 24)]
+FIRST_HALF = [(0, 8), (1, 10)]  # at SP=2, rank 1's piece has no image token
 
 
 def _model(family: str):
@@ -57,23 +58,25 @@ def _model(family: str):
     return tf.Gemma3ForConditionalGeneration(config)
 
 
-def _images(family: str) -> list[tuple[int, int, int]]:
-    """(row, first token, tokens) of each image, in the batch's order."""
+def _images(family: str, few: bool = False) -> list[tuple[int, int, int]]:
+    """(row, first token, tokens) of each image, in the batch's order (``few``: Gemma3's
+    :data:`FIRST_HALF`)."""
     if family == "gemma3":
-        return [(r, a, 4) for r, a in GEMMA_IMAGES]
+        return [(r, a, 4) for r, a in (FIRST_HALF if few else GEMMA_IMAGES)]
     return [(r, a, t * h * w // 4) for r, a, (t, h, w) in QWEN_IMAGES]
 
 
-def _batch(family: str, length: int = S, masked: int = 0, packed: bool = False) -> dict:
+def _batch(family: str, length: int = S, masked: int = 0, packed: bool = False,
+           few: bool = False) -> dict:
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, 100, (2, length), generator=g)
     start, end = (121, 122) if family == "gemma3" else (122, 123)
-    for r, a, n in _images(family):
+    for r, a, n in _images(family, few):
         ids[r, a - 1], ids[r, a:a + n], ids[r, a + n] = start, IMAGE, end
     batch = {"input_ids": ids, "labels": ids.masked_fill(ids == IMAGE, -100)}
     if family == "gemma3":  # its images attend both ways within themselves
         batch["token_type_ids"] = (ids == IMAGE).long()
-        batch["pixel_values"] = torch.randn(len(GEMMA_IMAGES), 3, 16, 16, generator=g)
+        batch["pixel_values"] = torch.randn(len(_images(family, few)), 3, 16, 16, generator=g)
     else:
         grid = torch.tensor([thw for _, _, thw in QWEN_IMAGES])
         batch["pixel_values"] = torch.randn(int(grid.prod(-1).sum()), PATCH, generator=g)
@@ -332,3 +335,75 @@ def test_vlm_refusals_and_removal():
     assert got["llava-unchanged"] != "ulysses"
     assert got["removed-attention"] != "ulysses"
     assert abs(got["removed-loss"] - ref) <= 1e-5 * abs(ref)
+
+
+# --- under ZeRO-3 (arctic.initialize) and FSDP2 (arctic.apply_fsdp) ---------------------------
+
+def _reference_few(family: str):
+    model = _model(family)
+    out = model(**_batch(family, few=True), use_cache=False)
+    out.loss.backward()
+    return out.loss.item(), _grads(model)
+
+
+def _rank_zero3(family: str):
+    from deepspeed.utils import safe_get_full_grad
+
+    import arctic.engine
+    from arctic import prepare_sp_batch, vision_inputs
+    from helpers import init_deepspeed_comm
+
+    init_deepspeed_comm()
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "steps_per_print": 10**6,
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+              "zero_optimization": {"stage": 3}, "sequence_parallel_size": 2,
+              "ulysses": {"loss_tiles": 2, "activation_checkpointing": True}}
+    engine, _, _, _ = arctic.engine.initialize(model=_model(family), config=config)
+    batch = prepare_sp_batch(_batch(family, few=True), engine.sp_mesh,
+                             vision=vision_inputs(engine.module))
+    loss = engine(**batch)
+    engine.backward(loss)
+    return loss.item(), {n: safe_get_full_grad(p).clone()
+                         for n, p in engine.module.named_parameters()}, len(batch["pixel_values"])
+
+
+def _rank_fsdp2(family: str):
+    from arctic import apply_fsdp, prepare_sp_batch, vision_inputs
+    from arctic.config import SequenceParallelConfig
+    from arctic.engine import apply_sp_recipe
+
+    config = SequenceParallelConfig(sequence_parallel_size=2, loss_tiles=2,
+                                    activation_checkpointing=True)
+    mesh = config.dims(2).build_mesh("cpu")
+    model = _model(family)
+    apply_sp_recipe(model, config=config, mesh=mesh, averaged_over_sp=True)
+    apply_fsdp(model, mesh=mesh)
+    batch = prepare_sp_batch(_batch(family, few=True), mesh, vision=vision_inputs(model))
+    loss = model(**batch)
+    loss.backward()
+    return loss.item(), {n: p.grad.full_tensor().clone() for n, p in model.named_parameters()
+                         if p.grad is not None}, len(batch["pixel_values"])
+
+
+@pytest.mark.parametrize("how", ["zero3", "fsdp2"])
+def test_vlm_under_sharding_matches_single_device(how):
+    """Gemma3 (image blocks on) with its parameters sharded, layers checkpointed, at SP=2, on
+    a batch whose images all lie in rank 0's half: rank 1 encodes the smallest image and
+    keeps none of it, so both ranks gather the vision tower's parameters alike."""
+    ref_loss, ref_grads = _reference_few("gemma3")
+    step = _rank_zero3 if how == "zero3" else _rank_fsdp2
+    results = dist_pool.run(step, "gemma3", world_size=2)
+    assert [encoded for _, _, encoded in results] == [2, 1]
+    for loss, grads, _ in results:
+        assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
+        # ZeRO-3 gives zeros for the parameters no forward uses (SigLIP's pooling head)
+        unused = {n for n in set(grads) - set(ref_grads) if not grads[n].any()}
+        assert set(grads) - unused == set(ref_grads)
+        for n, g in grads.items():
+            if n in unused:
+                continue
+            scale = max(1.0, float(ref_grads[n].abs().max()))
+            torch.testing.assert_close(g, ref_grads[n], rtol=TOL[torch.float32]["rtol"],
+                                       atol=TOL[torch.float32]["atol"] * scale,
+                                       msg=lambda m: f"{n}: {m}")

@@ -31,7 +31,7 @@ import time
 from dataclasses import dataclass, field, replace
 
 from arctic.plan.cache import cache_dir, cached, is_cached, trace_key
-from arctic.plan.models import model_config
+from arctic.plan.models import is_vlm_config, model_config, text_of
 from arctic.placement import Placement
 from arctic.plan.step import (PLANNED_FIELDS, build, init_optimizer_state, make_batch,
                               stack_config, train_step)
@@ -45,6 +45,12 @@ ALLOCATOR_HEADROOM = 1.12
 (:func:`arctic.allocator.use_expandable_segments`): measured on an H100, one rank of 8,
 Llama-3-8B, 384K tokens per rank (38.19 / 33.96 GiB). The device budget for the traced
 (allocated) bytes is the GPU's memory less the reserve, divided by this."""
+
+VISION_NOTE = ("vision tower: its parameters, gradients and optimizer state are planned (the "
+               "whole VLM is built and sharded); the activations of encoding a rank's images "
+               "are not (vision towers compute their shapes from the image grid's values, "
+               "which a trace without pixel values does not have): keep room for them")
+"""What a VLM's plan leaves out: the step is traced on the merged sequence's tokens."""
 
 TRACE_LAYERS = (3, 4)
 """Layer counts traced when a model's own count is larger (see :func:`plan`)."""
@@ -89,6 +95,8 @@ class Estimate:
     """Bytes of layer inputs spilled to the disk tier (``offload_dir``), of ``peak.host``."""
     disk_budget: int = 0
     """The disk tier's bytes per rank (0: no disk tier)."""
+    notes: tuple[str, ...] = ()
+    """What the figures leave out (:data:`VISION_NOTE`)."""
 
     @property
     def fits(self) -> bool:
@@ -124,7 +132,7 @@ class Estimate:
                 "allocator_headroom": self.headroom, "state_offload": self.placement.mode,
                 "state_host_bytes": self.state_host, "disk_bytes": self.disk,
                 "disk_budget": self.disk_budget, "method": self.method,
-                "trace_s": round(self.trace_s, 1)}
+                "trace_s": round(self.trace_s, 1), "notes": list(self.notes)}
 
 
 _NUMBERS = ("total", "host", "stateless", "shard_params", "optimizer_state")
@@ -157,7 +165,7 @@ def _trace(config, sp, world: int, seq_len: int, *, shard: bool,
         model, optimizer = build(config, sp, mesh, device="cpu", shard=shard,
                                  host_memory_limit=1 << 62)  # the host is judged after
         init_optimizer_state(model, optimizer)
-        batch = make_batch(seq_len, config.vocab_size, mesh, "cpu")
+        batch = make_batch(seq_len, text_of(config).vocab_size, mesh, "cpu")
         session = getattr(model, "activation_offload", None)
         with track_peak(track=(model, optimizer, *filter(torch.is_tensor, batch.values())),
                         pools=buffer_pools(model), state=(model, optimizer)) as tracker:
@@ -210,7 +218,7 @@ class _Tracer:
     def __init__(self, config, sp, world: int, *, shard: bool) -> None:
         self.config, self.sp, self.world, self.shard = config, sp, world, shard
         self.fields = {k: getattr(sp, k) for k in PLANNED_FIELDS}
-        self.positions = config.max_position_embeddings  # the model's own
+        self.positions = text_of(config).max_position_embeddings  # the model's own
 
     def _shaped(self, seq_len: int, layers: int):
         """A copy of the config with ``layers`` layers and room for ``seq_len`` positions
@@ -218,8 +226,8 @@ class _Tracer:
         A copy, since building a model writes to its config (``dtype``), which would change
         the cache keys of every later trace in this process."""
         config = copy.deepcopy(self.config)
-        config.num_hidden_layers = layers
-        config.max_position_embeddings = max(self.positions, seq_len)
+        text_of(config).num_hidden_layers = layers
+        text_of(config).max_position_embeddings = max(self.positions, seq_len)
         return config
 
     def _key(self, seq_len: int, layers: int) -> str:
@@ -247,12 +255,12 @@ class _Tracer:
                                         for n, d in todo], chunksize=1)
 
     def depths(self) -> tuple[int, ...]:
-        depth = self.config.num_hidden_layers
+        depth = text_of(self.config).num_hidden_layers
         return (depth,) if depth <= TRACE_LAYERS[1] else TRACE_LAYERS
 
     def deep(self, seq_len: int, *, full: bool) -> dict[str, Peak]:
         """The phases at the model's depth: traced whole, or along :data:`TRACE_LAYERS`."""
-        depth = self.config.num_hidden_layers
+        depth = text_of(self.config).num_hidden_layers
         if full or depth <= TRACE_LAYERS[1]:
             return self.at(seq_len, depth)
         la, lb = TRACE_LAYERS
@@ -355,8 +363,8 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
     state_host = placement.host_bytes(peak.shard_params) if placement.offloaded else 0
     host_limit = int(0.8 * host_memory) // gpus
     disk_limit = disk_memory // gpus
-    disk = _spill(host - state_host, state_host, host_limit, config.num_hidden_layers) \
-        if disk_limit else 0
+    depth = text_of(config).num_hidden_layers
+    disk = _spill(host - state_host, state_host, host_limit, depth) if disk_limit else 0
     refused = None
     if disk and (disk > disk_limit or state_host > host_limit):
         refused = (f"the offloaded layer inputs and state need {host / GiB:.2f} GiB per rank, "
@@ -374,7 +382,8 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
                     phases={k: v.total for k, v in peaks.items()},
                     trace_s=time.perf_counter() - start, placement=placement,
                     state_host=state_host, method=method, headroom=headroom, disk=disk,
-                    disk_budget=disk_limit)
+                    disk_budget=disk_limit,
+                    notes=(VISION_NOTE,) if is_vlm_config(config) else ())
 
 
 def _spill(inputs: int, state: int, host_limit: int, layers: int) -> int:

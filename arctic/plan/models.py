@@ -48,11 +48,24 @@ def model_config(name: str, *, layers: int | None = None, max_positions: int | N
     else:
         raise ValueError(f"--model must be one of {sorted(MODELS)} or a config.json path, "
                          f"got {name!r}")
+    text = text_of(config)
     if layers is not None:
         if layers < 1:
             raise ValueError(f"layers must be >= 1, got {layers}")
-        config.num_hidden_layers = layers
+        text.num_hidden_layers = layers
     if max_positions is not None:
-        config.max_position_embeddings = max(config.max_position_embeddings, max_positions)
-    config.use_cache = False
+        text.max_position_embeddings = max(text.max_position_embeddings, max_positions)
+    config.use_cache = text.use_cache = False
     return config
+
+
+def text_of(config):
+    """The text decoder's config: a vision-language model's ``text_config`` (its layers,
+    positions, vocabulary and heads are the planned ones), else ``config`` itself."""
+    get = getattr(config, "get_text_config", None)
+    return get() if callable(get) else config
+
+
+def is_vlm_config(config) -> bool:
+    """Whether ``config`` is a vision-language model's (it has a ``vision_config``)."""
+    return getattr(config, "vision_config", None) is not None

@@ -21,19 +21,25 @@ def build(config, sp: SequenceParallelConfig, mesh, *, device, shard: bool = Tru
     ``compute_dtype`` (bf16) compute and fp32 gradient reduction, AdamW. ``shard=False``
     keeps the parameters whole, in ``compute_dtype`` (single-device references). Returns
     ``(model, optimizer)``."""
-    from transformers import AutoModelForCausalLM
+    import contextlib
+
+    from torch._guards import detect_fake_mode
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.initialization import no_init_weights
 
     from arctic.engine import apply_sp_recipe
     from arctic.fsdp import apply_fsdp
+    from arctic.plan.models import is_vlm_config
 
-    with torch.device(device):
+    auto = AutoModelForImageTextToText if is_vlm_config(config) else AutoModelForCausalLM
+    # A trace needs no initial values (SigLIP's truncated normal reads them back)
+    init = no_init_weights() if detect_fake_mode() is not None else contextlib.nullcontext()
+    with torch.device(device), init:
         try:
-            model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa",
-                                                     dtype=torch.float32)
+            model = auto.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
         except ValueError:  # e.g. Gemma2 with attention softcapping: transformers refuses
             # sdpa; the recipe swaps in the sequence-parallel attention either way
-            model = AutoModelForCausalLM.from_config(config, attn_implementation="eager",
-                                                     dtype=torch.float32)
+            model = auto.from_config(config, attn_implementation="eager", dtype=torch.float32)
     apply_sp_recipe(model, config=sp, mesh=mesh, averaged_over_sp=True,
                     host_memory_limit=host_memory_limit)
     if shard:
