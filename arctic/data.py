@@ -40,7 +40,7 @@ from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSamp
                               default_collate)
 
 from arctic.hf_batch import varlen_documents
-from arctic.vlm import VisionInputs
+from arctic.vlm_data import VisionInputs
 from ulysses.mesh import axis_rank, axis_size, check_mesh, mesh_dims
 from ulysses.sharding import _positions, _seq_split, _sp_rank
 
@@ -180,8 +180,8 @@ class _SequenceCut:
                 "shift_labels": _pad_right(shift, n, IGNORE_INDEX)}
         if mrope is not None:  # the text positions first: transformers' packed format
             full["position_ids"] = torch.cat([positions[None], _pad_right(mrope, n, 0)])
-        if rows is not None:
-            full["embed_rows"] = _pad_right(rows, n, -1)
+        for name, numbered in (rows or {}).items():  # each modality's embedding rows
+            full[f"rows.{name}"] = _pad_right(numbered, n, -1)
         for key in self.vision.cut_keys if self.vision else ():
             if batch.get(key) is not None:
                 full[key] = _pad_right(torch.as_tensor(batch[key]), n, 0)
@@ -207,8 +207,9 @@ class _SequenceCut:
                    for k, v in full.items()}
         if by_documents:
             out.update(_varlen_arguments(documents, n))
-        if rows is not None:
-            out.update(self.vision.rank_inputs(batch, out.pop("embed_rows")))
+        if self.vision is not None:
+            rows = {name: out.pop(f"rows.{name}") for name in rows}
+            out.update(self.vision.rank_inputs(batch, rows))
         return out
 
 

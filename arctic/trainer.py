@@ -85,6 +85,7 @@ from arctic.hf_parallelism import SP_KEYS, sp_settings
 from arctic.removal import (remove_sequence_parallel, restore_sequence_parallel,
                             sequence_parallel_on)
 from arctic.trainer_fields import refuse_unsupported_arguments
+from arctic.vlm import is_vlm, vision_inputs
 from ulysses import flat_mesh, gather_sequence, shard_sequence
 from ulysses.mesh import axis_group, axis_size
 
@@ -165,6 +166,8 @@ class SequenceParallelMixin:
             _hand_deepspeed_plain_config(args, {k: v for k, v in ds.items() if k not in SP_KEYS})
         self._full_state = None
         self._sp_collate = data_collator or _Collate.of(model, args.remove_unused_columns)
+        # a VLM's batches are cut with its vision inputs (each rank's own images)
+        self._sp_vision = vision_inputs(model) if is_vlm(model) else None
         ours = model.__dict__.get("forward")
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
         if model.__dict__.get("forward") is not ours:
@@ -213,7 +216,7 @@ class SequenceParallelMixin:
         a = self.args
         return SequenceParallelDataLoader(
             dataset, self.sp_mesh, batch_size=batch_size, collate_fn=self._sp_collate,
-            shuffle=shuffle, seed=seed, drop_last=a.dataloader_drop_last,
+            vision=self._sp_vision, shuffle=shuffle, seed=seed, drop_last=a.dataloader_drop_last,
             num_workers=a.dataloader_num_workers, pin_memory=a.dataloader_pin_memory,
             persistent_workers=a.dataloader_persistent_workers,
             prefetch_factor=a.dataloader_prefetch_factor,

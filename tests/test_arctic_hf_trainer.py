@@ -368,6 +368,7 @@ def _rank_loader_reads_the_arguments():
 
     trainer = object.__new__(SequenceParallelTrainer)  # the loader reads these fields only
     trainer.sp_mesh, trainer._sp_collate = get_mesh(1, 1), _Collate(None)
+    trainer._sp_vision = None
     data = [{"input_ids": torch.arange(8) + i} for i in range(6)]
     found = {}
     for data_seed, workers in ((None, 0), (7, 0), (7, 2)):

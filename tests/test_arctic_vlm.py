@@ -28,6 +28,11 @@ QWEN_IMAGES = [(0, 8, (1, 4, 4)), (0, 16, (1, 4, 8)), (0, 26, (1, 8, 8)), (1, 20
 # Gemma3: 4 tokens per image. B is cut at 24 (both SPs), D at 12 (SP=4); E starts at 24.
 GEMMA_IMAGES = [(0, 8), (0, 22), (0, 36), (1, 10), (1, 24)]
 FIRST_HALF = [(0, 8), (1, 10)]  # at SP=2, rank 1's piece has no image token
+VIDEO, VIDEO_GRID = 121, (2, 4, 8)  # a video of 2 frames of 8 tokens each, in row 1
+VIDEO_FRAMES = {  # first token of each frame: the cut falls inside the video (SP=2 and 4)
+    "qwen2_5_vl": (20, 28),  # one run of tokens, as its processor gives a video
+    "qwen3_vl": (20, 31),    # frame by frame (its processor puts time stamps between them)
+}
 
 
 def _model(family: str):
@@ -58,30 +63,45 @@ def _model(family: str):
     return tf.Gemma3ForConditionalGeneration(config)
 
 
-def _images(family: str, few: bool = False) -> list[tuple[int, int, int]]:
+def _images(family: str, few: bool = False,
+            video: bool = False) -> list[tuple[int, int, int]]:
     """(row, first token, tokens) of each image, in the batch's order (``few``: Gemma3's
-    :data:`FIRST_HALF`)."""
+    :data:`FIRST_HALF`; ``video``: row 1 holds the video instead of its image)."""
     if family == "gemma3":
         return [(r, a, 4) for r, a in (FIRST_HALF if few else GEMMA_IMAGES)]
-    return [(r, a, t * h * w // 4) for r, a, (t, h, w) in QWEN_IMAGES]
+    return [(r, a, t * h * w // 4) for r, a, (t, h, w) in QWEN_IMAGES if not video or r == 0]
 
 
-def _batch(family: str, length: int = S, masked: int = 0, packed: bool = False,
+def _batch(family: str, length: int = S, masked: int = 0, variant: str = "",
            few: bool = False) -> dict:
+    """Two rows with images (``variant``: ``"packed"``, two documents per row; ``"video"``,
+    row 1's image replaced by a video)."""
+    packed, video = variant == "packed", variant == "video"
     g = torch.Generator().manual_seed(1)
     ids = torch.randint(1, 100, (2, length), generator=g)
     start, end = (121, 122) if family == "gemma3" else (122, 123)
-    for r, a, n in _images(family, few):
+    for r, a, n in _images(family, few, video):
         ids[r, a - 1], ids[r, a:a + n], ids[r, a + n] = start, IMAGE, end
+    if video:
+        for a in VIDEO_FRAMES[family]:
+            ids[1, a - 1], ids[1, a + 8] = start, end
+        for a in VIDEO_FRAMES[family]:
+            ids[1, a:a + 8] = VIDEO
     batch = {"input_ids": ids, "labels": ids.masked_fill(ids == IMAGE, -100)}
     if family == "gemma3":  # its images attend both ways within themselves
         batch["token_type_ids"] = (ids == IMAGE).long()
         batch["pixel_values"] = torch.randn(len(_images(family, few)), 3, 16, 16, generator=g)
     else:
-        grid = torch.tensor([thw for _, _, thw in QWEN_IMAGES])
+        grid = torch.tensor([thw for r, _, thw in QWEN_IMAGES if not video or r == 0])
         batch["pixel_values"] = torch.randn(int(grid.prod(-1).sum()), PATCH, generator=g)
         batch["image_grid_thw"] = grid
-        batch["mm_token_type_ids"] = (ids == IMAGE).int()
+        batch["mm_token_type_ids"] = (ids == IMAGE).int() + 2 * (ids == VIDEO).int()
+        if video:
+            frames = torch.tensor([VIDEO_GRID])
+            batch["pixel_values_videos"] = torch.randn(int(frames.prod()), PATCH, generator=g)
+            batch["video_grid_thw"] = frames
+            if family == "qwen2_5_vl":  # its temporal positions are spaced by these
+                batch["second_per_grid_ts"] = torch.tensor([2.0])
     if packed:  # the first token of a document is no label of the one before
         for r, cut in enumerate(PACKED_AT):
             batch["labels"][r, cut] = -100
@@ -122,10 +142,10 @@ def _grads(model):
     return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
 
 
-def _reference(family: str, length: int, masked: int, packed: bool = False):
+def _reference(family: str, length: int, masked: int, variant: str = ""):
     model = _model(family)
     # use_cache=False: transformers builds packed documents' masks only without a KV cache
-    out = model(**_batch(family, length, masked, packed), use_cache=False)
+    out = model(**_batch(family, length, masked, variant), use_cache=False)
     out.loss.backward()
     return out.loss.item(), _grads(model)
 
@@ -140,7 +160,7 @@ def _label_piece(labels, mesh):
                           mesh)
 
 
-def _rank_step(family: str, sp: int, ring: int, length: int, masked: int, packed: bool):
+def _rank_step(family: str, sp: int, ring: int, length: int, masked: int, variant: str):
     """One step: the model's own forward and loss (``labels=`` pieces; the SP loss stands in
     for HF's), or, for Gemma3, arctic.apply_sp_loss (transformers 5.13's Gemma3 forward
     computes a loss of its own, which is refused)."""
@@ -154,7 +174,7 @@ def _rank_step(family: str, sp: int, ring: int, length: int, masked: int, packed
     model = _model(family)
     vision_attention = model.config.vision_config._attn_implementation
     apply_sequence_parallel(model, mesh=mesh)
-    full = _batch(family, length, masked, packed)
+    full = _batch(family, length, masked, variant)
     batch = prepare_sp_batch(full, mesh, vision=vision_inputs(model))
     if family == "gemma3":
         apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group(), loss_tiles=2)
@@ -166,11 +186,13 @@ def _rank_step(family: str, sp: int, ring: int, length: int, masked: int, packed
         if p.grad is not None:
             dist.all_reduce(p.grad)
             p.grad /= sp
-    encoded = batch["pixel_values"].shape[0]
-    kept = batch["image_embed_index"].numel()
+    # per modality: the pixel rows this rank encodes, the embedding rows it keeps
+    counts = {name: (batch[pixels].shape[0], batch[f"{name}_embed_index"].numel())
+              for name, pixels in (("image", "pixel_values"), ("video", "pixel_values_videos"))
+              if pixels in batch}
     attention = (model.config.vision_config._attn_implementation, vision_attention,
                  model.config.text_config._attn_implementation)
-    return loss.item(), _grads(model), encoded, kept, batch["position_ids"].shape, attention
+    return loss.item(), _grads(model), counts, batch["position_ids"].shape, attention
 
 
 def _rank_positions(sp: int, ring: int, n: int) -> list[int]:
@@ -181,16 +203,18 @@ def _rank_positions(sp: int, ring: int, n: int) -> list[int]:
     return [p for start, size in runs for p in range(start, start + size)]
 
 
-CASES = {  # id -> (family, sp, ring, length, masked, packed)
-    "qwen2_5_vl-sp2": ("qwen2_5_vl", 2, 1, S, 0, False),
-    "qwen2_5_vl-sp4": ("qwen2_5_vl", 4, 1, S, 0, False),
-    "qwen2_5_vl-sp4-ring2-padded": ("qwen2_5_vl", 4, 2, S - 3, 2, False),
-    "qwen2_5_vl-sp2-packed": ("qwen2_5_vl", 2, 1, S, 0, True),
-    "qwen3_vl-sp2": ("qwen3_vl", 2, 1, S, 0, False),
-    "qwen3_vl-sp4": ("qwen3_vl", 4, 1, S, 0, False),
-    "gemma3-sp2": ("gemma3", 2, 1, S, 0, False),
-    "gemma3-sp4": ("gemma3", 4, 1, S, 0, False),
-    "gemma3-sp4-packed": ("gemma3", 4, 1, S, 0, True),
+CASES = {  # id -> (family, sp, ring, length, masked, variant)
+    "qwen2_5_vl-sp2": ("qwen2_5_vl", 2, 1, S, 0, ""),
+    "qwen2_5_vl-sp4": ("qwen2_5_vl", 4, 1, S, 0, ""),
+    "qwen2_5_vl-sp4-ring2-padded": ("qwen2_5_vl", 4, 2, S - 3, 2, ""),
+    "qwen2_5_vl-sp2-packed": ("qwen2_5_vl", 2, 1, S, 0, "packed"),
+    "qwen2_5_vl-sp4-video": ("qwen2_5_vl", 4, 1, S, 0, "video"),
+    "qwen3_vl-sp2": ("qwen3_vl", 2, 1, S, 0, ""),
+    "qwen3_vl-sp4": ("qwen3_vl", 4, 1, S, 0, ""),
+    "qwen3_vl-sp2-video": ("qwen3_vl", 2, 1, S, 0, "video"),
+    "gemma3-sp2": ("gemma3", 2, 1, S, 0, ""),
+    "gemma3-sp4": ("gemma3", 4, 1, S, 0, ""),
+    "gemma3-sp4-packed": ("gemma3", 4, 1, S, 0, "packed"),
 }
 SLOW = {"qwen3_vl-sp4", "qwen2_5_vl-sp4"}
 
@@ -198,21 +222,23 @@ SLOW = {"qwen3_vl-sp4", "qwen2_5_vl-sp4"}
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c
                                   for c in CASES])
 def test_vlm_matches_single_device(case):
-    family, sp, ring, length, masked, packed = CASES[case]
-    ref_loss, ref_grads = _reference(family, length, masked, packed)
+    family, sp, ring, length, masked, variant = CASES[case]
+    ref_loss, ref_grads = _reference(family, length, masked, variant)
     assert any("visual" in n or "vision" in n for n in ref_grads)
-    images = _images(family)
-    results = dist_pool.run(_rank_step, family, sp, ring, length, masked, packed,
+    images = _images(family, video=variant == "video")
+    results = dist_pool.run(_rank_step, family, sp, ring, length, masked, variant,
                             world_size=sp)
     pieces = dist_pool.run(_rank_positions, sp, ring,
                            -(-length // (2 * sp if ring > 1 else sp)) * (2 * sp if ring > 1
                                                                          else sp),
                            world_size=sp)
-    # the cut splits images at a boundary and inside one (the layout's own pieces)
+    # the cut splits images (or the video) at a boundary and inside one (the layout's own
+    # pieces)
     firsts = {piece[0] for piece in pieces} | {piece[-1] + 1 for piece in pieces}
-    assert any(a in firsts or a + n in firsts for _, a, n in images)
-    assert any(any(a < f < a + n for f in firsts) for _, a, n in images)
-    for (loss, grads, encoded, kept, shape, attention), piece in zip(results, pieces):
+    items = images + ([(1, a, 8) for a in VIDEO_FRAMES[family]] if variant == "video" else [])
+    assert any(a in firsts or a + n in firsts for _, a, n in items)
+    assert any(any(a < f < a + n for f in firsts) for _, a, n in items)
+    for (loss, grads, counts, shape, attention), piece in zip(results, pieces):
         assert abs(loss - ref_loss) <= 1e-5 * abs(ref_loss), (loss, ref_loss)
         assert set(grads) == set(ref_grads)
         for n, g in grads.items():
@@ -222,15 +248,20 @@ def test_vlm_matches_single_device(case):
                                        atol=TOL[torch.float32]["atol"] * scale,
                                        msg=lambda m: f"{n}: {m}")
         # each rank encodes exactly the images its piece has tokens of
+        encoded, kept = counts["image"]
         mine = [i for i, (r, a, n) in enumerate(images) if set(range(a, a + n)) & set(piece)]
         tokens = sum(len(set(range(a, a + n)) & set(piece)) for r, a, n in images)
         assert kept == tokens
         if family == "gemma3":
             assert encoded == len(mine) or (not mine and encoded == 1)
         else:
-            rows = [t * h * w for _, _, (t, h, w) in QWEN_IMAGES]
+            rows = [t * h * w for r, _, (t, h, w) in QWEN_IMAGES
+                    if variant != "video" or r == 0]
             assert encoded == sum(rows[i] for i in mine) or (not mine and encoded == min(rows))
         assert len(mine) < len(images)
+        if variant == "video":  # one video: every rank encodes it, keeps its piece's frames
+            frames = {p for a in VIDEO_FRAMES[family] for p in range(a, a + 8)}
+            assert counts["video"] == (2 * 4 * 8, len(frames & set(piece)))
         if family != "gemma3":
             assert tuple(shape)[0] == 4  # text positions, then M-RoPE
         # the vision tower keeps its own attention; the language model runs ours
@@ -273,12 +304,15 @@ def _rank_refusals():
     qwen = apply_sequence_parallel(_model("qwen2_5_vl"), mesh=mesh)
     vision = vision_inputs(qwen)
     full = _batch("qwen2_5_vl")
-    videos = {**full, "pixel_values_videos": full["pixel_values"],
-              "video_grid_thw": full["image_grid_thw"]}
-    refused("videos-data", lambda: prepare_sp_batch(videos, mesh, vision=vision))
     batch = prepare_sp_batch(full, mesh, vision=vision)
-    refused("videos-model", lambda: qwen(**batch, pixel_values_videos=batch["pixel_values"],
-                                         video_grid_thw=batch["image_grid_thw"]))
+    refused("encoder-outputs-data", lambda: prepare_sp_batch(
+        {**full, "mm_encoder_outputs": {}}, mesh, vision=vision))
+    refused("encoder-outputs-model", lambda: qwen(**batch, mm_encoder_outputs={"image": 1}))
+    videos = prepare_sp_batch(_batch("qwen2_5_vl", variant="video"), mesh, vision=vision)
+    refused("video-no-index", lambda: qwen(**{k: v for k, v in videos.items()
+                                             if k != "video_embed_index"}))
+    refused("patches-not-concatenated", lambda: prepare_sp_batch(
+        {**full, "pixel_values": full["pixel_values"][None]}, mesh, vision=vision))
     uncut = {k: v for k, v in batch.items() if k != "image_embed_index"}
     refused("no-index", lambda: qwen(**{**uncut, "pixel_values": full["pixel_values"],
                                         "image_grid_thw": full["image_grid_thw"]}))
@@ -324,7 +358,9 @@ def _rank_refusals():
 def test_vlm_refusals_and_removal():
     ref = _model("qwen2_5_vl")(**_batch("qwen2_5_vl")).loss.item()
     got = dist_pool.run(_rank_refusals, world_size=2)[0]
-    for name, words in {"videos-data": "videos", "videos-model": "videos",
+    for name, words in {"encoder-outputs-data": "precomputed", "encoder-outputs-model":
+                        "precomputed", "video-no-index": "each rank encodes its own videos",
+                        "patches-not-concatenated": "concatenated",
                         "no-index": "each rank encodes its own images",
                         "no-vision": "pixel_values", "not-vision-inputs": "vision_inputs",
                         "3-row-positions-2d": "M-RoPE",
@@ -407,3 +443,51 @@ def test_vlm_under_sharding_matches_single_device(how):
             torch.testing.assert_close(g, ref_grads[n], rtol=TOL[torch.float32]["rtol"],
                                        atol=TOL[torch.float32]["atol"] * scale,
                                        msg=lambda m: f"{n}: {m}")
+
+
+# --- under the HF Trainer (examples/vlm_trainer.py) ------------------------------------------
+
+def _trainer_run(cmd: list[str], out) -> dict:
+    import json
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    repo = Path(__file__).resolve().parent.parent
+    full = [sys.executable, str(repo / "examples" / "vlm_trainer.py")] if cmd[0] == "plain" \
+        else [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2",
+              str(repo / "examples" / "vlm_trainer.py")]
+    args = ["--plain"] if cmd[0] == "plain" else []
+    proc = subprocess.Popen(full + args + cmd[1:] + ["--losses-out", str(out), "--output-dir",
+                                                     str(out.parent)],
+                            cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    return proc
+
+
+@pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("gemma3", marks=pytest.mark.slow)])
+def test_vlm_under_the_trainer_matches_the_plain_trainer(tmp_path, family):
+    """SequenceParallelTrainer (2 ranks, ZeRO-3, tiled MLP and loss, checkpointed layers with
+    offload: configs/cpu_trainer.json) on batches of 2 samples with an image each, cut with
+    the model's vision inputs, against a plain one-process Trainer: the same loss at each
+    step and the same eval loss."""
+    import json
+
+    runs = {}
+    for name in ("sp", "plain"):
+        (tmp_path / name).mkdir()
+        out = tmp_path / name / "losses.json"
+        runs[name] = (_trainer_run([name, "--model", family], out), out)
+    got = {}
+    for name, (proc, out) in runs.items():
+        try:
+            log, _ = proc.communicate(timeout=300)
+        finally:
+            proc.kill()
+        assert proc.returncode == 0, log[-6000:]
+        got[name] = json.loads(out.read_text())
+    sp, plain = got["sp"], got["plain"]
+    assert len(sp["loss"]) == len(plain["loss"]) == 4
+    assert sp["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=0)
+    assert sp["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5, abs=0)
+    assert plain["loss"][-1] < plain["loss"][0]
