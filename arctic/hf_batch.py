@@ -190,15 +190,21 @@ class BatchState:
             batch.position_ids = None
         return batch.starts
 
+    def _gathered(self, piece: Tensor, varlen) -> Tensor | None:
+        """The full sequence's ``[B, S]`` from each rank's ``piece`` (a collective; on a
+        per-document mesh cut by the varlen arguments' documents). None on torch's fake
+        process group (the planner, benchmarks/scale_gpu.py), which moves no data."""
+        per_document = mesh_dims(self.mesh).per_document_ring
+        cut = varlen if per_document and varlen is not None else None
+        full = gather_sequence(piece, self.mesh, dim=1, segments=cut)
+        return None if dist.get_backend(self.mesh.get_group(0)) == "fake" else full
+
     def _find(self, position_ids: Tensor | None, varlen):
         if position_ids is None:  # M-RoPE positions without a text row: what varlen says
             return None if varlen is None or all(row == (0,) for row in varlen) else varlen
         per_document = mesh_dims(self.mesh).per_document_ring
-        cut = varlen if per_document and varlen is not None else None
-        full = gather_sequence(position_ids, self.mesh, dim=1, segments=cut)
-        # torch's fake process group (the planner, benchmarks/scale_gpu.py) moves no data:
-        # what came back is not the positions, so plan one document.
-        if dist.get_backend(self.mesh.get_group(0)) == "fake":
+        full = self._gathered(position_ids, varlen)
+        if full is None:  # no values: plan one document
             return None
         if varlen is not None:
             # Every rank gathered the same positions: all refuse alike.
@@ -239,11 +245,9 @@ class BatchState:
         return batch.blocks
 
     def _find_blocks(self, token_types: Tensor, varlen):
-        per_document = mesh_dims(self.mesh).per_document_ring
-        cut = varlen if per_document and varlen is not None else None
-        full = gather_sequence(token_types, self.mesh, dim=1, segments=cut)
-        if dist.get_backend(self.mesh.get_group(0)) == "fake":
-            return None  # no values: planned as text
+        full = self._gathered(token_types, varlen)
+        if full is None:  # no values: planned as text
+            return None
         blocks = image_blocks(full)
         return blocks if any(e - a > 1 for row in blocks for a, e in row) else None
 
