@@ -31,6 +31,7 @@ from arctic.loss import apply_sp_loss
 from arctic.placement import offload_pool_limit, placement_from_ds_config
 from arctic.tiled_layer import apply_tiled_layers
 from arctic.tiling import apply_tiled_mlp, apply_tiled_norms
+from arctic.vlm import is_vlm, vision_inputs
 from ulysses import DeepSpeedMPU, flat_mesh, self_check
 
 
@@ -143,7 +144,8 @@ def initialize(*, model: nn.Module, config: str | Path | dict, model_parameters=
             ``"ulysses"`` block (see :mod:`arctic.config`).
         model_parameters, optimizer, lr_scheduler: as for ``deepspeed.initialize``.
         training_data: a dataset; the returned dataloader is a
-            :class:`arctic.data.SequenceParallelDataLoader` with the config's micro batch size.
+            :class:`arctic.data.SequenceParallelDataLoader` with the config's micro batch size
+            (for a vision-language model, cutting with :func:`arctic.vision_inputs` of it).
 
     Returns:
         ``(engine, optimizer, dataloader, lr_scheduler)`` as ``deepspeed.initialize`` does.
@@ -179,9 +181,10 @@ def initialize(*, model: nn.Module, config: str | Path | dict, model_parameters=
     engine.sp_mesh = mesh
     loader = None
     if training_data is not None:
+        # a VLM's batches are cut with its vision inputs (each rank's own images)
         loader = SequenceParallelDataLoader(
             training_data, mesh, batch_size=engine.train_micro_batch_size_per_gpu(),
-            collate_fn=collate_fn)
+            collate_fn=collate_fn, vision=vision_inputs(model) if is_vlm(model) else None)
     return engine, optimizer, loader, lr_scheduler
 
 

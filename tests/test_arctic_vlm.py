@@ -379,6 +379,10 @@ def _reference_few(family: str):
     return out.loss.item(), _grads(model)
 
 
+def _only(samples: list) -> dict:
+    return samples[0]
+
+
 def _rank_zero3(family: str):
     from deepspeed.utils import safe_get_full_grad
 
@@ -392,9 +396,14 @@ def _rank_zero3(family: str):
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
               "zero_optimization": {"stage": 3}, "sequence_parallel_size": 2,
               "ulysses": {"loss_tiles": 2, "activation_checkpointing": True}}
-    engine, _, _, _ = arctic.engine.initialize(model=_model(family), config=config)
-    batch = prepare_sp_batch(_batch(family, few=True), engine.sp_mesh,
-                             vision=vision_inputs(engine.module))
+    # the engine's loader cuts the batch (one item: the whole two-row batch)
+    engine, _, loader, _ = arctic.engine.initialize(
+        model=_model(family), config=config, training_data=[_batch(family, few=True)],
+        collate_fn=_only)
+    batch = next(iter(loader))
+    assert torch.equal(batch["input_ids"], prepare_sp_batch(
+        _batch(family, few=True), engine.sp_mesh,
+        vision=vision_inputs(engine.module))["input_ids"])
     loss = engine(**batch)
     engine.backward(loss)
     return loss.item(), {n: safe_get_full_grad(p).clone()
