@@ -21,8 +21,9 @@ BLOCKS = (((3, 9), (12, 13), (20, 28)), ((14, 19),))  # row 1's block crosses 16
 def block_reference(q, k, v, dout, blocks, **kw):
     """float64 ``(out, dq, dk, dv)``: the causal mask OR'ed with "same block", then the
     window and the documents AND'ed, as transformers builds Gemma3's masks."""
-    i = torch.arange(S)
-    extra = torch.zeros(q.shape[0], S, S, dtype=torch.bool)
+    n = q.shape[1]
+    i = torch.arange(n)
+    extra = torch.zeros(q.shape[0], n, n, dtype=torch.bool)
     for b, row in enumerate(blocks):
         for a, e in row:
             inside = (i >= a) & (i < e)
@@ -34,11 +35,11 @@ def block_reference(q, k, v, dout, blocks, **kw):
 
 def _masked(q, k, v, dout, extra, *, window=None, starts=None):
     q, k, v = (t.detach().double().requires_grad_() for t in (q, k, v))
-    B = q.shape[0]
-    kx, vx = (t.repeat_interleave(H // K, 2) for t in (k, v))
-    scores = torch.einsum("bqhd,bkhd->bhqk", q, kx) * default_scale(D, None)
-    i = torch.arange(S)
-    mask = (i[None, :] <= i[:, None]).expand(B, S, S).clone() | extra
+    B, n = q.shape[:2]
+    kx, vx = (t.repeat_interleave(q.shape[2] // k.shape[2], 2) for t in (k, v))
+    scores = torch.einsum("bqhd,bkhd->bhqk", q, kx) * default_scale(q.shape[-1], None)
+    i = torch.arange(n)
+    mask = (i[None, :] <= i[:, None]).expand(B, n, n).clone() | extra
     if window is not None:
         mask &= (i[:, None] - i[None, :]) < window
     if starts is not None:

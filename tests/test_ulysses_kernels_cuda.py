@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from helpers import TOL, make_qkv, reference, value_error_of
+from test_ulysses_blocks import block_reference
 from test_ulysses_window_sinks import reference as window_reference
 from ulysses import SequenceParallelDims, shard_sequence, ulysses_attention
 from ulysses.kernels import attention_backward, attention_forward, check_supported, local_attention
@@ -164,6 +165,31 @@ def test_one_rank_documents_and_symmetric_windows(mesh, backend, path):
     out.backward(shard_sequence(dout, mesh))
     ref = window_reference(*(t.cpu() for t in (q, k, v, dout)), window=window, starts=docs,
                            causal=causal)
+    for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in leaves)),
+                               ref):
+        _close(got.cpu(), want, name)
+
+
+BLOCKS = (((3, 20), (40, 41), (95, 120)), ((66, 90),))
+"""Gemma3-style image blocks of the one-rank paths below, each inside one of DOCS."""
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("path", ["plain", "chunked-documents-window"])
+def test_one_rank_image_blocks(mesh, backend, path):
+    """Blocks whose tokens see their whole block (``ulysses.blocks``: one anticausal piece
+    per block, starting one key in, merged by lse), plain, and with head chunks, packed
+    documents and a sliding window, with GQA, on one GPU."""
+    _require(backend)
+    q, k, v, dout = _cuda_qkv(17, 8, 2)
+    docs, window = (DOCS, 21) if path != "plain" else (None, None)
+    leaves = [shard_sequence(t, mesh).clone().requires_grad_() for t in (q, k, v)]
+    out = ulysses_attention(*leaves, mesh=mesh, causal=True, backend=backend, window=window,
+                            segments=docs, blocks=BLOCKS,
+                            head_chunk_size=1 if path != "plain" else None)
+    out.backward(shard_sequence(dout, mesh))
+    ref = block_reference(*(t.cpu() for t in (q, k, v, dout)), BLOCKS, window=window,
+                          starts=docs)
     for name, got, want in zip(("out", "dq", "dk", "dv"), (out, *(t.grad for t in leaves)),
                                ref):
         _close(got.cpu(), want, name)
