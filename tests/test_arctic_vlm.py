@@ -428,7 +428,7 @@ def _rank_fsdp2(family: str):
                          if p.grad is not None}, len(batch["pixel_values"])
 
 
-@pytest.mark.parametrize("how", ["zero3", "fsdp2"])
+@pytest.mark.parametrize("how", [pytest.param("zero3", marks=pytest.mark.slow), "fsdp2"])
 def test_vlm_under_sharding_matches_single_device(how):
     """Gemma3 (image blocks on) with its parameters sharded, layers checkpointed, at SP=2, on
     a batch whose images all lie in rank 0's half: rank 1 encodes the smallest image and
