@@ -39,11 +39,15 @@ def language_model(model: nn.Module) -> nn.Module:
     return inner if isinstance(inner, nn.Module) else base
 
 
-def text_config(model: nn.Module):
-    """The config of the text decoder: a VLM's ``text_config``, else the model's own."""
-    config = model.config
+def text_config_of(config):
+    """The text decoder's part of a config: a VLM's ``text_config``, else ``config``."""
     get = getattr(config, "get_text_config", None)
     return get() if callable(get) else config
+
+
+def text_config(model: nn.Module):
+    """The config of the text decoder: a VLM's ``text_config``, else the model's own."""
+    return text_config_of(model.config)
 
 
 def layer_mlp(layer: nn.Module) -> nn.Module | None:
@@ -91,4 +95,4 @@ def hf_checkpointing(model: nn.Module) -> bool:
 
 
 __all__ = ["MLP_NAMES", "NORM_NAMES", "attention_modules", "decoder_layers", "hf_checkpointing",
-           "language_model", "layer_mlp", "text_config", "token_norms"]
+           "language_model", "layer_mlp", "text_config", "text_config_of", "token_norms"]

@@ -68,9 +68,11 @@ def prepare_sp_batch(batch: dict[str, Any], mesh: DeviceMesh, *, pad_token_id: i
         pad_token_id: what pads ``input_ids`` up to what the mesh splits evenly.
         vision: for a vision-language model, :func:`arctic.vision_inputs` of it: the batch
             may then hold its images (``pixel_values``, ``image_grid_thw``,
-            ``mm_token_type_ids``), and each rank gets the images its piece has tokens of,
-            with ``image_embed_index``, and M-RoPE ``position_ids [4, B, s]`` where the model
-            uses them (:mod:`arctic.vlm`).
+            ``mm_token_type_ids``; Gemma3's ``token_type_ids``) and Qwen's videos
+            (``pixel_values_videos``, ``video_grid_thw``), and each rank gets the images and
+            videos its piece has tokens of, with ``image_embed_index`` /
+            ``video_embed_index``, and M-RoPE ``position_ids [4, B, s]`` where the model uses
+            them (:mod:`arctic.vlm`).
 
     Returns:
         ``input_ids``, ``position_ids`` and ``shift_labels``, each ``[B, S_pad / sp]``.

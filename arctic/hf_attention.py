@@ -218,8 +218,7 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
                          f"projections to make sequence-parallel")
     check_model_features(model, modules)
     vlm = is_vlm(model)
-    if vlm:
-        vision_inputs(model)  # ValueError for a VLM family whose images are not supported
+    vision = vision_inputs(model) if vlm else None  # ValueError for an unsupported family
     chunks = {m: attention_chunk(config, m) for m in modules}
     H = config.num_attention_heads
     K = getattr(config, "num_key_value_heads", None) or H
@@ -273,7 +272,7 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
     (language_model(model) if vlm else model).set_attn_implementation(REGISTERED)
     install_batch_hook(model, batch)
     if vlm:
-        install_vision(model)
+        install_vision(model, vision)
     # model(..., labels=) on the pieces: HF's loss of the whole sequence
     install_sp_causal_lm_loss(model, mesh)
     return model

@@ -152,12 +152,13 @@ def _picking(stock, held: dict, name: str):
     return features
 
 
-def install_vision(model: nn.Module) -> None:
+def install_vision(model: nn.Module, vision: VisionInputs) -> None:
     """Make the VLM ``model`` scatter this rank's image (and video) embeddings only (the
-    module doc); called by :func:`arctic.apply_sequence_parallel` after :func:`vision_inputs`
-    accepted the model. Applying again replaces what an earlier call installed."""
+    module doc); called by :func:`arctic.apply_sequence_parallel` with ``vision``, what
+    :func:`vision_inputs` read of the model. Applying again replaces what an earlier call
+    installed."""
     base = base_model(model)
-    modalities = vision_inputs(model).modalities
+    modalities = vision.modalities
     held: dict[str, Tensor] = {}  # the current forward's indices, by modality
 
     def before(module, args, kwargs):

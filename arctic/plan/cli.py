@@ -14,7 +14,8 @@ from pathlib import Path
 from arctic.config import SequenceParallelConfig, load_ds_config, zero_stage
 from arctic.plan.estimate import ALLOCATOR_HEADROOM, Estimate, plan, start_workers
 from arctic.plan.launch import command_lines, ulysses_block, write_config
-from arctic.plan.models import MODELS, model_config, text_of
+from arctic.anatomy import text_config_of
+from arctic.plan.models import MODELS, model_config
 from arctic.plan.search import find_max, search
 from arctic.placement import MODES, Placement, placement_from_ds_config
 from arctic.plan.step import PLANNED_FIELDS, STACKS
@@ -311,8 +312,8 @@ def _main(args: argparse.Namespace) -> int:
             print(f"searching the settings ({args.model}, {world} GPUs, SP {sp}):")
             winner, candidates = search(
                 lambda n, f: plan_at(n, f), base=fields, sp_size=sp, granule=1024 * sp,
-                heads=(text_of(config).num_attention_heads,
-                       text_of(config).num_key_value_heads), start=start)
+                heads=(text_config_of(config).num_attention_heads,
+                       text_config_of(config).num_key_value_heads), start=start)
             print(search_table(candidates, winner))
             best, chosen = winner.best, winner.fields
             estimates += [e for c in candidates for e in c.tried]

@@ -31,7 +31,8 @@ import time
 from dataclasses import dataclass, field, replace
 
 from arctic.plan.cache import cache_dir, cached, is_cached, trace_key
-from arctic.plan.models import is_vlm_config, model_config, text_of
+from arctic.anatomy import text_config_of
+from arctic.plan.models import is_vlm_config, model_config
 from arctic.placement import Placement
 from arctic.plan.step import (PLANNED_FIELDS, build, init_optimizer_state, make_batch,
                               stack_config, train_step)
@@ -165,7 +166,7 @@ def _trace(config, sp, world: int, seq_len: int, *, shard: bool,
         model, optimizer = build(config, sp, mesh, device="cpu", shard=shard,
                                  host_memory_limit=1 << 62)  # the host is judged after
         init_optimizer_state(model, optimizer)
-        batch = make_batch(seq_len, text_of(config).vocab_size, mesh, "cpu")
+        batch = make_batch(seq_len, text_config_of(config).vocab_size, mesh, "cpu")
         session = getattr(model, "activation_offload", None)
         with track_peak(track=(model, optimizer, *filter(torch.is_tensor, batch.values())),
                         pools=buffer_pools(model), state=(model, optimizer)) as tracker:
@@ -218,7 +219,7 @@ class _Tracer:
     def __init__(self, config, sp, world: int, *, shard: bool) -> None:
         self.config, self.sp, self.world, self.shard = config, sp, world, shard
         self.fields = {k: getattr(sp, k) for k in PLANNED_FIELDS}
-        self.positions = text_of(config).max_position_embeddings  # the model's own
+        self.positions = text_config_of(config).max_position_embeddings  # the model's own
 
     def _shaped(self, seq_len: int, layers: int):
         """A copy of the config with ``layers`` layers and room for ``seq_len`` positions
@@ -226,8 +227,8 @@ class _Tracer:
         A copy, since building a model writes to its config (``dtype``), which would change
         the cache keys of every later trace in this process."""
         config = copy.deepcopy(self.config)
-        text_of(config).num_hidden_layers = layers
-        text_of(config).max_position_embeddings = max(self.positions, seq_len)
+        text_config_of(config).num_hidden_layers = layers
+        text_config_of(config).max_position_embeddings = max(self.positions, seq_len)
         return config
 
     def _key(self, seq_len: int, layers: int) -> str:
@@ -255,12 +256,12 @@ class _Tracer:
                                         for n, d in todo], chunksize=1)
 
     def depths(self) -> tuple[int, ...]:
-        depth = text_of(self.config).num_hidden_layers
+        depth = text_config_of(self.config).num_hidden_layers
         return (depth,) if depth <= TRACE_LAYERS[1] else TRACE_LAYERS
 
     def deep(self, seq_len: int, *, full: bool) -> dict[str, Peak]:
         """The phases at the model's depth: traced whole, or along :data:`TRACE_LAYERS`."""
-        depth = text_of(self.config).num_hidden_layers
+        depth = text_config_of(self.config).num_hidden_layers
         if full or depth <= TRACE_LAYERS[1]:
             return self.at(seq_len, depth)
         la, lb = TRACE_LAYERS
@@ -363,7 +364,7 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
     state_host = placement.host_bytes(peak.shard_params) if placement.offloaded else 0
     host_limit = int(0.8 * host_memory) // gpus
     disk_limit = disk_memory // gpus
-    depth = text_of(config).num_hidden_layers
+    depth = text_config_of(config).num_hidden_layers
     disk = _spill(host - state_host, state_host, host_limit, depth) if disk_limit else 0
     refused = None
     if disk and (disk > disk_limit or state_host > host_limit):

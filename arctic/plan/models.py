@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from arctic.anatomy import text_config_of
+
 MODELS: dict[str, tuple[str, dict]] = {
     # name -> (transformers config class, its arguments), from the published config.json files
     "llama3-8b": ("LlamaConfig", dict(
@@ -48,7 +50,7 @@ def model_config(name: str, *, layers: int | None = None, max_positions: int | N
     else:
         raise ValueError(f"--model must be one of {sorted(MODELS)} or a config.json path, "
                          f"got {name!r}")
-    text = text_of(config)
+    text = text_config_of(config)  # a VLM's: its layers and positions are the planned ones
     if layers is not None:
         if layers < 1:
             raise ValueError(f"layers must be >= 1, got {layers}")
@@ -57,13 +59,6 @@ def model_config(name: str, *, layers: int | None = None, max_positions: int | N
         text.max_position_embeddings = max(text.max_position_embeddings, max_positions)
     config.use_cache = text.use_cache = False
     return config
-
-
-def text_of(config):
-    """The text decoder's config: a vision-language model's ``text_config`` (its layers,
-    positions, vocabulary and heads are the planned ones), else ``config`` itself."""
-    get = getattr(config, "get_text_config", None)
-    return get() if callable(get) else config
 
 
 def is_vlm_config(config) -> bool:
