@@ -71,7 +71,8 @@ def _zero3_reduction_settings(ds_config: dict, model: nn.Module, sp_size: int) -
 
 
 def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
-                    averaged_over_sp: bool, host_memory_limit: int | None = None) -> nn.Module:
+                    averaged_over_sp: bool | None = None,
+                    host_memory_limit: int | None = None) -> nn.Module:
     """Apply everything ``config`` asks for to a HF causal LM, in the fixed order
     (:mod:`arctic.order`): SP attention, MLP tiling, the tiled SP loss, checkpointing with
     the layer inputs offloaded to the host when ``config.offload_activations`` (spilling
@@ -79,7 +80,10 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
     I/O, and the attention results kept, not recomputed, when ``config.recompute_attention``
     is False). ``config.kernel_self_check`` turns the kernels' first-use check on or off
     for the process.
-    Parameter sharding (ZeRO, FSDP2) comes after, from the caller. ``host_memory_limit``
+    Parameter sharding (ZeRO, FSDP2) comes after, from the caller. ``averaged_over_sp``: whether
+    that gradient reduction averages the SP ranks' gradients (DDP, FSDP2) or adds them
+    (DeepSpeed given an SP ``mpu``); None follows the reduction found on the model when the
+    loss runs (:mod:`arctic.grad_reduction`), and a value given is checked against it. ``host_memory_limit``
     (bytes per rank) caps the offload pool; default: 80% of the host's available memory per
     local rank, agreed over all ranks. Returns ``model``."""
     from arctic.hf_attention import apply_sequence_parallel

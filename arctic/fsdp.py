@@ -90,10 +90,10 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
     Why gradients come out right: FSDP2 reduce-scatters gradients with a mean over all
     ``W = dp * sp`` ranks. Rank r's share of its sequence's gradient is
     ``d(loss_sum_r) / N`` (N = the SP group's valid tokens), so a plain mean would be ``sp``
-    times too small. The SP loss must therefore be applied with ``averaged_over_sp=True``
-    (``apply_sp_recipe(..., averaged_over_sp=True)``), which scales each rank's backward by
-    ``sp``; after the reduction each parameter's gradient is the single-device gradient of its
-    SP group's whole sequence, averaged over the ``dp`` groups.
+    times too small. The SP loss's backward adds the upstream gradients of the group's ``sp``
+    ranks (``averaged_over_sp=True``, which the loss also finds on the sharded model:
+    :mod:`arctic.grad_reduction`), so after the reduction each parameter's gradient is the
+    single-device gradient of its SP group's whole sequence, averaged over the ``dp`` groups.
 
     Args:
         model: a HF causal LM on the mesh's device type, after every earlier stage

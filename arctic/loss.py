@@ -3,17 +3,23 @@
 Each SP rank holds a piece of one sequence and the summed loss of its own tokens. The loss of
 the sequence is ``sum over ranks of loss_sum / sum over ranks of num_valid``: a mean over
 tokens, not a mean of per-rank means (which would overweight a rank with few valid labels,
-and divide by zero on a rank with none).
+and divide by zero on a rank with none). Every rank of the group gets that value.
 
-Gradients: rank r's true share of the sequence gradient is ``d(loss_sum_r) / N``.
-- DDP, FSDP2 and a plain all-reduce mean average over every rank (dp x sp), which divides
-  each share by sp too: ``averaged_over_sp=True`` (the default) scales the backward by sp to
-  compensate.
-- DeepSpeed given an SP-aware ``mpu`` divides by dp only (it sums over the sp ranks):
-  ``averaged_over_sp=False``.
-Either way, after the framework's reduction the gradients equal those of single-device
-training on the whole sequence (and with dp > 1, the mean over the dp replicas' sequences, as
-in plain data parallelism).
+Gradients are exact for any differentiable use of the returned value on each rank: used as
+is, scaled, summed, or gathered and re-weighted per rank as DeepSpeed's documented ALST loop
+does (``all_gather`` the per-rank losses, weight each by its rank's token count). The
+forward adds over the group, so the backward adds the upstream gradients of the group's
+ranks (one scalar all-reduce): rank r's ``loss_sum`` gets ``sum over ranks of grad / N``, its
+true share of the objective, the mean over the SP ranks of what each backpropagates. Then
+the framework's gradient reduction:
+- averages over every rank (dp x sp): DDP, FSDP2, ZeRO-3's default reduce-scatter;
+  ``averaged_over_sp=True``;
+- or adds over the SP ranks (DeepSpeed ZeRO-0/1/2 given an SP ``mpu``, ZeRO-3's contiguous
+  path): ``averaged_over_sp=False`` divides the backward by sp.
+A model's SP loss learns which from the engine that wraps the model when it runs
+(:mod:`arctic.grad_reduction`). Either way, after the reduction the gradients equal those of
+single-device training on the whole sequence (and with dp > 1, the mean over the dp
+replicas' sequences, as in plain data parallelism).
 
 The head: a causal LM's own forward may transform the logits before its loss (Granite
 divides them by ``logits_scaling``, Cohere multiplies by ``logit_scale``, Gemma 2/3 cap them
@@ -37,6 +43,7 @@ from torch import Tensor, nn
 from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from arctic.anatomy import base_model
+from arctic.grad_reduction import resolve_sp_averaging
 from arctic.hf_binding import of_module
 from arctic.hf_features import loss_arguments
 from arctic.order import record_apply
@@ -55,18 +62,24 @@ class _SPTokenLoss(torch.autograd.Function):
             dist.all_reduce(totals, group=group)
         # No valid label anywhere in the group: the loss is 0 and so are the gradients.
         count = totals[1].clamp(min=1.0) if num_items is None else num_items
-        ctx.scale = (sp if averaged_over_sp else 1) / count
+        ctx.group, ctx.sp = group, sp
+        ctx.scale = (1 if averaged_over_sp else 1 / sp) / count
         return totals[0] / count
 
     @staticmethod
     def backward(ctx, grad):
+        # The forward added the ranks' loss sums, so each one's gradient is the sum of what
+        # every rank backpropagates into the (equal) result; the callers' uses may differ.
+        grad = grad.float().clone()
+        if ctx.sp > 1:
+            dist.all_reduce(grad, group=ctx.group)
         return grad * ctx.scale, None, None, None, None
 
 
 def sp_token_loss(loss_sum: Tensor, num_valid: Tensor | int, *,
                   group: dist.ProcessGroup | None, averaged_over_sp: bool = True,
                   num_items_in_batch: Tensor | int | None = None) -> Tensor:
-    """The group's token-mean loss, with gradients scaled for dp x sp averaging.
+    """The group's token-mean loss, with gradients for the framework's reduction.
 
     Args:
         loss_sum: this rank's summed token loss (a differentiable scalar), e.g. from
@@ -74,8 +87,9 @@ def sp_token_loss(loss_sum: Tensor, num_valid: Tensor | int, *,
         num_valid: this rank's count of labels that are not -100 (may be 0).
         group: the sequence-parallel group (the mesh's ``"sp"`` axis); ``None`` with an
             uninitialized process group means a single rank.
-        averaged_over_sp: whether the gradient reduction divides by the sp ranks too (DDP,
-            FSDP2: True) or sums over them (DeepSpeed with an SP ``mpu``: False).
+        averaged_over_sp: whether the gradient reduction averages over the sp ranks too
+            (DDP, FSDP2, ZeRO-3's reduce-scatter: True) or adds them (DeepSpeed ZeRO-0/1/2
+            with an SP ``mpu``: False); :mod:`arctic.grad_reduction` tells which.
         num_items_in_batch: HF's divisor: the valid labels of everything the caller's loss is
             normalised over (all micro-batches of an accumulated step, and the ranks the caller
             counted), used in place of the group's own count. Must be positive.
@@ -83,8 +97,11 @@ def sp_token_loss(loss_sum: Tensor, num_valid: Tensor | int, *,
     Returns:
         A scalar equal on every rank of the group: ``sum(loss_sum) / max(1, sum(num_valid))``,
         or ``sum(loss_sum) / num_items_in_batch``. Backward gives this rank's ``loss_sum`` the
-        gradient ``sp / divisor`` (or ``1 / divisor`` when not ``averaged_over_sp``). Every
-        rank must call this (it all-reduces), including ranks with no valid label.
+        gradient ``G / divisor`` (``G / (sp * divisor)`` when not ``averaged_over_sp``),
+        where ``G`` is the sum over the group's ranks of the gradient each backpropagates into
+        the result: exact for any use of it, the same on every rank or not. Every rank must
+        call this (it all-reduces), including ranks with no valid label, and every rank must
+        backpropagate through the result (its backward all-reduces too).
     """
     if loss_sum.dim() != 0:
         raise ValueError(f"loss_sum must be a scalar, got shape {tuple(loss_sum.shape)}")
@@ -155,15 +172,26 @@ class SPCausalLMLoss:
     on the pieces gives the loss of the whole sequence. HF's forward hands its loss every
     keyword of the call: a loss argument of the installed transformers that this loss does not
     compute is refused; the others are the model's (the SP attention already honoured or
-    refused them), which HF's loss passes over too."""
+    refused them), which HF's loss passes over too.
+
+    Unlike HF's loss on a piece (the mean over that piece's tokens), every rank gets the
+    loss of the whole sequence. Its gradients are single-device training's whether the
+    caller uses it as it is (``model(..., labels=).loss``), scales it, or gathers the ranks'
+    losses and re-weights them by their token counts (DeepSpeed's ALST loop, HF's
+    ``deepspeed_sp_compute_loss``): a re-weighting with weights that sum to 1 gives the same
+    value and the same gradients. The gradient reduction that trains ``model`` (DDP, FSDP2,
+    DeepSpeed at any ZeRO stage) is read off the model at each call
+    (:mod:`arctic.grad_reduction`)."""
 
     HANDLED = frozenset({"logits", "labels", "vocab_size", "num_items_in_batch", "ignore_index",
                          "shift_labels"})
 
     def __init__(self, mesh, replaced: Callable | None = None,
-                 loss_arguments: frozenset[str] = frozenset()) -> None:
+                 loss_arguments: frozenset[str] = frozenset(),
+                 model: nn.Module | None = None) -> None:
         self.mesh, self.replaced = mesh, replaced
         self.refused = frozenset(loss_arguments) - self.HANDLED
+        self.model = model  # the model whose loss_function this is
 
     def __call__(self, logits: Tensor, labels: Tensor | None, vocab_size: int,
                  num_items_in_batch: Tensor | int | None = None, ignore_index: int = IGNORE_INDEX,
@@ -187,8 +215,10 @@ class SPCausalLMLoss:
                              ).reshape(-1).to(logits.device)
         loss_sum = F.cross_entropy(logits.float().reshape(-1, vocab_size), targets,
                                    ignore_index=IGNORE_INDEX, reduction="sum")
+        averaged = True if self.model is None else resolve_sp_averaging(self.model,
+                                                                         group.size(), None)
         return sp_token_loss(loss_sum, targets.ne(IGNORE_INDEX).sum(), group=group,
-                             num_items_in_batch=num_items_in_batch)
+                             averaged_over_sp=averaged, num_items_in_batch=num_items_in_batch)
 
 
 def install_sp_causal_lm_loss(model: nn.Module, mesh) -> None:
@@ -202,7 +232,8 @@ def install_sp_causal_lm_loss(model: nn.Module, mesh) -> None:
     if isinstance(current, SPCausalLMLoss):
         current = current.replaced or LOSS_MAPPING["ForCausalLM"]
     model.loss_function = SPCausalLMLoss(
-        mesh, None if current is LOSS_MAPPING["ForCausalLM"] else current, loss_arguments(model))
+        mesh, None if current is LOSS_MAPPING["ForCausalLM"] else current, loss_arguments(model),
+        model)
     old = getattr(model, "_sp_own_loss_hook", None)
     if old is not None:
         old.remove()
@@ -517,7 +548,8 @@ def _sp_mesh(model: nn.Module):
 class _SPLossForward:
     """A causal LM instance's forward, replaced by the SP loss of one sharded batch."""
 
-    def __init__(self, model: nn.Module, group, averaged_over_sp: bool, router) -> None:
+    def __init__(self, model: nn.Module, group, averaged_over_sp: bool | None,
+                 router) -> None:
         self.model, self.group, self.averaged_over_sp = model, group, averaged_over_sp
         self.router = router  # arctic.router_loss: a RouterLoss, why not (str), or None
         self.loss_arguments = loss_arguments(model) - {"shift_labels", "num_items_in_batch",
@@ -566,12 +598,13 @@ class _SPLossForward:
             reduced = None
         else:  # the labels of logits_fn: HF's unshifted ones, when given
             loss_sum, num_valid, reduced = head(hidden, shift_labels, logits_fn, labels)
-        loss = sp_token_loss(loss_sum, num_valid, group=self.group,
-                             averaged_over_sp=self.averaged_over_sp,
+        sp = dist.get_world_size(self.group) if dist.is_initialized() else 1
+        averaged = resolve_sp_averaging(self.model, sp, self.averaged_over_sp)
+        loss = sp_token_loss(loss_sum, num_valid, group=self.group, averaged_over_sp=averaged,
                              num_items_in_batch=num_items_in_batch)
         if router is not None:  # as HF's MoE forwards add it, to the loss of every call
             aux = router_loss(out.router_logits, router, token_mask=token_mask,
-                              group=self.group, averaged_over_sp=self.averaged_over_sp)
+                              group=self.group, averaged_over_sp=averaged)
             loss = loss + router.coef * aux
             if return_dict:
                 from transformers.modeling_outputs import MoeCausalLMOutputWithPast
@@ -604,7 +637,7 @@ class _SPLossForward:
 
 @journaled
 def apply_sp_loss(model: nn.Module, *, group, loss_tiles: int | str = "auto",
-                  averaged_over_sp: bool = True) -> nn.Module:
+                  averaged_over_sp: bool | None = None) -> nn.Module:
     """Make ``model(input_ids=, position_ids=, shift_labels=)`` return the SP loss.
 
     ``labels=`` (HF's unshifted labels, this rank's piece cut as ``input_ids`` is) works as
@@ -629,8 +662,9 @@ def apply_sp_loss(model: nn.Module, *, group, loss_tiles: int | str = "auto",
     where the parameters are used. The lm_head keeps its parameters and state_dict keys; its
     instance forward computes :func:`arctic.tiling.tiled_logits_loss` instead of logits, with
     the scale and softcap the model's own forward applies to them
-    (:func:`find_logit_transform`). ``averaged_over_sp``: see :func:`sp_token_loss` (True for
-    DDP/FSDP2, False for DeepSpeed given an SP ``mpu``).
+    (:func:`find_logit_transform`). ``averaged_over_sp``: see :func:`sp_token_loss`; None
+    (the default) follows the reduction that trains the model, found on it at each call
+    (:mod:`arctic.grad_reduction`), and a value given is checked against it.
 
     Raises ``ValueError`` (model unchanged) if the head has a bias, or if the model's loss is
     not what the tiled loss computes (see :func:`find_logit_transform`).

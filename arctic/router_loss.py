@@ -72,19 +72,23 @@ def check_router_logits_asked(kwargs: dict) -> None:
 
 
 class _GroupSum(torch.autograd.Function):
-    """Sum over the group; backward passes each rank the gradient of the (equal) result,
-    times ``scale``."""
+    """Sum over the group; backward passes each rank the sum over the group of the gradients
+    of the (equal) result, times ``scale``: exact whatever each rank does with it."""
 
     @staticmethod
     def forward(ctx, x, group, scale):
-        ctx.scale = scale
+        ctx.group, ctx.scale = group, scale
+        ctx.reduce = group is not None and dist.get_world_size(group) > 1
         out = x.clone()
-        if group is not None and dist.get_world_size(group) > 1:
+        if ctx.reduce:
             dist.all_reduce(out, group=group)
         return out
 
     @staticmethod
     def backward(ctx, grad):
+        grad = grad.clone()
+        if ctx.reduce:
+            dist.all_reduce(grad, group=ctx.group)
         return grad * ctx.scale, None, None
 
 
@@ -121,7 +125,8 @@ def router_loss(router_logits: tuple[Tensor, ...], spec: RouterLoss, *,
     totals = torch.cat([counts, rows.reshape(1)])
     if sp > 1:
         dist.all_reduce(totals, group=group)
-    probs = _GroupSum.apply(probs, group, sp if averaged_over_sp else 1)
+    # The framework's reduction averages the SP ranks' gradients, or adds them (then / sp).
+    probs = _GroupSum.apply(probs, group, 1 if averaged_over_sp else 1 / sp)
     rows = totals[-1].clamp(min=1.0)
     return (totals[:-1] / rows * probs / rows).sum() * spec.num_experts
 

@@ -297,15 +297,19 @@ def shard_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1, *, pad: bool = Fal
 class _GatherSequence(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, group, dim, rank):
-        ctx.args = (dim, rank, x.shape[dim])
+        ctx.args = (group, dim, rank, x.shape[dim])
         pieces = [torch.empty_like(x) for _ in range(dist.get_world_size(group))]
         dist.all_gather(pieces, x.contiguous(), group=group)
         return torch.cat(pieces, dim=dim)
 
     @staticmethod
     def backward(ctx, grad):
-        dim, rank, n = ctx.args
-        # Every rank holds the same gathered tensor, so each keeps the gradient of its piece.
+        group, dim, rank, n = ctx.args
+        # Every rank's piece is in every rank's result, and each rank may use its copy
+        # differently: a piece's gradient is the sum of all the copies' (torch.distributed.nn's
+        # all_gather does the same). All-reduced whole, then cut: gloo has no reduce-scatter.
+        grad = grad.contiguous().clone()
+        dist.all_reduce(grad, group=group)
         return grad.narrow(dim, rank * n, n).contiguous(), None, None, None
 
 
@@ -323,8 +327,12 @@ def gather_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1, *,
             given.
 
     Returns:
-        The full tensor, in natural order, on every rank. Autograd treats it as replicated:
-        the backward hands each rank the gradient of its own piece.
+        The full tensor, in natural order, on every rank. Its backward is the all-gather's
+        (a collective: every rank of the sp group must backpropagate through it): each rank's
+        piece gets the sum over the ranks of the gradients of their copies, as
+        ``torch.distributed.nn.functional.all_gather`` gives. A loss that every rank computes
+        alike on the gathered tensor thus gets sp times its gradient on each piece, which a
+        reduction that averages over the sp ranks (DDP, FSDP2) divides back out.
     """
     split = _seq_split(mesh)
     multiple = mesh_dims(mesh).seq_len_divisor
