@@ -127,7 +127,9 @@ def _rank_shard_roundtrip(ulysses, ring, S, zigzag):
     pos_local = shard_sequence(position_ids, mesh)
     x_local = shard_sequence(x, mesh)
     full = gather_sequence(x_local, mesh)
-    (full * torch.arange(S).view(1, S, 1)).sum().backward()  # d/dx = position, everywhere
+    # Each rank uses its copy differently: sp rank q weights position p by (q + 1) * p.
+    weight = torch.distributed.get_rank() + 1
+    (full * torch.arange(S).view(1, S, 1) * weight).sum().backward()
     return dict(pos=pos_local, x_local=x_local.detach(), x=x.detach(), full=full.detach(),
                 grad=x.grad, pos_full=gather_sequence(pos_local, mesh))
 
@@ -152,9 +154,10 @@ def test_shard_and_gather_sequence_and_position_ids(ulysses, ring, zigzag):
         assert torch.equal(res["x_local"], res["x"][:, want])
         assert res["pos_full"][0].tolist() == list(range(S))
         assert torch.equal(res["full"], res["x"])
-        # Each rank's leaf gets the gradient of its own rows only (replicated semantics).
+        # Each rank's leaf gets, on its own rows only, the sum of the gradients of every
+        # rank's copy (the all-gather's backward): (1 + 2 + 3 + 4) x position.
         expect = torch.zeros(2, S, 3)
-        expect[:, want] = torch.tensor(want, dtype=torch.float32).view(1, -1, 1)
+        expect[:, want] = 10 * torch.tensor(want, dtype=torch.float32).view(1, -1, 1)
         assert torch.equal(res["grad"], expect)
 
 
