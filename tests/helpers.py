@@ -20,6 +20,30 @@ TOL = {
     torch.float64: dict(atol=1e-9, rtol=1e-9),
 }
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp64": torch.float64}
+EPS32 = torch.finfo(torch.float32).eps
+"""One fp32 ulp at 1.0 (2^-23)."""
+
+
+def fp32_exactness(got, plain, ref, *, ulps: float = 4) -> tuple[float, float]:
+    """``(error, bound)`` for "``got`` is as exact as ``plain``": two fp32 computations of the
+    same values (a sequence-chunked path and the unchunked one, say) and their fp64
+    reference ``ref``. The error is ``got``'s largest distance from ``ref``; the bound twice
+    ``plain``'s own, plus ``ulps`` fp32 ulps of ``max |ref|``. Machine-independent: both
+    paths add in this machine's kernels' order, so a CPU whose kernels round differently
+    moves both distances alike, while a wrong result (a dropped block, a wrong merge) is of
+    the order of ``max |ref|`` away."""
+    ref = ref.double()
+    scale = ref.abs().max().item()
+    error = (got.double() - ref).abs().max().item()
+    base = (plain.double() - ref).abs().max().item()
+    return error, 2 * base + ulps * EPS32 * scale
+
+
+def assert_fp32_exact(got, plain, ref, *, what: str, ulps: float = 4) -> None:
+    """:func:`fp32_exactness` as an assertion."""
+    error, bound = fp32_exactness(got, plain, ref, ulps=ulps)
+    assert error <= bound, (f"{what}: {error:.3g} from fp64, more than twice the plain "
+                            f"path's own distance plus {ulps} ulps ({bound:.3g})")
 
 _MESHES: dict = {}
 
