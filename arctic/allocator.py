@@ -20,6 +20,8 @@ import warnings
 
 import torch
 
+from ulysses.torch_internals import set_cuda_allocator_settings
+
 ENV_NAMES = ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")
 """torch reads either (``PYTORCH_ALLOC_CONF`` is the newer name)."""
 SETTING = "expandable_segments:True"
@@ -48,7 +50,7 @@ def use_expandable_segments() -> str:
     if not given:
         os.environ[ENV_NAMES[0]] = SETTING
         if torch.cuda.is_initialized():
-            torch.cuda.memory._set_allocator_settings(SETTING)
+            set_cuda_allocator_settings(SETTING)
         return "set"
     name, conf = next(iter(given.items()))
     if _settings(conf).get("expandable_segments", "").lower() == "true":

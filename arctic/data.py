@@ -34,7 +34,6 @@ from typing import Any, Callable
 
 import torch
 from torch import Tensor
-from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler,
                               default_collate)
@@ -43,6 +42,7 @@ from arctic.hf_batch import varlen_documents
 from arctic.vlm_data import VisionInputs
 from ulysses.mesh import axis_rank, axis_size, check_mesh, mesh_dims
 from ulysses.sharding import _positions, _seq_split, _sp_rank
+from ulysses.torch_internals import is_fake
 
 IGNORE_INDEX = -100
 BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "cu_seq_lens_q",

@@ -31,12 +31,14 @@ import sys
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from ulysses.torch_internals import forward_hooks
+
 
 def _deepspeed_engine_hooks(model: nn.Module) -> bool:
     """Whether a DeepSpeed engine wraps ``model``: every engine registers a forward pre-hook,
     defined in ``deepspeed.runtime.engine``, on the module it wraps (any ZeRO stage)."""
     return any(getattr(h, "__module__", None) == "deepspeed.runtime.engine"
-               for h in model._forward_pre_hooks.values())
+               for h in forward_hooks(model)[0].values())
 
 
 def sp_gradients_averaged(model: nn.Module, sp_size: int) -> bool | None:

@@ -34,7 +34,6 @@ import contextlib
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import is_fake
 from torch.distributed.device_mesh import DeviceMesh
 
 from arctic.anatomy import base_model, hf_checkpointing
@@ -42,6 +41,7 @@ from arctic.hf_binding import of_module
 from arctic.router_loss import check_router_logits_asked
 from ulysses import gather_sequence
 from ulysses.mesh import axis_size, mesh_dims
+from ulysses.torch_internals import is_fake
 
 VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 """flash-attn's varlen arguments, as transformers passes them (``FlashAttentionKwargs``)."""

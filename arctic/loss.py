@@ -40,7 +40,6 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
 
 from arctic.anatomy import base_model
 from arctic.grad_reduction import resolve_sp_averaging
@@ -51,6 +50,8 @@ from arctic.removal import journaled
 from arctic.router_loss import RouterLoss, find_router_loss, routed_by_sp_loss, router_loss
 from arctic.tiling import (IGNORE_INDEX, _tile_logits, check_logit_transform,
                            tiled_logits_loss, transform_logits_)
+from ulysses.torch_internals import (forward_hooks, is_fake, set_forward_hooks,
+                                     unset_fake_temporarily)
 
 
 class _SPTokenLoss(torch.autograd.Function):
@@ -320,13 +321,13 @@ def _stubbed(module: nn.Module, forward: Callable) -> Iterator[None]:
     FSDP2 or ZeRO-3 hooks gather parameters, while the probe must issue no collective."""
     had = "forward" in module.__dict__
     old = module.__dict__.get("forward")
-    hooks = module._forward_pre_hooks, module._forward_hooks
-    module._forward_pre_hooks, module._forward_hooks = type(hooks[0])(), type(hooks[1])()
+    hooks = forward_hooks(module)
+    set_forward_hooks(module, type(hooks[0])(), type(hooks[1])())
     module.forward = forward
     try:
         yield
     finally:
-        module._forward_pre_hooks, module._forward_hooks = hooks
+        set_forward_hooks(module, *hooks)
         if had:
             module.forward = old
         else:

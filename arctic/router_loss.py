@@ -31,7 +31,8 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import is_fake, unset_fake_temporarily
+
+from ulysses.torch_internals import is_fake, unset_fake_temporarily
 
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")

@@ -45,6 +45,7 @@ from arctic.hf_fused import _positional_input
 from arctic.order import record_apply
 from arctic.removal import journaled
 from arctic.tiling import DEFAULT_TILE_BUDGET_BYTES, _tile_rows, _TiledForward, resolve_tiles
+from ulysses.torch_internals import forward_hooks
 
 TILABLE = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
            "Qwen3DecoderLayer")
@@ -162,7 +163,7 @@ def check_tilable(layer: nn.Module) -> None:
                          f"tiled_layer to false")
     for part in ("post_attention_layernorm", "mlp"):
         m = getattr(layer, part)
-        if m._forward_hooks or m._forward_pre_hooks:
+        if any(forward_hooks(m)):
             raise ValueError(f"{name}.{part} has forward hooks, which the tiled tail would "
                              f"skip (it calls the module's forward per tile); remove them or "
                              f"set tiled_layer to false")

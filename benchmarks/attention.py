@@ -41,9 +41,11 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 from deepspeed.sequence.layer import DistributedAttention
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from ulysses import BufferPool, SequenceParallelDims, shard_sequence, ulysses_attention
+from ulysses.torch_internals import mem_tracker
+
+MemTracker = mem_tracker()[0]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}  # atol = rtol

@@ -49,7 +49,6 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._tools.mem_tracker import MemTracker
 
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
@@ -61,6 +60,10 @@ from arctic.loss import apply_sp_loss, sp_token_loss  # noqa: E402
 from arctic.tiling import apply_tiled_mlp, apply_tiled_norms  # noqa: E402
 from arctic import apply_activation_checkpointing  # noqa: E402
 from ulysses import SequenceParallelDims, flat_mesh  # noqa: E402
+from ulysses.torch_internals import (FakeTensorMode, disable_current_modes,  # noqa: E402
+                                     mem_tracker)
+
+MemTracker = mem_tracker()[0]
 
 import _alst_peer  # noqa: E402  (benchmarks/, on sys.path as the script's directory)
 
@@ -181,14 +184,12 @@ def _untracked_host_blocks() -> None:
     blocks (:class:`ulysses.host_blocks.HostBlocks`) outside the dispatch modes, so that
     MemTracker's device peak leaves them out, as a GPU's allocator would (they are host
     bytes, reported as such)."""
-    from torch.utils._python_dispatch import _disable_current_modes
-
     from ulysses.host_blocks import HostBlocks
 
     empty = HostBlocks.empty
 
     def untracked(self, *args, **kwargs):
-        with _disable_current_modes():
+        with disable_current_modes():
             return empty(self, *args, **kwargs)
 
     HostBlocks.empty = untracked
@@ -203,8 +204,6 @@ def max_over_ranks(value: float, device) -> float:
 def predict(args) -> None:
     """The planner's prediction of each stack's device peak on rank 0: the same ``build`` and
     ``step`` traced under FakeTensorMode on torch's fake process group (arctic.plan)."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
-
     from arctic.plan import buffer_pools, fake_world, track_peak
     from ulysses.trace_shortcuts import memory_trace
 

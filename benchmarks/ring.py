@@ -40,9 +40,11 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch.distributed._tools.mem_tracker import MemTracker
 
 from ulysses import SequenceParallelDims, gather_sequence, shard_sequence, ulysses_attention
+from ulysses.torch_internals import context_parallel_internals, mem_tracker
+
+MemTracker = mem_tracker()[0]
 
 MIB = 2**20
 NAMES = ("q", "k", "v", "dout")
@@ -109,7 +111,8 @@ def _register_cpu_flash_for_context_parallel():
     """Give torch's context parallelism a handler for the CPU flash op: its own templated
     ring attention (forward and backward) around that op, sequence dim 2 of [B, H, S, D]."""
     from torch.distributed.tensor import DTensor, Shard
-    from torch.distributed.tensor.experimental._context_parallel import _attention as cp
+
+    cp = context_parallel_internals()[0]
 
     aten = torch.ops.aten
 
@@ -147,7 +150,8 @@ class TorchContextParallel:
     def __init__(self, world: int, device) -> None:
         from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.tensor.experimental import context_parallel
-        from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+
+        context_parallel_unshard = context_parallel_internals()[1]
 
         if device.type == "cpu":
             _register_cpu_flash_for_context_parallel()

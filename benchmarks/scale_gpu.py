@@ -46,6 +46,7 @@ from arctic.plan import (STACKS, build, init_optimizer_state, make_batch, model_
                          parse_tokens, stack_config, train_step)
 from arctic.allocator import use_expandable_segments  # noqa: E402
 from ulysses import SequenceParallelDims  # noqa: E402
+from ulysses.torch_internals import fake_store  # noqa: E402
 
 GiB = 1 << 30
 
@@ -85,14 +86,12 @@ def main() -> None:
     if not torch.cuda.is_available():
         raise SystemExit("scale_gpu.py needs a CUDA device")
     alloc = "default" if args.default_allocator else use_expandable_segments()
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     device = torch.device("cuda", 0)
     torch.cuda.set_device(device)
     if args.cap_gib is not None:
         total = torch.cuda.get_device_properties(device).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, args.cap_gib * GiB / total), device)
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=args.world)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=args.world)
     mesh = SequenceParallelDims(world_size=args.world,
                                 ulysses_degree=args.world).build_mesh("cuda")
     name = torch.cuda.get_device_name(device)

@@ -230,7 +230,7 @@ def flops_only(args, stacks, backends, dtype) -> dict:
     """Each stack's executed FLOPs (attention kernels, everything else), traced on fake
     tensors (any machine, no time): what recompute costs at the real shapes. With the kernel speeds
     (``--attention-tflops``, ``--matmul-tflops``) also the step time and MFU they imply."""
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from ulysses.torch_internals import FakeTensorMode
 
     fake_world(args.world)
     rows = []

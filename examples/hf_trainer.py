@@ -116,16 +116,18 @@ class _SeesTiling(TrainerCallback):
 
 def _sharding(trainer) -> dict:
     """How the trained model is held: FSDP2 units (with their reshard and offload settings)
-    and what the Trainer trained it through."""
+    and what the Trainer trained it through. FSDP2 keeps what a unit was given in private
+    state, which ulysses.torch_internals reads for every torch release it knows."""
     from torch.distributed.fsdp import FSDPModule
 
+    from ulysses.torch_internals import fsdp_unit_settings
+
     units = [m for m in trainer.model.modules() if isinstance(m, FSDPModule)]
-    state = units[-1]._get_fsdp_state() if units else None  # a decoder layer
-    group = state._fsdp_param_group if state is not None else None
+    unit = fsdp_unit_settings(units[-1]) if units else {}  # a decoder layer
     return {"fsdp_units": len(units), "trained_through": type(trainer.model_wrapped).__name__,
-            "fsdp_offload": type(group.offload_policy).__name__ if group else None,
-            "fsdp_reshard": group.post_forward_mesh_info is not None if group else None,
-            "fsdp_param_dtype": str(group.mp_policy.param_dtype) if group else None}
+            "fsdp_offload": unit.get("offload_policy"),
+            "fsdp_reshard": unit.get("reshard_after_forward"),
+            "fsdp_param_dtype": unit.get("param_dtype")}
 
 
 def _deepspeed_sp_installed(trainer) -> bool:

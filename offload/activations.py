@@ -24,10 +24,10 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch._subclasses.fake_tensor import is_fake
 from torch.utils.weak import WeakIdKeyDictionary
 
 from offload.disk import DiskTier, check_offload_io, min_over_group
+from ulysses.torch_internals import is_fake
 
 DEFAULT_MIN_OFFLOAD_BYTES = 64 << 10
 """Saved tensors smaller than this stay where they are: the copy would cost more than it frees."""

@@ -22,11 +22,11 @@ import contextlib
 
 import torch
 from torch import Tensor, nn
-from torch.utils._pytree import tree_flatten, tree_unflatten
 from torch.utils.checkpoint import checkpoint
 
 from offload.activations import DEFAULT_MIN_OFFLOAD_BYTES, HostBufferPool, OffloadSession
 from offload.disk import check_offload_dir, check_offload_io
+from ulysses.torch_internals import tree_flatten, tree_unflatten
 
 
 class _CheckpointedForward:

@@ -69,7 +69,7 @@ def test_fsdp2_trainer_matches_plain_trainer(tmp_path, case):
     if case == "bf16":
         assert sp["fsdp_param_dtype"] == "torch.bfloat16"
         return
-    assert sp["fsdp_param_dtype"] in ("None", "torch.float32")
+    assert sp["fsdp_param_dtype"] == "torch.float32"
     reshard = "shard_grad_op" not in " ".join(args)
     assert sp["fsdp_reshard"] is reshard
     assert sp["fsdp_offload"] == ("CPUOffloadPolicy" if "--fsdp-options" in args

@@ -32,9 +32,10 @@ import weakref
 import torch
 from torch import Tensor
 
+from ulysses.torch_internals import is_fake
+
 
 def _fake(x: Tensor) -> bool:
-    from torch._subclasses.fake_tensor import is_fake
     return is_fake(x)
 
 

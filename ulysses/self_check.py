@@ -30,11 +30,11 @@ import time
 
 import torch
 from torch import Tensor
-from torch.utils._python_dispatch import _disable_current_modes
 
 from ulysses.band import WindowAttention
 from ulysses.kernels import LocalAttention, default_scale
 from ulysses.sinks import apply_sinks, sinks_grad
+from ulysses.torch_internals import disable_current_modes, is_fake
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-3, torch.float16: 1e-2,
              torch.bfloat16: 3e-2}
@@ -146,7 +146,6 @@ def compare_with_reference(backend: str, device: torch.device, dtype: torch.dtyp
 
 def _skipped(x: Tensor) -> bool:
     """Nothing real runs here: a fake or meta tensor, a compile trace, a CUDA graph capture."""
-    from torch._subclasses.fake_tensor import is_fake
     if x.device.type == "meta" or is_fake(x) or torch.compiler.is_compiling():
         return True
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
@@ -168,7 +167,7 @@ def verify(backend: str, like: Tensor, *, causal: bool, window: int | None = Non
             return
         # Out of sight of the caller's dispatch modes (FLOP counters, memory trackers): the
         # check is not the model's work.
-        with _disable_current_modes():
+        with disable_current_modes():
             _verdicts[key] = _verdict(backend, like.device, like.dtype, head_dim, causal,
                                       None if window is None else CHECK_WINDOW, sinks, softcap)
     if _verdicts[key] is not None:

@@ -22,6 +22,8 @@ import contextlib
 
 from torch import Tensor
 
+from ulysses.torch_internals import is_fake
+
 _ACTIVE = False
 
 
@@ -30,7 +32,6 @@ def skip(x: Tensor) -> bool:
     :func:`memory_trace` and ``x`` is a fake tensor."""
     if not _ACTIVE:
         return False
-    from torch._subclasses.fake_tensor import is_fake
     return is_fake(x)
 
 

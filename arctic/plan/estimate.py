@@ -157,7 +157,7 @@ def _trace(config, sp, world: int, seq_len: int, *, shard: bool,
     (:mod:`ulysses.trace_shortcuts`): the peaks are the same, the trace's cost no longer
     grows with the tile counts."""
     import torch
-    from torch._subclasses.fake_tensor import FakeTensorMode
+    from ulysses.torch_internals import FakeTensorMode
 
     fake_world(world)
     mesh = sp.dims(world).build_mesh("cpu")  # outside: the mesh reads its rank map

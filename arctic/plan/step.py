@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from arctic.config import SequenceParallelConfig
+from ulysses.torch_internals import detect_fake_mode
 
 
 def build(config, sp: SequenceParallelConfig, mesh, *, device, shard: bool = True,
@@ -23,7 +24,6 @@ def build(config, sp: SequenceParallelConfig, mesh, *, device, shard: bool = Tru
     ``(model, optimizer)``."""
     import contextlib
 
-    from torch._guards import detect_fake_mode
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.initialization import no_init_weights
 

@@ -20,13 +20,12 @@ import torch.distributed as dist
 from torch import nn
 
 from ulysses import BufferPool
+from ulysses.torch_internals import fake_store, mem_tracker
 
 
 def fake_world(world: int) -> None:
     """Make this process rank 0 of ``world`` ranks on torch's fake process group (replacing
     an earlier fake group of another size). Refuses a real process group."""
-    from torch.testing._internal.distributed.fake_pg import FakeStore
-
     if dist.is_initialized():
         if dist.get_backend() != "fake":
             raise ValueError("the planner needs a process of its own: a real process group "
@@ -34,7 +33,7 @@ def fake_world(world: int) -> None:
         if dist.get_world_size() == world:
             return
         dist.destroy_process_group()
-    dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
+    dist.init_process_group("fake", store=fake_store(), rank=0, world_size=world)
 
 
 KINDS = ("parameters", "gradients", "optimizer", "activations", "attention buffers",
@@ -73,8 +72,7 @@ class Peak:
 def _tracker_class():
     """The tracker's class, made when a trace runs: it subclasses torch's private MemTracker,
     which importing the planner should not need."""
-    from torch.distributed._tools.common_utils import get_untyped_storages
-    from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+    MemTracker, _TOTAL_KEY, _MemRefType, get_untyped_storages = mem_tracker()
     from torch.utils.weak import WeakIdKeyDictionary
 
     names = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "parameters",

@@ -1,0 +1,160 @@
+"""Every piece of torch's private API this project reads, in one module.
+
+torch renames its internals between releases (2.15 dropped FSDP2's ``_fsdp_param_group``
+property and moved its mixed-precision policy onto each parameter), so nothing else in
+``ulysses``, ``arctic``, ``offload``, the examples or the benchmarks imports a ``torch._*``
+module or reads a private attribute of a torch object: they import it from here. A piece
+that is not where it is looked for raises :class:`TorchInternalsError`, which names the torch
+release and what was expected. ``tests/test_torch_internals.py`` checks each piece on every
+torch CI runs.
+
+What is read, and why:
+
+- fake tensors (``torch._subclasses.fake_tensor``, ``torch._guards``,
+  ``torch.utils._python_dispatch``): the planner traces a real step on fake tensors, and the
+  runtime must tell a fake tensor from a real one and step out of fake mode for a probe;
+- ``torch.utils._pytree``: activation checkpointing flattens a layer's arguments;
+- the fake process group's store (``torch.testing._internal.distributed.fake_pg``): one rank
+  of a large job, emulated by the planner and the GPU benchmarks;
+- ``torch.distributed._tools.mem_tracker``: peak memory on CPU (the planner, benchmarks);
+- torch's experimental context-parallel attention: the ring benchmark's peer;
+- a module's forward hook dicts: the loss probe runs a head without its hooks, the tiled
+  layer refuses hooks it would skip, and the SP loss finds DeepSpeed's engine hook;
+- FSDP2's parameter groups: what a sharded unit was given (offload, reshard, dtype);
+- ``torch.cuda.memory._set_allocator_settings``: expandable segments after CUDA started.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class TorchInternalsError(RuntimeError):
+    """A private piece of torch is not where this release of the project reads it."""
+
+
+def _missing(what: str, error: BaseException | None = None) -> TorchInternalsError:
+    why = f" ({type(error).__name__}: {error})" if error is not None else ""
+    return TorchInternalsError(f"torch {torch.__version__}: {what} is not where this package "
+                               f"reads it{why}; this torch release changed an internal that "
+                               f"ulysses/torch_internals.py must learn")
+
+
+try:
+    from torch._guards import detect_fake_mode
+    from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
+    from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
+    from torch.utils._pytree import tree_flatten, tree_unflatten
+except ImportError as e:  # at import: every use of these runs on every step
+    raise _missing("fake tensors or pytree (torch._subclasses, torch._guards, "
+                   "torch.utils._python_dispatch, torch.utils._pytree)", e) from e
+
+
+def fake_store():
+    """torch's ``FakeStore``: ``init_process_group("fake", store=fake_store(), ...)`` makes a
+    process group that moves no data (one rank of a large job)."""
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as e:
+        raise _missing("the fake process group's FakeStore "
+                       "(torch.testing._internal.distributed.fake_pg)", e) from e
+    return FakeStore()
+
+
+def mem_tracker():
+    """``(MemTracker, total_key, MemRefType, get_untyped_storages)`` from
+    ``torch.distributed._tools``: MemTracker counts what is allocated inside its context, by
+    module and kind; ``total_key`` indexes its totals."""
+    try:
+        from torch.distributed._tools.common_utils import get_untyped_storages
+        from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+    except ImportError as e:
+        raise _missing("torch.distributed._tools.mem_tracker", e) from e
+    return MemTracker, _TOTAL_KEY, _MemRefType, get_untyped_storages
+
+
+def context_parallel_internals():
+    """``(ring_attention_module, context_parallel_unshard)`` of torch's experimental context
+    parallelism (``benchmarks/ring.py``'s peer): the module holds its templated ring attention
+    and the ``custom_ops`` table a CPU kernel is registered in."""
+    try:
+        from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+        from torch.distributed.tensor.experimental._context_parallel import _attention
+    except ImportError as e:
+        raise _missing("torch.distributed.tensor.experimental's context-parallel attention", e) \
+            from e
+    return _attention, context_parallel_unshard
+
+
+def forward_hooks(module: nn.Module) -> tuple[dict, dict]:
+    """The module's forward pre-hooks and forward hooks (the dicts themselves)."""
+    try:
+        return module._forward_pre_hooks, module._forward_hooks
+    except AttributeError as e:
+        raise _missing("nn.Module._forward_pre_hooks / _forward_hooks", e) from e
+
+
+def set_forward_hooks(module: nn.Module, pre_hooks: dict, hooks: dict) -> None:
+    """Put back (or swap in) the dicts :func:`forward_hooks` returned."""
+    module._forward_pre_hooks, module._forward_hooks = pre_hooks, hooks
+
+
+def fsdp_param_groups(module: nn.Module) -> list:
+    """The FSDP2 parameter groups of a ``fully_shard``-ed module (empty if it holds none).
+    torch 2.13-2.15 keep them in ``FSDPState._fsdp_param_groups``; earlier releases had
+    one, ``_fsdp_param_group``."""
+    try:
+        state = module._get_fsdp_state()
+    except AttributeError as e:
+        raise _missing("FSDPModule._get_fsdp_state", e) from e
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is None:
+        if not hasattr(state, "_fsdp_param_group"):
+            raise _missing("FSDPState._fsdp_param_groups")
+        groups = [g for g in (state._fsdp_param_group,) if g is not None]
+    return list(groups)
+
+
+def fsdp_unit_settings(module: nn.Module) -> dict:
+    """What a ``fully_shard``-ed unit was given: ``offload_policy`` (the policy's class name),
+    ``reshard_after_forward`` (bool) and ``param_dtype`` (the dtype its parameters are
+    unsharded in for compute, ``str``); None values for a unit with no parameter group."""
+    groups = fsdp_param_groups(module)
+    if not groups:
+        return {"offload_policy": None, "reshard_after_forward": None, "param_dtype": None}
+    group = groups[0]
+    try:
+        param = group.fsdp_params[0]
+        # The policy is the group's up to torch 2.14 and each parameter's from 2.15 (where
+        # it is set at the first forward); None param_dtype: the parameter's own dtype.
+        policy = getattr(param, "mp_policy", None) or getattr(group, "mp_policy", None)
+        dtype = policy.param_dtype if policy is not None else None
+        if dtype is None:  # the sharded parameter's own dtype
+            dtype = param.sharded_param.dtype
+        return {"offload_policy": type(group.offload_policy).__name__,
+                "reshard_after_forward": group.post_forward_mesh_info is not None,
+                "param_dtype": str(dtype)}
+    except (AttributeError, IndexError) as e:
+        raise _missing("FSDPParamGroup.fsdp_params/offload_policy/post_forward_mesh_info/"
+                       "mp_policy or FSDPParam.mp_policy/sharded_param", e) from e
+
+
+def cuda_allocator_setter():
+    """torch's setter of ``PYTORCH_CUDA_ALLOC_CONF``-style settings on a started allocator."""
+    try:
+        return torch.cuda.memory._set_allocator_settings
+    except AttributeError as e:
+        raise _missing("torch.cuda.memory._set_allocator_settings", e) from e
+
+
+def set_cuda_allocator_settings(settings: str) -> None:
+    """Apply ``PYTORCH_CUDA_ALLOC_CONF``-style ``settings`` to an allocator already started."""
+    cuda_allocator_setter()(settings)
+
+
+__all__ = ["FakeTensorMode", "TorchInternalsError", "context_parallel_internals",
+           "cuda_allocator_setter", "detect_fake_mode",
+           "disable_current_modes", "fake_store", "forward_hooks", "fsdp_param_groups",
+           "fsdp_unit_settings", "is_fake", "mem_tracker", "set_cuda_allocator_settings",
+           "set_forward_hooks", "tree_flatten", "tree_unflatten", "unset_fake_temporarily"]
