@@ -67,7 +67,7 @@ class SequenceParallelConfig:
     buffers fit 1 GiB); None: not cut. Needs head_chunk_size."""
     fuse_projections: bool = False
     """Compute q/k/v, RoPE and o_proj inside the head-chunk loop (no all-heads q/k/v;
-    :mod:`arctic.hf_fused`); needs head_chunk_size."""
+    :mod:`arctic.hf.fused`); needs head_chunk_size."""
     attn_implementation: Literal["ulysses_sdpa", "ulysses_flash_attention_2"] = "ulysses_sdpa"
     """The HF attention name to switch models to."""
     attention_backend: str | None = None
@@ -84,7 +84,7 @@ class SequenceParallelConfig:
     post-attention norm, MLP, residual add) as one unit over tiled_mlp's tiles: its backward
     holds one hidden-sized gradient where the separately tiled norm and MLP hold three, and
     it saves the attention output instead of the norm's and the MLP's inputs
-    (:mod:`arctic.tiled_layer`; Llama, Mistral, Qwen2 and Qwen3 decoder layers)."""
+    (:mod:`arctic.tiling.layer`; Llama, Mistral, Qwen2 and Qwen3 decoder layers)."""
     loss_tiles: int | Literal["auto"] = "auto"
     """Sequence tiles of the logits + loss."""
     activation_checkpointing: bool = False
@@ -201,7 +201,8 @@ class SequenceParallelConfig:
         return SequenceParallelDims(world_size=world_size, ulysses_degree=self.ulysses_degree,
                                     ring_degree=self.ring_degree,
                                     zigzag=self.ring_layout != "contiguous",
-                                    per_document=self.ring_layout == "per_document")
+                                    per_document=self.ring_layout == "per_document",
+                                    kernel_self_check=self.kernel_self_check)
 
     @classmethod
     def from_ds_config(cls, path_or_dict: str | Path | dict[str, Any], *,

@@ -5,7 +5,7 @@ The memory features wrap one another, so they compose in one order only:
 1. SP attention (:func:`arctic.apply_sequence_parallel`);
 2. tiling (:func:`arctic.apply_tiled_mlp`, :func:`arctic.apply_sp_loss`);
 3. activation checkpointing and offload (:func:`arctic.apply_activation_checkpointing`);
-4. parameter sharding (:func:`arctic.fsdp.apply_fsdp`, or DeepSpeed ZeRO through
+4. parameter sharding (:func:`arctic.train.fsdp.apply_fsdp`, or DeepSpeed ZeRO through
    :func:`arctic.initialize`).
 
 Why: checkpointing must wrap the tiled MLP and the SP attention so that its recompute runs
@@ -14,7 +14,7 @@ recompute. Applying a stage after a later one would leave the earlier wrapper ou
 it silently does nothing useful (tiles that checkpointing already saved whole) or breaks
 (parameters that are already sharded). Every ``apply_*`` calls :func:`record_apply` first.
 
-The order lives in ``arctic``, beside :func:`arctic.engine.apply_sp_recipe` that follows it,
+The order lives in ``arctic``, beside :func:`arctic.recipe.apply_sp_recipe` that follows it,
 because telling which stages a model already has means knowing FSDP2, DeepSpeed ZeRO and HF
 checkpointing; ``offload`` stays torch-only.
 """
@@ -23,7 +23,7 @@ from __future__ import annotations
 
 from torch import nn
 
-from arctic.anatomy import hf_checkpointing
+from arctic.hf.anatomy import hf_checkpointing
 
 STAGES = ("sp_attention", "tiling", "checkpointing", "sharding")
 _ATTR = "_sp_applied_stages"

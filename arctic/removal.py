@@ -2,12 +2,13 @@
 
 Every ``apply_*`` of the recipe changes module *instances* only: an instance ``forward``, a
 hook, an attribute, the config's attention implementation. Parameters, classes and
-``state_dict`` keys stay as they were. :func:`journaled` records what one ``apply_*`` call
-changed, by comparing each module's and each config's instance state before and after the
-call; :func:`remove_sequence_parallel` undoes the recorded changes (newest first), so the
-model runs its own forwards again: full sequences on one process, ``generate()``, HF's loss
-and logits. :func:`restore_sequence_parallel` redoes them, exactly, in the order they were
-made; the Trainer uses the pair to run SP in ``train()`` and ``evaluate()`` only.
+``state_dict`` keys stay as they were. :func:`ulysses.patching.journaled` records what one
+``apply_*`` call changed, by comparing each module's and each config's instance state before
+and after the call; :func:`remove_sequence_parallel` undoes the recorded changes (newest
+first), so the model runs its own forwards again: full sequences on one process,
+``generate()``, HF's loss and logits. :func:`restore_sequence_parallel` redoes them, exactly,
+in the order they were made; the Trainer uses the pair to run SP in ``train()`` and
+``evaluate()`` only.
 
 Parameter sharding (FSDP2, DeepSpeed ZeRO) is not undone: it is how the parameters are
 stored, and its hooks gather them for any forward. Under ZeRO-3 the ZeRO-3 leaf marks
@@ -22,159 +23,23 @@ raise ``ValueError`` naming it, and change nothing.
 
 from __future__ import annotations
 
-import functools
-from dataclasses import dataclass
-from typing import Any, Callable
-
 from torch import nn
 
-_JOURNAL = "_sp_journal"
+from ulysses.patching import JOURNAL, Change, Journal
+
 _REPORTS = ("activation_offload",)
 """Attributes that report on the run (the offload session and its stats): kept."""
-_ABSENT = object()
-_depth = 0  # journaled calls running: only the outermost records
 
-
-@dataclass
-class _Change:
-    """One instance entry: ``owner.__dict__[key]`` (or, with ``table``, the entry ``key`` of
-    the dict ``owner.__dict__[table]``, e.g. a hook of ``_forward_pre_hooks``) went from
-    ``before`` to ``after`` (either may be absent)."""
-    owner: Any
-    table: str | None
-    key: Any
-    before: Any
-    after: Any
-
-    def _where(self) -> dict:
-        return vars(self.owner) if self.table is None else vars(self.owner)[self.table]
-
-    def _name(self) -> str:
-        what = f"{self.table}[{self.key!r}]" if self.table else self.key
-        return f"{type(self.owner).__name__}.{what}"
-
-    def check(self, now: Any) -> None:
-        """``ValueError`` unless the entry holds ``now`` (what we left there)."""
-        held = self._where().get(self.key, _ABSENT)
-        if held is not now:
-            raise ValueError(f"{self._name()} was changed after sequence parallelism was "
-                             f"applied (something else replaced it); removing or restoring "
-                             f"SP would overwrite that change. Undo it first")
-
-    def set(self, value: Any) -> None:
-        where = self._where()
-        if value is _ABSENT:
-            where.pop(self.key, None)
-            return
-        where[self.key] = value
-        if self.table is not None and all(isinstance(k, int) for k in where):
-            # hooks run in the order of their handle ids: put this one back in its place
-            items = sorted(where.items())
-            where.clear()
-            where.update(items)
-
-
-class _Table:
-    """A dict of an instance (a hook table): the dict itself and a copy of its entries."""
-
-    def __init__(self, table: dict) -> None:
-        self.table, self.entries = table, dict(table)
-
-
-def _state(obj: Any) -> dict:
-    """A shallow copy of an instance's ``__dict__``, its dicts (hook tables) copied too."""
-    return {k: _Table(v) if isinstance(v, dict) else v for k, v in vars(obj).items()}
-
-
-def _owners(model: nn.Module) -> list:
-    """The modules of ``model`` and their configs (with the configs a config holds, e.g. a
-    VLM's ``text_config``: each keeps its own attention implementation)."""
-    owners, seen = [], set()
-
-    def add(obj: Any) -> None:
-        if obj is not None and hasattr(obj, "__dict__") and id(obj) not in seen:
-            seen.add(id(obj))
-            owners.append(obj)
-
-    for m in model.modules():
-        add(m)
-        config = getattr(m, "config", None)
-        add(config)
-        if config is not None and hasattr(config, "__dict__"):
-            for v in vars(config).values():
-                if type(v).__name__.endswith("Config"):
-                    add(v)
-    return owners
-
-
-def _diff(obj: Any, old: dict) -> list[_Change]:
-    new, changes = vars(obj), []
-    for key in old.keys() | new.keys():
-        if key == _JOURNAL:
-            continue
-        was, now = old.get(key, _ABSENT), new.get(key, _ABSENT)
-        if isinstance(was, _Table) and was.table is now:
-            # the same dict, perhaps with entries added or removed
-            for k in was.entries.keys() | now.keys():
-                a, b = was.entries.get(k, _ABSENT), now.get(k, _ABSENT)
-                if a is not b:
-                    changes.append(_Change(obj, key, k, a, b))
-            continue
-        if isinstance(was, _Table):
-            was = was.table
-        if was is not now:
-            changes.append(_Change(obj, None, key, was, now))
-    return changes
-
-
-def journaled(apply: Callable) -> Callable:
-    """Record on the model (its first argument) what ``apply`` changed, for
-    :func:`remove_sequence_parallel`. A refused call (``ValueError``) changes nothing and
-    records nothing."""
-
-    @functools.wraps(apply)
-    def call(model: nn.Module, *args, **kwargs):
-        global _depth
-        if _depth or not isinstance(model, nn.Module):
-            return apply(model, *args, **kwargs)
-        if getattr(model, _JOURNAL, None) is not None and not model._sp_journal.on:
-            raise ValueError(f"{apply.__name__}: sequence parallelism was removed from this "
-                             f"model; call arctic.restore_sequence_parallel(model) before "
-                             f"applying more of it")
-        owners = _owners(model)
-        before = [_state(o) for o in owners]
-        _depth += 1
-        try:
-            result = apply(model, *args, **kwargs)
-        finally:
-            _depth -= 1
-            changes = [c for o, old in zip(owners, before) for c in _diff(o, old)]
-            if changes:
-                journal = getattr(model, _JOURNAL, None) or _Journal()
-                journal.changes.extend(changes)
-                vars(model)[_JOURNAL] = journal
-        return result
-
-    return call
-
-
-class _Journal:
-    def __init__(self) -> None:
-        self.changes: list[_Change] = []
-        self.on = True
-        self.kept: list[_Change] = []  # left in place by the last removal
-
-
-def _journal(model: nn.Module, caller: str) -> _Journal:
+def _journal(model: nn.Module, caller: str) -> Journal:
     model = getattr(model, "module", model)  # a DeepSpeed engine or DDP wrapper: the model
-    journal = vars(model).get(_JOURNAL)
+    journal = vars(model).get(JOURNAL)
     if journal is None:
         raise ValueError(f"{caller}: {type(model).__name__} has no sequence parallelism "
                          f"applied by arctic")
     return journal
 
 
-def _first_per_entry(changes) -> list[_Change]:
+def _first_per_entry(changes) -> list[Change]:
     seen, first = set(), []
     for c in changes:
         entry = (id(c.owner), c.table, c.key)
@@ -224,9 +89,9 @@ def restore_sequence_parallel(model: nn.Module) -> nn.Module:
 
 def sequence_parallel_on(model: nn.Module) -> bool | None:
     """True while SP applied by arctic is on, False when removed, None if never applied."""
-    journal = vars(getattr(model, "module", model)).get(_JOURNAL)
+    journal = vars(getattr(model, "module", model)).get(JOURNAL)
     return None if journal is None else journal.on
 
 
-__all__ = ["journaled", "remove_sequence_parallel", "restore_sequence_parallel",
+__all__ = ["remove_sequence_parallel", "restore_sequence_parallel",
            "sequence_parallel_on"]

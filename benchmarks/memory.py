@@ -53,11 +53,13 @@ import torch.nn.functional as F
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from arctic.data import prepare_sp_batch  # noqa: E402
+from arctic.data.batch import prepare_sp_batch  # noqa: E402
 from arctic.plan import buffer_pools  # noqa: E402
-from arctic.hf_attention import apply_sequence_parallel  # noqa: E402
-from arctic.loss import apply_sp_loss, sp_token_loss  # noqa: E402
-from arctic.tiling import apply_tiled_mlp, apply_tiled_norms  # noqa: E402
+from arctic.hf.attention import apply_sequence_parallel  # noqa: E402
+from arctic.loss.head import apply_sp_loss
+from arctic.loss.token import sp_token_loss  # noqa: E402
+from arctic.tiling.mlp import apply_tiled_mlp
+from arctic.tiling.norms import apply_tiled_norms  # noqa: E402
 from arctic import apply_activation_checkpointing  # noqa: E402
 from ulysses import SequenceParallelDims, flat_mesh  # noqa: E402
 from ulysses.torch_internals import (FakeTensorMode, disable_current_modes,  # noqa: E402

@@ -32,7 +32,7 @@ from arctic.plan.cli import search_table  # noqa: E402
 from arctic.plan.launch import ulysses_block  # noqa: E402
 from arctic.plan.models import model_config  # noqa: E402
 from arctic.plan.search import search  # noqa: E402
-from arctic.placement import Placement  # noqa: E402
+from arctic.memory.placement import Placement  # noqa: E402
 
 ANCHORS = {"alst_8xh100": 3_700_000, "alst_32xh100": 15_000_000, "upipe_8xh100": 5_000_000,
            "target_8x80gb": 6_500_000, "target_32": 24_000_000}

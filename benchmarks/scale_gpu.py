@@ -44,7 +44,7 @@ sys.path.insert(0, str(REPO))
 
 from arctic.plan import (STACKS, build, init_optimizer_state, make_batch, model_config,  # noqa
                          parse_tokens, stack_config, train_step)
-from arctic.allocator import use_expandable_segments  # noqa: E402
+from arctic.memory.allocator import use_expandable_segments  # noqa: E402
 from ulysses import SequenceParallelDims  # noqa: E402
 from ulysses.torch_internals import fake_store  # noqa: E402
 

@@ -63,7 +63,7 @@ REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
 import ulysses.kernels as kernels  # noqa: E402
-from arctic.allocator import use_expandable_segments  # noqa: E402
+from arctic.memory.allocator import use_expandable_segments  # noqa: E402
 from arctic.plan.tracing import fake_world  # noqa: E402
 from arctic.plan import (STACKS, build, init_optimizer_state, make_batch, model_config,  # noqa
                          parse_tokens, stack_config, train_step)
@@ -306,7 +306,8 @@ def profile_step(run: _Run, device, top: int) -> list[dict]:
 def kernel_tflops(device, seq_len: int, heads: int, kv_heads: int, head_dim: int,
                   backends, iters: int, dtype: torch.dtype) -> list[dict]:
     """Causal forward + backward of each backend alone, FLOPs = 3.5 forwards."""
-    from ulysses.kernels import check_supported, local_attention
+    from ulysses.attention import local_attention
+    from ulysses.kernels import check_supported
 
     g = torch.Generator(device=device).manual_seed(0)
 
@@ -381,7 +382,7 @@ def main() -> None:
         out.write_text(json.dumps(record, indent=2) + "\n")
         print(f"wrote {out}")
         return
-    use_expandable_segments()  # as arctic's launch paths do (arctic.allocator)
+    use_expandable_segments()  # as arctic's launch paths do (arctic.memory.allocator)
     device, world, real = _init(args.world)
     rank0 = not real or dist.get_rank() == 0
     peak_tflops = args.peak_tflops or (H100_BF16_TFLOPS if device.type == "cuda" else None)

@@ -30,7 +30,7 @@ from _common import REPO, ByteCorpus, build_model
 
 from arctic.config import SequenceParallelConfig  # after _common: from the checkout
 from arctic.order import applied_stages
-from arctic.trainer import SequenceParallelTrainer
+from arctic.train.trainer import SequenceParallelTrainer
 
 
 class _Plain(Trainer):

@@ -8,10 +8,10 @@
 
 The same job as ``examples/train.py`` (the tiny Llama, byte tokens of the shipped corpus, the
 progress bar with loss, tokens/s and peak memory per rank: ``examples/_common.py``), with
-DeepSpeed swapped for FSDP2: ``arctic.engine.apply_sp_recipe`` makes the model
+DeepSpeed swapped for FSDP2: ``arctic.recipe.apply_sp_recipe`` makes the model
 sequence-parallel, then ``arctic.apply_fsdp`` shards it over every rank (dp x sp), and a
 plain AdamW steps the sharded parameters. The SP loss is built with ``averaged_over_sp=True``
-because FSDP2 averages gradients over all ranks, SP ranks included (see :mod:`arctic.fsdp`).
+because FSDP2 averages gradients over all ranks, SP ranks included (see :mod:`arctic.train.fsdp`).
 ``--offload-params`` passes FSDP2's ``CPUOffloadPolicy`` to ``apply_fsdp``: the parameter
 shards, their gradients and the AdamW state stay on the host, and AdamW steps on the CPU.
 
@@ -41,12 +41,12 @@ from _common import (ByteCorpus, Progress, add_job_args, build_model, gather_pea
                      parse_job_args, resumable_batches, split_cpu_threads)
 
 from arctic import SequenceParallelConfig, SequenceParallelDataLoader, apply_fsdp  # noqa: E402
-from arctic import allocator  # noqa: E402
+from arctic.memory import allocator  # noqa: E402
 from arctic.config import load_ds_config  # noqa: E402
-from arctic.engine import apply_sp_recipe  # noqa: E402
-from arctic.fsdp import check_no_zero  # noqa: E402
+from arctic.recipe import apply_sp_recipe  # noqa: E402
+from arctic.train.fsdp import check_no_zero  # noqa: E402
 from arctic.order import STAGES, applied_stages  # noqa: E402
-from arctic.placement import Placement, offload_pool_limit  # noqa: E402
+from arctic.memory.placement import Placement, offload_pool_limit  # noqa: E402
 from ulysses import flat_mesh  # noqa: E402
 
 SP_FLAGS = ("sequence_parallel_size", "ring_degree", "head_chunk_size", "tiled_mlp",
@@ -153,7 +153,7 @@ def main() -> None:
     args = parse_args()
     world = int(os.environ.get("WORLD_SIZE", 1))
     config = sp_config(args, world)  # before any collective
-    allocator.use_expandable_segments()  # before anything is on the GPU (arctic.allocator)
+    allocator.use_expandable_segments()  # before anything is on the GPU (arctic.memory.allocator)
     cuda = torch.cuda.is_available()
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
     if cuda:

@@ -11,13 +11,22 @@
   DeepSpeed's async I/O op (``disk_io``, :mod:`offload.disk_aio`).
 
 Nothing here knows a model family: which modules are layers, and the order in which the
-recipe's ``apply_*`` functions run, belong to ``arctic`` (``arctic.anatomy``,
+recipe's ``apply_*`` functions run, belong to ``arctic`` (``arctic.hf.anatomy``,
 ``arctic.order``, ``arctic.apply_activation_checkpointing``).
 """
 
-from offload.activations import (DEFAULT_MIN_OFFLOAD_BYTES, HostBufferPool, OffloadSession,
-                                 OffloadStats, default_host_limit, offload_saved_activations)
-from offload.checkpoint import apply_activation_checkpointing, check_activation_checkpointing
+from offload.activations import (
+                                 DEFAULT_MIN_OFFLOAD_BYTES,
+                                 HostBufferPool,
+                                 OffloadSession,
+                                 OffloadStats,
+                                 default_host_limit,
+                                 offload_saved_activations,
+)
+from offload.checkpoint import (
+                                 apply_activation_checkpointing,
+                                 check_activation_checkpointing,
+)
 from offload.disk import DiskTier
 
 __all__ = [

@@ -27,7 +27,8 @@ from torch import Tensor, nn
 from torch.utils.weak import WeakIdKeyDictionary
 
 from offload.disk import DiskTier, check_offload_io, min_over_group
-from ulysses.torch_internals import is_fake
+from ulysses.torch_internals import tensor_version, view_base
+from ulysses.trace_shortcuts import is_traced
 
 DEFAULT_MIN_OFFLOAD_BYTES = 64 << 10
 """Saved tensors smaller than this stay where they are: the copy would cost more than it frees."""
@@ -201,7 +202,7 @@ class HostBufferPool:
         # kernels see the same strides in backward; other views come back contiguous.
         stride = torch.empty_like(t, device="meta").stride()
         nbytes = t.numel() * t.element_size()
-        virtual = is_fake(t)
+        virtual = is_traced(t)
         buf = None if group.on_disk else self._acquire(nbytes, virtual=virtual,
                                                        spill=self.disk is not None)
         if buf is None:  # past the host limit: this group and the ones after it go to disk
@@ -303,9 +304,9 @@ def _stays(t: Tensor, min_bytes: int) -> bool:
     so a host copy would only add memory. Tensor subclasses (DTensor) too, except fake
     tensors: the memory planner (:mod:`arctic.plan`) traces the offload with them, and the
     pool counts their host bytes on a meta buffer without copying anything."""
-    base = t._base if t._base is not None else t
+    base = view_base(t)
     return (t.numel() * t.element_size() < min_bytes or
-            (type(t) is not Tensor and not is_fake(t)) or
+            (type(t) is not Tensor and not is_traced(t)) or
             t.device.type not in ("cpu", "cuda") or isinstance(base, nn.Parameter) or
             (base.is_leaf and base.requires_grad))
 
@@ -324,11 +325,11 @@ class _Hooks:
         if _stays(t, self.min_bytes):
             return t
         hit = self.seen.get(t)
-        if hit is not None and hit[0] == t._version and hit[1]() is not None:
+        if hit is not None and hit[0] == tensor_version(t) and hit[1]() is not None:
             handle = hit[1]()
         else:
             handle = self.pool._offload(t, self.group)
-            self.seen[t] = (t._version, weakref.ref(handle))
+            self.seen[t] = (tensor_version(t), weakref.ref(handle))
         if with_group:
             self.group.saved.append(weakref.ref(handle))
         return (self.group, handle)

@@ -24,8 +24,13 @@ import torch
 from torch import Tensor, nn
 from torch.utils.checkpoint import checkpoint
 
-from offload.activations import DEFAULT_MIN_OFFLOAD_BYTES, HostBufferPool, OffloadSession
+from offload.activations import (
+    DEFAULT_MIN_OFFLOAD_BYTES,
+    HostBufferPool,
+    OffloadSession,
+)
 from offload.disk import check_offload_dir, check_offload_io
+from ulysses.patching import replace_method
 from ulysses.torch_internals import tree_flatten, tree_unflatten
 
 
@@ -197,7 +202,7 @@ def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: 
 
     A model may carry ``model.checkpoint_context_fn``, ``torch.utils.checkpoint``'s
     ``context_fn``: every checkpoint call passes it on, so state the model keeps outside the
-    layer's inputs can be restored for the recompute (:mod:`arctic.hf_batch` keeps each
+    layer's inputs can be restored for the recompute (:mod:`arctic.hf.batch` keeps each
     forward's packed documents this way).
 
     Returns ``model``; ``model.activation_offload`` is the :class:`OffloadSession` (or
@@ -217,8 +222,9 @@ def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: 
         session = OffloadSession(pool, min_offload_bytes)
     context_fn = getattr(model, "checkpoint_context_fn", None)
     for layer in layers:
-        layer.forward = _CheckpointedForward(layer.forward, session, len(layers), context_fn,
-                                             tuple(drop_kwargs), keep, type(layer).__name__)
+        replace_method(layer, _CheckpointedForward(layer.forward, session, len(layers),
+                                                   context_fn, tuple(drop_kwargs), keep,
+                                                   type(layer).__name__))
     model.activation_offload = session
     return model
 

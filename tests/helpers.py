@@ -9,7 +9,7 @@ import torch
 import torch.distributed as dist
 
 from ulysses import SequenceParallelDims
-from ulysses.kernels import local_attention
+from ulysses.attention import local_attention
 
 # Tolerances against the float64 reference, per input dtype. fp32: flash kernels reorder the
 # softmax sums, so ~1e-6 absolute is typical. bf16: inputs, outputs and gradients are rounded
@@ -124,11 +124,11 @@ def launch_path_sources() -> dict[str, str]:
     import inspect
     from pathlib import Path
 
-    import arctic.engine
-    import arctic.trainer
+    import arctic.train.deepspeed
+    import arctic.train.trainer
 
     repo = Path(__file__).resolve().parent.parent
-    return {"arctic.initialize": inspect.getsource(arctic.engine.initialize),
+    return {"arctic.initialize": inspect.getsource(arctic.train.deepspeed.initialize),
             "SequenceParallelTrainer": inspect.getsource(
-                arctic.trainer.SequenceParallelTrainer.__init__),
+                arctic.train.trainer.SequenceParallelTrainer.__init__),
             "train_fsdp.py": (repo / "examples" / "train_fsdp.py").read_text()}

@@ -1,4 +1,4 @@
-"""arctic.allocator: the launch paths turn on the CUDA allocator's expandable segments unless
+"""arctic.memory.allocator: the launch paths turn on the CUDA allocator's expandable segments unless
 the user configured the allocator, and warn when the user's configuration leaves them off.
 CUDA is faked available (nothing is allocated: CUDA is not initialized)."""
 
@@ -10,7 +10,7 @@ import warnings
 import pytest
 import torch
 
-from arctic import allocator
+from arctic.memory import allocator
 
 
 @pytest.fixture

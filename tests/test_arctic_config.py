@@ -21,7 +21,7 @@ WORLD = {"cpu_demo.json": 2, "cpu_trainer.json": 2, "llama3_8b_5m_8xh100.json": 
          "hybrid_2node.json": 16, "cpu_alst.json": 2, "cpu_trainer_fsdp.json": 2}
 ALST = {"cpu_alst.json"}
 """Configs for HF's ALST settings: the SP size comes from TrainingArguments'
-parallelism_config (arctic.hf_parallelism), not from the JSON."""
+parallelism_config (arctic.train.parallelism), not from the JSON."""
 
 
 def test_every_shipped_config_loads():
@@ -146,9 +146,9 @@ def _rank_fingerprint(ds):
     """What apply_sp_recipe made of ``ds``: one entry per config key."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from arctic.engine import apply_sp_recipe
-    from arctic.tiled_layer import _tiled_layer_forward
-    from arctic.tiling import _TiledForward
+    from arctic.recipe import apply_sp_recipe
+    from arctic.tiling.layer import _tiled_layer_forward
+    from arctic.tiling.tiles import TiledForward
     from offload.checkpoint import _CheckpointedForward
 
     config = SequenceParallelConfig.from_ds_config(ds, world_size=2)
@@ -171,8 +171,8 @@ def _rank_fingerprint(ds):
         "head_chunk_size": sp.head_chunk_size, "fuse_projections": sp.fuse_projections,
         "seq_chunk": sp.seq_chunk,
         "attn_implementation": sp.backend, "communication_dtype": sp.communication_dtype,
-        "tiled_mlp": mlp.args[0] if isinstance(mlp, _TiledForward) else None,
-        "tiled_norms": isinstance(norm, _TiledForward),
+        "tiled_mlp": mlp.args[0] if isinstance(mlp, TiledForward) else None,
+        "tiled_norms": isinstance(norm, TiledForward),
         "tiled_layer": getattr(getattr(ckpt, "forward", ckpt), "__func__", None) is
         _tiled_layer_forward,
         "loss_tiles": model.lm_head.forward.tiles,
@@ -181,7 +181,7 @@ def _rank_fingerprint(ds):
         "offload_dir": disk and disk.directory, "offload_io": disk and disk.io,
         "recompute_attention": not (isinstance(ckpt, _CheckpointedForward) and
                                     ckpt.keep is not None),
-        "kernel_self_check": self_check.is_enabled(),
+        "kernel_self_check": mesh_dims(mesh).kernel_self_check,
     }
 
 
@@ -266,7 +266,7 @@ def _rank_wrong_kernel_through_the_model(check: bool):
     off: refused at the first forward with ``kernel_self_check``, run without it."""
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    from arctic.engine import apply_sp_recipe
+    from arctic.recipe import apply_sp_recipe
     from ulysses import kernels
 
     config = SequenceParallelConfig.from_ds_config(
@@ -289,7 +289,6 @@ def _rank_wrong_kernel_through_the_model(check: bool):
     finally:
         kernels._FORWARD["cpu_flash"] = good
         self_check.forget()
-        self_check.set_enabled(True)
 
 
 def test_kernel_self_check_key_decides_whether_a_wrong_kernel_is_refused():

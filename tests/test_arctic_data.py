@@ -10,7 +10,7 @@ from helpers import get_mesh
 
 
 def _rank_prepare(ulysses, ring, S, packed):
-    from arctic.data import prepare_sp_batch
+    from arctic.data.batch import prepare_sp_batch
     from ulysses import gather_sequence
 
     mesh = get_mesh(ulysses * ring, ulysses, ring)
@@ -50,7 +50,7 @@ def test_prepare_shifts_before_sharding_and_pads(ulysses, ring, packed):
 
 
 def _rank_bad_batches():
-    from arctic.data import prepare_sp_batch
+    from arctic.data.batch import prepare_sp_batch
 
     mesh, ids = get_mesh(1, 1), torch.zeros(1, 4, dtype=torch.long)
     cases = {"input_ids": {"labels": ids},
@@ -88,7 +88,8 @@ def test_prepare_rejects_bad_batches():
 
 
 def _rank_loader(world, ulysses):
-    from arctic.data import SequenceParallelDataLoader, prepare_sp_batch
+    from arctic.data.loader import SequenceParallelDataLoader
+    from arctic.data.batch import prepare_sp_batch
 
     mesh = get_mesh(world, ulysses)
     data = [{"input_ids": torch.full((8,), i)} for i in range(10)]

@@ -18,7 +18,7 @@ token masked).
 Where DeepSpeed's test allows stages 1 and 2 ``atol=1e-3`` ("possibly some issue with z1/z2"),
 this one asks every stage for fp32 gradients within 1e-6 of the largest entry: the SP loss's
 backward is exact for any use of the returned loss, and follows the engine's reduction
-(:mod:`arctic.grad_reduction`), which adds the SP ranks' gradients at stages 1-2 and averages
+(:mod:`arctic.loss.reduction`), which adds the SP ranks' gradients at stages 1-2 and averages
 them at stage 3. bf16 keeps the test's own tolerances.
 """
 

@@ -66,9 +66,9 @@ def test_varlen_arguments_beside_restarting_positions():
 
 
 def _refusals():
-    from arctic.data import prepare_sp_batch
-    from arctic.hf_attention import apply_sequence_parallel
-    from arctic.loss import apply_sp_loss
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.hf.attention import apply_sequence_parallel
+    from arctic.loss.head import apply_sp_loss
     from test_arctic_hf_families import _doc_positions
     from ulysses import flat_mesh
 

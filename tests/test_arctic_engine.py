@@ -39,13 +39,13 @@ def _config(stage, extra=None, zero=None):
 def _rank_engine(stage, extra, zero=None):
     from deepspeed.utils import safe_get_full_grad
 
-    import arctic.engine
-    from arctic.data import prepare_sp_batch
+    import arctic.train.deepspeed
+    from arctic.data.batch import prepare_sp_batch
     from helpers import init_deepspeed_comm
 
     init_deepspeed_comm()
     model = _model()
-    engine, _, _, _ = arctic.engine.initialize(model=model, config=_config(stage, extra, zero))
+    engine, _, _, _ = arctic.train.deepspeed.initialize(model=model, config=_config(stage, extra, zero))
     session = getattr(engine.module, "activation_offload", None)
     if session is not None:
         session.min_bytes = 0  # this model's activations are all below the default threshold
@@ -103,12 +103,12 @@ def test_tiled_layer_under_zero_matches_single_device(stage):
 
 
 def _rank_bad_initialize(config):
-    import arctic.engine
+    import arctic.train.deepspeed
     from helpers import init_deepspeed_comm
 
     init_deepspeed_comm()
     try:
-        arctic.engine.initialize(model=_model(), config=config)
+        arctic.train.deepspeed.initialize(model=_model(), config=config)
     except ValueError as e:
         return str(e)
     return "no error"
@@ -127,7 +127,7 @@ def test_bad_config_fails_on_every_rank_before_training(change, needle):
 
 def _rank_pool_limit(offload_optimizer):
     """The offload pool's limit after initialize, with the default budget fixed at 1 GiB."""
-    import arctic.engine
+    import arctic.train.deepspeed
     from helpers import init_deepspeed_comm
     from offload import activations
 
@@ -142,7 +142,7 @@ def _rank_pool_limit(offload_optimizer):
     model = _model()
     params = sum(p.numel() for p in model.parameters())
     try:
-        engine, _, _, _ = arctic.engine.initialize(model=model, config=config)
+        engine, _, _, _ = arctic.train.deepspeed.initialize(model=model, config=config)
     finally:
         activations.default_host_limit = default
     try:
@@ -154,7 +154,7 @@ def _rank_pool_limit(offload_optimizer):
 @pytest.mark.parametrize("offload_optimizer", [False, True])
 def test_offloaded_optimizer_state_shares_the_host_budget(offload_optimizer):
     """With ZeRO-3 offload_optimizer on the CPU, the activation offload pool may use what the
-    offloaded state (18 bytes per parameter of the rank's half, bf16: arctic.placement)
+    offloaded state (18 bytes per parameter of the rank's half, bf16: arctic.memory.placement)
     leaves of the budget, as the planner counts them; without it, the whole budget."""
     for limit, params in dist_pool.run(_rank_pool_limit, offload_optimizer, world_size=2,
                                        timeout=240):
@@ -185,7 +185,7 @@ def test_state_the_pool_cannot_model_keeps_its_default_and_bad_values_are_refuse
     keeps its default limit (None), with no collective. A bad value is refused, not
     skipped."""
     from arctic.config import SequenceParallelConfig
-    from arctic.engine import host_limit_beside_state
+    from arctic.train.deepspeed import host_limit_beside_state
 
     sp = SequenceParallelConfig(sequence_parallel_size=1, activation_checkpointing=True,
                                 offload_activations=True)

@@ -213,7 +213,7 @@ def test_zero_config_refused_on_every_rank_before_training(tmp_path):
 
 
 def test_check_no_zero_accepts_stage_0_and_no_block():
-    from arctic.fsdp import check_no_zero
+    from arctic.train.fsdp import check_no_zero
 
     check_no_zero({"sequence_parallel_size": 2})
     check_no_zero({"zero_optimization": {"stage": 0}})
@@ -320,7 +320,7 @@ def test_cpu_offload_matches_no_offload_on_2_ranks():
 def test_check_offload_policy():
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-    from arctic.fsdp import check_offload_policy
+    from arctic.train.fsdp import check_offload_policy
 
     for ok in (None, OffloadPolicy(), CPUOffloadPolicy(pin_memory=False)):
         check_offload_policy(ok)

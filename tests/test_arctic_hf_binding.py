@@ -1,5 +1,5 @@
 """Calls to wrapped HF forwards are bound through the installed signature
-(:mod:`arctic.hf_binding`): arguments are found by role under any name a release gives them,
+(:mod:`arctic.hf.binding`): arguments are found by role under any name a release gives them,
 HF's loss arguments pass over the attention, and DeepSpeed's ALST-style ``model(**batch)``
 with ``shift_labels`` runs on an SP model."""
 
@@ -36,7 +36,7 @@ def _future_module():
 
 
 def test_roles_are_found_by_annotation_and_renames_by_deprecate_kwarg():
-    from arctic.hf_binding import of_module
+    from arctic.hf.binding import of_module
 
     sig = of_module(_future_module())
     assert sig.first == "hidden_states" and sig.roles["cache"] == "kv_store"
@@ -57,8 +57,8 @@ def test_installed_llama_forwards_bind_the_cache_by_role():
     ``cache`` since), both names bind to it, on the attention and on the decoder layer."""
     from transformers.models.llama import modeling_llama as ml
 
-    from arctic.checkpointing import cache_kwargs
-    from arctic.hf_binding import class_forward
+    from arctic.memory.checkpointing import cache_kwargs
+    from arctic.hf.binding import class_forward
 
     for cls in (ml.LlamaAttention, ml.LlamaDecoderLayer):
         sig = class_forward(cls)
@@ -90,7 +90,7 @@ def test_tiled_mlp_binds_its_input_by_name_and_refuses_more():
 
 def _rank_fused_call_names():
     """The fused attention module called as each release's decoder layer calls it."""
-    from arctic.hf_attention import apply_sequence_parallel
+    from arctic.hf.attention import apply_sequence_parallel
 
     mesh = get_mesh(2, 2)
     model = apply_sequence_parallel(_model("llama"), mesh=mesh, head_chunk_size=1,
@@ -136,8 +136,8 @@ def _rank_alst_style(positional_ids: bool):
     import torch.distributed as dist
     import torch.nn.functional as F
 
-    from arctic.data import prepare_sp_batch
-    from arctic.hf_attention import apply_sequence_parallel
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.hf.attention import apply_sequence_parallel
 
     mesh = get_mesh(2, 2)
     model = apply_sequence_parallel(_model("llama"), mesh=mesh)
@@ -165,9 +165,9 @@ def test_alst_style_call_with_shift_labels_runs_and_matches(positional_ids):
 
 
 def _rank_sp_loss_refuses_hf_loss_arguments():
-    from arctic.data import prepare_sp_batch
-    from arctic.hf_attention import apply_sequence_parallel
-    from arctic.loss import apply_sp_loss
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.hf.attention import apply_sequence_parallel
+    from arctic.loss.head import apply_sp_loss
     from ulysses import flat_mesh
 
     mesh = get_mesh(2, 2)

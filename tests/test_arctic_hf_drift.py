@@ -6,7 +6,7 @@ transformers renames and adds the arguments its modules pass each other between 
 models table, one training step of a tiny model runs with each wrapped forward on (fused
 projections and the tiled layer where the family supports them, else the tiled MLP and norms;
 the SP loss; checkpointing with offload), and every argument name that reaches a bound
-forward (:mod:`arctic.hf_binding`) or the attention (:func:`arctic.hf_features.classify`) is
+forward (:mod:`arctic.hf.binding`) or the attention (:func:`arctic.hf.features.classify`) is
 recorded. A name that is neither bound to a role nor classified fails the test with the
 transformers version, the class that received it and where to classify it, so the next
 rename is caught here, not by a user.
@@ -37,8 +37,8 @@ class _Recorder:
     and records what they see; ``restore()`` puts them back."""
 
     def __init__(self) -> None:
-        from arctic import hf_features
-        from arctic.hf_binding import ForwardSignature
+        from arctic.hf import features as hf_features
+        from arctic.hf.binding import ForwardSignature
 
         self.binds: list[tuple[str, str, str]] = []  # (class, name, how it is bound)
         self.attention: list[tuple[str, str | None]] = []  # (name, classification)
@@ -65,8 +65,8 @@ class _Recorder:
         ForwardSignature.bind, hf_features.classify = bind, classify
 
     def restore(self) -> None:
-        from arctic import hf_features
-        from arctic.hf_binding import ForwardSignature
+        from arctic.hf import features as hf_features
+        from arctic.hf.binding import ForwardSignature
 
         ForwardSignature.bind, hf_features.classify = self._bind, self._classify
 
@@ -76,11 +76,11 @@ def _stack(family: str, mesh):
     from transformers import AutoModelForCausalLM
 
     from arctic import apply_activation_checkpointing, apply_tiled_layers, apply_tiled_mlp
-    from arctic.hf_attention import apply_sequence_parallel
-    from arctic.hf_fused import FUSABLE
-    from arctic.loss import apply_sp_loss
-    from arctic.tiled_layer import TILABLE
-    from arctic.tiling import apply_tiled_norms
+    from arctic.hf.attention import apply_sequence_parallel
+    from arctic.hf.fused import FUSABLE
+    from arctic.loss.head import apply_sp_loss
+    from arctic.tiling.layer import TILABLE
+    from arctic.tiling.norms import apply_tiled_norms
     from ulysses import flat_mesh
 
     torch.manual_seed(0)
@@ -100,7 +100,7 @@ def _stack(family: str, mesh):
 
 def _rank_canary(family: str, extra: dict | None = None):
     """One training step under the recorder: ``(binds, attention names, error or None)``."""
-    from arctic.data import prepare_sp_batch
+    from arctic.data.batch import prepare_sp_batch
 
     mesh = get_mesh(2, 2)
     model = _stack(family, mesh)
@@ -121,9 +121,9 @@ def unclassified(family: str, binds, attention, error) -> list[str]:
     """The canary's verdict: one line per name nobody classified (empty: all classified)."""
     import transformers
 
-    where = ("classify it: attention arguments in arctic/hf_features.py (HONOURED, REFUSED, "
+    where = ("classify it: attention arguments in arctic/hf/features.py (HONOURED, REFUSED, "
              "INERT; the model's loss arguments come from its loss function), arguments of "
-             "wrapped forwards by role in arctic/hf_binding.py (ROLE_NAMES)")
+             "wrapped forwards by role in arctic/hf/binding.py (ROLE_NAMES)")
     lines = {f"transformers {transformers.__version__} passes {name!r} to {owner}.forward "
              f"({how}) in {family}; {where}"
              for owner, name, how in binds if how == "named, no role"}
@@ -156,7 +156,7 @@ def test_canary_fails_on_an_unclassified_argument():
     lines = unclassified("qwen3", binds, attention, error)
     assert lines and all("'fresh_argument'" in line for line in lines), lines
     assert f"transformers {transformers.__version__}" in lines[0]
-    assert "arctic/hf_features.py" in lines[0] and "Qwen3Attention" in error, (lines, error)
+    assert "arctic/hf/features.py" in lines[0] and "Qwen3Attention" in error, (lines, error)
 
 
 def test_transformers_kwargs_are_classified():
@@ -165,11 +165,11 @@ def test_transformers_kwargs_are_classified():
     import transformers
     from transformers.utils.generic import TransformersKwargs
 
-    from arctic.hf_features import classify, loss_arguments
+    from arctic.hf.features import classify, loss_arguments
 
     loss = loss_arguments()
     missing = [n for n in TransformersKwargs.__annotations__ if classify(n, loss) is None]
     assert not missing, (f"transformers {transformers.__version__}: TransformersKwargs has "
-                         f"{missing}, which arctic/hf_features.py does not classify")
+                         f"{missing}, which arctic/hf/features.py does not classify")
     assert {"num_items_in_batch", "shift_labels", "labels", "ignore_index"} <= loss, loss
 

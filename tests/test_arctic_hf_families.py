@@ -152,9 +152,9 @@ def _rank_step(family, ulysses, ring=1, chunk=None, fuse=False, documents=False,
     activation checkpointing with the layer inputs offloaded."""
     import torch.distributed as dist
 
-    from arctic.data import prepare_sp_batch
-    from arctic.hf_attention import apply_sequence_parallel
-    from arctic.loss import apply_sp_loss
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.hf.attention import apply_sequence_parallel
+    from arctic.loss.head import apply_sp_loss
     from ulysses import flat_mesh
 
     world = dp * ulysses * ring
@@ -168,7 +168,7 @@ def _rank_step(family, ulysses, ring=1, chunk=None, fuse=False, documents=False,
     apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group(), loss_tiles=2)
     if checkpoint:
         from arctic import apply_activation_checkpointing
-        from arctic.tiling import apply_tiled_norms
+        from arctic.tiling.norms import apply_tiled_norms
 
         apply_tiled_norms(model, tiles=2)
         apply_activation_checkpointing(model, offload_to_cpu=True)
@@ -319,10 +319,10 @@ def test_sequence_chunks_with_packed_documents(family, sp, ring):
 @pytest.mark.parametrize("family", ["llama", "mistral", "qwen2", "qwen3"])
 def test_fused_projections_and_tiled_layer(family, sp):
     """The families whose attention and decoder layer the fused forward and the tiled layer
-    reproduce (``arctic.hf_fused.FUSABLE``, ``arctic.tiled_layer.TILABLE``), both on, with
+    reproduce (``arctic.hf.fused.FUSABLE``, ``arctic.tiling.layer.TILABLE``), both on, with
     the installed transformers' own call conventions (5.24 passes ``cache=``)."""
-    from arctic.hf_fused import FUSABLE
-    from arctic.tiled_layer import TILABLE
+    from arctic.hf.fused import FUSABLE
+    from arctic.tiling.layer import TILABLE
 
     prefix = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
     assert f"{prefix[family]}Attention" in FUSABLE and f"{prefix[family]}DecoderLayer" in TILABLE
@@ -336,7 +336,7 @@ def test_llama4_layers_checkpointed():
     anatomy finds them, so activation checkpointing (layer inputs offloaded) and the tiled
     norms wrap every layer, with packed documents and its chunks; the tiled MLP is refused
     (its MoE block returns the router logits beside its output)."""
-    from arctic.anatomy import decoder_layers
+    from arctic.hf.anatomy import decoder_layers
 
     assert len(decoder_layers(_model("llama4"))) == _config("llama4").num_hidden_layers
     results = dist_pool.run(_rank_step, "llama4", 2, documents=True, checkpoint=True,
@@ -348,9 +348,9 @@ def test_llama4_layers_checkpointed():
 
 def _rank_llama4_tiled_mlp() -> str:
     from arctic import apply_tiled_mlp
-    from arctic.data import prepare_sp_batch
-    from arctic.hf_attention import apply_sequence_parallel
-    from arctic.loss import apply_sp_loss
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.hf.attention import apply_sequence_parallel
+    from arctic.loss.head import apply_sp_loss
     from ulysses import flat_mesh
 
     mesh = get_mesh(2, 2)
@@ -388,7 +388,7 @@ def _refused_calls():
     """name -> a call that must raise, on an SP=2 mesh (rank side)."""
     from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen3NextConfig
 
-    from arctic.hf_attention import apply_sequence_parallel
+    from arctic.hf.attention import apply_sequence_parallel
 
     mesh = get_mesh(2, 2)  # built here: new_group is a collective
     ids, pos = _tokens()[:, :64], torch.arange(64)[None]
@@ -461,9 +461,9 @@ def _rank_interleaved(hf_checkpointing: bool):
     import torch.distributed as dist
 
     from arctic import apply_activation_checkpointing
-    from arctic.data import prepare_sp_batch
-    from arctic.hf_attention import apply_sequence_parallel
-    from arctic.loss import apply_sp_loss
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.hf.attention import apply_sequence_parallel
+    from arctic.loss.head import apply_sp_loss
     from ulysses import flat_mesh
 
     mesh = get_mesh(2, 2)
@@ -506,7 +506,7 @@ def test_a_per_call_is_causal_must_agree_with_the_module():
     another mask from transformers depending on its attention implementation."""
     from types import SimpleNamespace
 
-    from arctic.hf_features import read_attention_kwargs
+    from arctic.hf.features import read_attention_kwargs
 
     causal, bidirectional = SimpleNamespace(is_causal=True), SimpleNamespace(is_causal=False)
     read_attention_kwargs(causal, {"is_causal": True})

@@ -85,8 +85,8 @@ def test_fsdp2_trainer_matches_plain_trainer(tmp_path, case):
 def test_fsdp2_trainer_refuses_to_resume():
     """train(resume_from_checkpoint=...) under FSDP2 is refused before anything runs (the
     checkpoints hold no optimizer state); the loaders test builds its trainer the same way."""
-    from arctic.hf_fsdp import FsdpSettings
-    from arctic.trainer import SequenceParallelTrainer
+    from arctic.train.hf_fsdp import FsdpSettings
+    from arctic.train.trainer import SequenceParallelTrainer
 
     trainer = object.__new__(SequenceParallelTrainer)
     trainer._fsdp = FsdpSettings(reshard_after_forward=True, cpu_offload=False,
@@ -113,7 +113,7 @@ def _args(tmp_path, **fields):
 
 
 def _refusal(args, model=None, **kwargs) -> str:
-    from arctic.trainer import SequenceParallelTrainer
+    from arctic.train.trainer import SequenceParallelTrainer
 
     with pytest.raises(ValueError) as e:
         SequenceParallelTrainer(model=model, args=args, **kwargs)
@@ -170,7 +170,7 @@ def test_sp_config_is_read_once_and_only_its_sp_keys(tmp_path):
     assert "['zero_optimization']" in message
     # a SequenceParallelConfig whose size does not divide the world (1 process here)
     with pytest.raises(ValueError, match="sequence_parallel_size"):
-        from arctic.trainer import SequenceParallelTrainer
+        from arctic.train.trainer import SequenceParallelTrainer
         SequenceParallelTrainer(model=torch.nn.Linear(1, 1), args=_args(tmp_path),
                                 sp_config=SequenceParallelConfig(sequence_parallel_size=2))
 
@@ -181,7 +181,7 @@ def test_the_wrapped_layer_class_must_be_the_decoder_layer():
     before any sharding."""
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from arctic.hf_fsdp import FsdpSettings, shard
+    from arctic.train.hf_fsdp import FsdpSettings, shard
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
                                          num_hidden_layers=1, num_attention_heads=2,

@@ -1,5 +1,5 @@
 """accelerate's ParallelismConfig read as sequence-parallel settings
-(:func:`arctic.hf_parallelism.merge_parallelism_config`): what is honoured, and each refusal,
+(:func:`arctic.train.parallelism.merge_parallelism_config`): what is honoured, and each refusal,
 on one process. The Trainer run with HF's ALST settings is
 ``tests/test_arctic_hf_trainer.py::test_sp_trainer_matches_plain_trainer`` (its AdamW
 case)."""
@@ -9,7 +9,7 @@ from __future__ import annotations
 import pytest
 
 from arctic.config import SequenceParallelConfig
-from arctic.hf_parallelism import merge_parallelism_config
+from arctic.train.parallelism import merge_parallelism_config
 
 pytest.importorskip("accelerate.parallelism_config",
                     reason="ParallelismConfig is accelerate's from 1.10 on")

@@ -216,7 +216,7 @@ def test_options_the_tiled_loss_cannot_give_are_refused_at_construction(tmp_path
     here: anything past the check would fail differently)."""
     from transformers import TrainingArguments
 
-    from arctic.trainer import SequenceParallelTrainer
+    from arctic.train.trainer import SequenceParallelTrainer
 
     fields = {k: v for k, v in option.items()
               if k in ("label_smoothing_factor", "train_sampling_strategy")}
@@ -246,7 +246,7 @@ REFUSED_VALUES = {
 def _refused_with(tmp_path, field: str, value) -> str:
     from transformers import TrainingArguments
 
-    from arctic.trainer import SequenceParallelTrainer
+    from arctic.train.trainer import SequenceParallelTrainer
 
     args = TrainingArguments(output_dir=str(tmp_path), report_to=[], use_cpu=True)
     args.deepspeed = str(REPO / "configs" / "cpu_trainer.json")
@@ -258,7 +258,7 @@ def _refused_with(tmp_path, field: str, value) -> str:
 
 @pytest.mark.hf_facing
 def test_every_training_argument_is_honoured_or_refused(tmp_path):
-    """The table of TrainingArguments fields (arctic.trainer_fields): every field of the
+    """The table of TrainingArguments fields (arctic.train.fields): every field of the
     installed transformers has a row; an honoured row names the test in which SP=2 equals the
     plain Trainer with it; a refused row is refused at construction, naming the field; a row
     of any other kind fails here."""
@@ -267,7 +267,7 @@ def test_every_training_argument_is_honoured_or_refused(tmp_path):
     from transformers import TrainingArguments
     from transformers.trainer_pt_utils import AcceleratorConfig
 
-    from arctic import trainer_fields as tf
+    from arctic.train import fields as tf
 
     installed = {f.name for f in dataclasses.fields(TrainingArguments)}
     assert installed <= tf.FIELDS.keys(), sorted(installed - tf.FIELDS.keys())
@@ -299,7 +299,7 @@ def test_every_training_argument_is_honoured_or_refused(tmp_path):
 
 
 def test_predict_and_hyperparameter_trials_are_refused():
-    from arctic.trainer import SequenceParallelTrainer
+    from arctic.train.trainer import SequenceParallelTrainer
 
     trainer = object.__new__(SequenceParallelTrainer)  # neither reads any state to refuse
     with pytest.raises(ValueError, match="predict is not supported"):
@@ -363,7 +363,7 @@ def test_resume_with_ignore_data_skip_is_the_plain_trainer_s(tmp_path):
 def _rank_loader_reads_the_arguments():
     from types import SimpleNamespace
 
-    from arctic.trainer import SequenceParallelTrainer, _Collate
+    from arctic.train.trainer import SequenceParallelTrainer, _Collate
     from helpers import get_mesh
 
     trainer = object.__new__(SequenceParallelTrainer)  # the loader reads these fields only
@@ -413,7 +413,7 @@ def test_the_default_collate_drops_what_hf_drops(tmp_path):
     (tests/test_arctic_data.py)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-    from arctic.trainer import _Collate
+    from arctic.train.trainer import _Collate
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
                                          num_hidden_layers=1, num_attention_heads=2,

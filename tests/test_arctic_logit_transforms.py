@@ -19,8 +19,9 @@ import torch
 import torch.nn.functional as F
 from torch._subclasses.fake_tensor import FakeTensorMode
 
-from arctic.loss import LogitTransform, apply_sp_loss, find_logit_transform
-from arctic.tiling import tiled_logits_loss
+from arctic.loss.transform import LogitTransform, find_logit_transform
+from arctic.loss.head import apply_sp_loss
+from arctic.loss.tiled import tiled_logits_loss
 from helpers import TOL
 
 transformers = pytest.importorskip("transformers", reason="arctic needs transformers ([hf])")
@@ -215,7 +216,7 @@ def test_router_logits_are_honoured(cls):
     class's forward on meta weights."""
     from transformers import AutoModelForCausalLM
 
-    from arctic.router_loss import RouterLoss
+    from arctic.loss.router import RouterLoss
 
     cfg = getattr(transformers, cls)(**SMALL, num_local_experts=4, num_experts=4,
                                      num_experts_per_tok=2, moe_intermediate_size=32,

@@ -69,10 +69,10 @@ def _train_reference(name, kv_heads, masked_tail=False):
 def _rank_train_sp(name, kv_heads, ulysses, ring, chunk, tiled_mlp=False, masked_tail=False):
     import torch.distributed as dist
 
-    from arctic.data import prepare_sp_batch
-    from arctic.hf_attention import apply_sequence_parallel
-    from arctic.loss import apply_sp_loss
-    from arctic.tiling import apply_tiled_mlp
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.hf.attention import apply_sequence_parallel
+    from arctic.loss.head import apply_sp_loss
+    from arctic.tiling.mlp import apply_tiled_mlp
     from ulysses import flat_mesh
 
     world = ulysses * ring
@@ -144,8 +144,8 @@ def test_mistral_hybrid_chunked_tiled():
 
 
 def _rank_packed(ring):
-    from arctic.data import prepare_sp_batch
-    from arctic.hf_attention import apply_sequence_parallel
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.hf.attention import apply_sequence_parallel
     from ulysses import gather_sequence
 
     mesh = get_mesh(2, 2 // ring, ring)
@@ -174,7 +174,7 @@ def test_packed_documents_do_not_attend_across_boundaries(ring):
 
 
 def _rank_errors():
-    from arctic.hf_attention import apply_sequence_parallel
+    from arctic.hf.attention import apply_sequence_parallel
 
     mesh, errors = get_mesh(4, 4), {}
     model = apply_sequence_parallel(_model("llama", 4), mesh=mesh)
@@ -215,7 +215,7 @@ def test_bad_setup_raises_value_error_on_every_rank():
 
 
 def _rank_reapply():
-    from arctic.hf_attention import apply_sequence_parallel
+    from arctic.hf.attention import apply_sequence_parallel
 
     model, mesh = _model("llama", 4), get_mesh(2, 2)
     for _ in range(2):

@@ -67,9 +67,9 @@ def _reference(family: str, length: int, masked: int, router: bool = True):
 def _rank_step(family: str, sp: int, length: int, masked: int):
     import torch.distributed as dist
 
-    from arctic.data import prepare_sp_batch
-    from arctic.hf_attention import apply_sequence_parallel
-    from arctic.loss import apply_sp_loss
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.hf.attention import apply_sequence_parallel
+    from arctic.loss.head import apply_sp_loss
     from ulysses import flat_mesh
 
     mesh = get_mesh(sp, sp)
@@ -118,9 +118,9 @@ def test_router_loss_over_the_group_matches_single_device(family, sp, case):
 def _rank_refusals():
     from transformers import LlamaConfig, LlamaForCausalLM, MixtralForCausalLM
 
-    from arctic.data import prepare_sp_batch
-    from arctic.hf_attention import apply_sequence_parallel
-    from arctic.loss import apply_sp_loss
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.hf.attention import apply_sequence_parallel
+    from arctic.loss.head import apply_sp_loss
     from ulysses import flat_mesh
 
     mesh = get_mesh(2, 2)
@@ -181,12 +181,12 @@ def _ds_config(extra):
 def _rank_zero3(family: str, extra: dict):
     from deepspeed.utils import safe_get_full_grad
 
-    import arctic.engine
-    from arctic.data import prepare_sp_batch
+    import arctic.train.deepspeed
+    from arctic.data.batch import prepare_sp_batch
     from helpers import init_deepspeed_comm
 
     init_deepspeed_comm()
-    engine, _, _, _ = arctic.engine.initialize(model=_model(family), config=_ds_config(extra))
+    engine, _, _, _ = arctic.train.deepspeed.initialize(model=_model(family), config=_ds_config(extra))
     ids, _ = _batch(S, 0)
     loss = engine(**prepare_sp_batch({"input_ids": ids}, engine.sp_mesh))
     engine.backward(loss)
@@ -211,8 +211,8 @@ def test_moe_under_zero3_matches_single_device(family, extra):
 
 
 def _rank_tiled_router():
-    from arctic.data import prepare_sp_batch
-    from arctic.engine import apply_sp_recipe
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.recipe import apply_sp_recipe
     from arctic.config import SequenceParallelConfig
 
     config = SequenceParallelConfig(sequence_parallel_size=2, tiled_mlp=2)

@@ -424,17 +424,18 @@ def test_trace_shortcuts_never_touch_real_tensors():
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
 
-    from arctic.tiling import _tile_rows, tiled_logits_loss
+    from arctic.tiling.tiles import tile_rows
+    from arctic.loss.tiled import tiled_logits_loss
     from ulysses.trace_shortcuts import memory_trace
 
     real = torch.zeros(10)
     with memory_trace():
-        assert [i for i, _, _ in _tile_rows(real, 10, 7)] == list(range(7))
+        assert [i for i, _, _ in tile_rows(real, 10, 7)] == list(range(7))
         with FakeTensorMode():
             fake = torch.zeros(10)
             # sizes 2, 2, 2, 1, 1, 1, 1: each size's first two tiles, and the last
-            assert [i for i, _, _ in _tile_rows(fake, 10, 7)] == [0, 1, 3, 4, 6]
-    assert [i for i, _, _ in _tile_rows(fake, 10, 7)] == list(range(7))  # outside: all
+            assert [i for i, _, _ in tile_rows(fake, 10, 7)] == [0, 1, 3, 4, 6]
+    assert [i for i, _, _ in tile_rows(fake, 10, 7)] == list(range(7))  # outside: all
     torch.manual_seed(0)
     h, w = torch.randn(37, 8, requires_grad=True), torch.randn(11, 8, requires_grad=True)
     labels = torch.randint(0, 11, (37,))
@@ -487,7 +488,7 @@ def test_search_winner_fits_and_every_other_factorization_does_not(tmp_path):
 def test_optimizer_offload_moves_the_state_to_the_host(tmp_path):
     """--offload-state optimizer (ZeRO-3 offload_optimizer): the device keeps the phase's
     peak without the sharded state plus the bf16 partition and the gradient bucket; the host
-    adds 18 bytes per parameter of the shard (arctic.placement, checked against DeepSpeed in
+    adds 18 bytes per parameter of the shard (arctic.memory.placement, checked against DeepSpeed in
     tests/test_arctic_plan_offload.py). A --ds-config with the block plans the same."""
     args = ["--model", "tiny-llama", "--seq-len", "8K", "--gpus", "2"]
     none = _plan(tmp_path, *args, name="none.json")["estimate"]

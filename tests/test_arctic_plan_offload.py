@@ -38,7 +38,7 @@ import pytest
 import torch
 
 import dist_pool
-from arctic.placement import DS_REDUCE_BUCKET_SIZE, Placement, placement_from_ds_config
+from arctic.memory.placement import DS_REDUCE_BUCKET_SIZE, Placement, placement_from_ds_config
 from helpers import value_error_of
 
 BUCKET = 10_000  # elements; small so that a wrong bucket size shows against the model's state

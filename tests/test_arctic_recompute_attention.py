@@ -34,8 +34,8 @@ def _rank_step(fields: dict, world: int, documents: bool = False):
     gradients, the attention kernel's forward calls in forward and in backward, and the
     offload pool's stats."""
     from arctic import SequenceParallelConfig
-    from arctic.data import prepare_sp_batch
-    from arctic.engine import apply_sp_recipe
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.recipe import apply_sp_recipe
     import ulysses.kernels as kernels
 
     # The kernel calls counted are the step's: no first-use check (ulysses.self_check) among
@@ -124,7 +124,7 @@ def test_kept_attention_with_packed_documents(chunked):
 
 def _rank_refusals():
     from arctic import SequenceParallelConfig, apply_activation_checkpointing
-    from arctic.engine import apply_sp_recipe
+    from arctic.recipe import apply_sp_recipe
 
     errors = {}
     errors["no SP attention"] = value_error_of(

@@ -67,8 +67,8 @@ def _sp_loss_and_grads(model, batch):
 def _rank_remove_and_restore():
     from arctic import (SequenceParallelConfig, apply_tiled_mlp, remove_sequence_parallel,
                         restore_sequence_parallel)
-    from arctic.data import prepare_sp_batch
-    from arctic.engine import apply_sp_recipe
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.recipe import apply_sp_recipe
     from arctic.order import applied_stages
 
     config = SequenceParallelConfig(sequence_parallel_size=2, **EVERYTHING)

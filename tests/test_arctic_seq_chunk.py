@@ -1,4 +1,4 @@
-"""``ulysses.seq_chunk`` through the recipe (arctic.engine.apply_sp_recipe): a HF model with
+"""``ulysses.seq_chunk`` through the recipe (arctic.recipe.apply_sp_recipe): a HF model with
 sequence-chunked attention trains to the loss and gradients of the unchunked one, its chunk
 buffers are a block's, and the config refuses what the loop does not support."""
 
@@ -20,8 +20,8 @@ def _rank_train(seq_chunk, fuse, ring):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from arctic.config import SequenceParallelConfig
-    from arctic.data import prepare_sp_batch
-    from arctic.engine import apply_sp_recipe
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.recipe import apply_sp_recipe
     from arctic.plan import buffer_pools
 
     sp = SequenceParallelConfig(sequence_parallel_size=2, ring_degree=ring, head_chunk_size=1,

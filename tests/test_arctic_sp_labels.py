@@ -106,7 +106,7 @@ def _rank_refusals():
     except ValueError as e:
         errors.append(str(e))
     # a loss argument of a (future) transformers that the SP loss does not compute
-    from arctic.loss import SPCausalLMLoss
+    from arctic.loss.token import SPCausalLMLoss
 
     newer = SPCausalLMLoss(mesh, loss_arguments=frozenset({"labels", "label_smoothing"}))
     try:

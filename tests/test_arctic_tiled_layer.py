@@ -1,4 +1,4 @@
-"""``ulysses.tiled_layer`` (arctic.tiled_layer): each decoder layer's tail after attention as one
+"""``ulysses.tiled_layer`` (arctic.tiling.layer): each decoder layer's tail after attention as one
 tiled unit. Same loss and gradients as the stock layer, one hidden-sized tensor less saved for
 backward and at the planner's peak, and refusals for what it cannot reproduce."""
 
@@ -42,7 +42,7 @@ def _loss_and_grads(model):
 @pytest.mark.parametrize("before", ["none", "tiled_mlp_and_norms"])
 def test_tiled_layer_matches_the_stock_layer(family, before):
     from arctic import apply_tiled_layers, apply_tiled_mlp
-    from arctic.tiling import apply_tiled_norms
+    from arctic.tiling.norms import apply_tiled_norms
 
     loss0, grads0 = _loss_and_grads(_model(family))
     model = _model(family)
@@ -92,7 +92,7 @@ def test_tiled_layer_saves_the_attention_output_only():
     MLP's input norm2(h); the tiled tail saves the attention output a (and the layer input,
     which the stock norm saves too): one [B, S, E] tensor less per layer."""
     from arctic import apply_tiled_layers, apply_tiled_mlp
-    from arctic.tiling import apply_tiled_norms
+    from arctic.tiling.norms import apply_tiled_norms
 
     hidden = 2 * S * 64 * 4  # [2, S, 64] float32
     out = {}
@@ -169,8 +169,8 @@ def _rank_sp(extra):
     """SP over 2 ranks (Ulysses 2, head chunks of 1, fused projections), checkpointing with
     offload, through apply_sp_recipe: the SP loss and gradients of every parameter."""
     from arctic.config import SequenceParallelConfig
-    from arctic.data import prepare_sp_batch
-    from arctic.engine import apply_sp_recipe
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.recipe import apply_sp_recipe
 
     import torch.distributed as dist
 

@@ -62,12 +62,12 @@ def test_sft_trainer_with_packing_matches_plain_sft(tmp_path, extra):
     ("router_aux_loss_coef", 0.01, "router loss"),
 ])
 def test_sft_fields_the_sp_trainer_cannot_give_are_refused(tmp_path, field, value, needle):
-    """SFTConfig fields are classified like TrainingArguments' (arctic.trainer_fields): these
+    """SFTConfig fields are classified like TrainingArguments' (arctic.train.fields): these
     are refused at construction, naming the field, before anything runs."""
     pytest.importorskip("trl", reason="TRL is in the test extras")
     from trl import SFTConfig, SFTTrainer
 
-    from arctic.trainer import SequenceParallelMixin
+    from arctic.train.trainer import SequenceParallelMixin
 
     class SPSFTTrainer(SequenceParallelMixin, SFTTrainer):
         pass

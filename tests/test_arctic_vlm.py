@@ -1,4 +1,4 @@
-"""Vision-language models under sequence parallelism (:mod:`arctic.vlm`): Qwen2.5-VL, Qwen3-VL
+"""Vision-language models under sequence parallelism (:mod:`arctic.hf.vlm`): Qwen2.5-VL, Qwen3-VL
 (M-RoPE, deepstack) and Gemma3 built from tiny configs, images as random pixel tensors, two
 rows of 48 tokens whose images the cut splits at image boundaries and mid-image. Loss and
 gradients (the vision tower's included) of one SP step against the unmodified model on one
@@ -168,7 +168,7 @@ def _rank_step(family: str, sp: int, ring: int, length: int, masked: int, varian
     import torch.distributed as dist
 
     from arctic import apply_sp_loss, prepare_sp_batch, vision_inputs
-    from arctic.hf_attention import apply_sequence_parallel
+    from arctic.hf.attention import apply_sequence_parallel
     from ulysses import flat_mesh
 
     mesh = get_mesh(sp, sp // ring, ring)
@@ -197,10 +197,10 @@ def _rank_step(family: str, sp: int, ring: int, length: int, masked: int, varian
 
 
 def _rank_positions(sp: int, ring: int, n: int) -> list[int]:
-    from ulysses.sharding import _seq_split, _sp_rank
+    from ulysses.sharding import seq_split, sp_rank_of
 
     mesh = get_mesh(sp, sp // ring, ring)
-    runs = _seq_split(mesh).runs(n, _sp_rank(mesh))
+    runs = seq_split(mesh).runs(n, sp_rank_of(mesh))
     return [p for start, size in runs for p in range(start, start + size)]
 
 
@@ -290,7 +290,7 @@ def _rank_refusals():
     import transformers as tf
 
     from arctic import prepare_sp_batch, remove_sequence_parallel, vision_inputs
-    from arctic.hf_attention import apply_sequence_parallel
+    from arctic.hf.attention import apply_sequence_parallel
 
     mesh = get_mesh(2, 2)
     got = {}
@@ -386,7 +386,7 @@ def _only(samples: list) -> dict:
 def _rank_zero3(family: str):
     from deepspeed.utils import safe_get_full_grad
 
-    import arctic.engine
+    import arctic.train.deepspeed
     from arctic import prepare_sp_batch, vision_inputs
     from helpers import init_deepspeed_comm
 
@@ -397,7 +397,7 @@ def _rank_zero3(family: str):
               "zero_optimization": {"stage": 3}, "sequence_parallel_size": 2,
               "ulysses": {"loss_tiles": 2, "activation_checkpointing": True}}
     # the engine's loader cuts the batch (one item: the whole two-row batch)
-    engine, _, loader, _ = arctic.engine.initialize(
+    engine, _, loader, _ = arctic.train.deepspeed.initialize(
         model=_model(family), config=config, training_data=[_batch(family, few=True)],
         collate_fn=_only)
     batch = next(iter(loader))
@@ -413,7 +413,7 @@ def _rank_zero3(family: str):
 def _rank_fsdp2(family: str):
     from arctic import apply_fsdp, prepare_sp_batch, vision_inputs
     from arctic.config import SequenceParallelConfig
-    from arctic.engine import apply_sp_recipe
+    from arctic.recipe import apply_sp_recipe
 
     config = SequenceParallelConfig(sequence_parallel_size=2, loss_tiles=2,
                                     activation_checkpointing=True)

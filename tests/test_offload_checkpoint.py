@@ -155,7 +155,7 @@ def test_offload_context_matches_plain_autograd_for_any_block():
 
 
 def test_apply_order_and_double_checkpointing_are_refused():
-    from arctic.tiling import apply_tiled_mlp
+    from arctic.tiling.mlp import apply_tiled_mlp
 
     model = apply_activation_checkpointing(_model())
     with pytest.raises(ValueError, match="tiling to LlamaForCausalLM: checkpointing is already "

@@ -27,7 +27,8 @@ import ulysses.torch_internals as ti
 REPO = Path(__file__).resolve().parent.parent
 PRIVATE_ATTRIBUTES = {"_forward_pre_hooks", "_forward_hooks", "_backward_hooks",
                       "_backward_pre_hooks", "_get_fsdp_state", "_fsdp_param_group",
-                      "_fsdp_param_groups", "_set_allocator_settings"}
+                      "_fsdp_param_groups", "_set_allocator_settings", "_flatten", "_base",
+                      "_version"}
 """Private attributes of torch objects that only ulysses/torch_internals.py reads."""
 
 
@@ -126,6 +127,18 @@ def test_forward_hooks_swap():
     assert ti.forward_hooks(m) == ({}, {})
     ti.set_forward_hooks(m, pre, post)
     assert ti.forward_hooks(m)[0] is pre
+
+
+def test_tensor_and_mesh_internals():
+    x = torch.arange(6.0)
+    view = x[2:]
+    assert ti.view_base(view) is x and ti.view_base(x) is x
+    before = ti.tensor_version(x)
+    x.add_(1)
+    assert ti.tensor_version(x) == before + 1
+    from torch.distributed.device_mesh import DeviceMesh
+
+    assert callable(getattr(DeviceMesh, "_flatten", None))  # flatten_mesh's target
 
 
 def test_cuda_allocator_setter_exists():

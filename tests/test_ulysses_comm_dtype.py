@@ -151,8 +151,8 @@ def _rank_config_key(comm):
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from arctic.config import SequenceParallelConfig
-    from arctic.data import prepare_sp_batch
-    from arctic.engine import apply_sp_recipe
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.recipe import apply_sp_recipe
 
     ds = {"sequence_parallel_size": 4, "ulysses": {"head_chunk_size": None}}
     if comm is not None:

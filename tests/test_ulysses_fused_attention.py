@@ -18,7 +18,7 @@ from helpers import TOL, get_mesh
 from helpers import value_error_of as _error
 from ulysses import flat_mesh, gather_sequence, shard_sequence, ulysses_attention
 from ulysses.fused_attention import fused_attention
-from ulysses.kernels import local_attention
+from ulysses.attention import local_attention
 
 transformers = pytest.importorskip("transformers", reason="the HF cases need transformers")
 
@@ -207,9 +207,9 @@ def _rank_model(name, kv_heads, ulysses, ring, chunk, checkpointing=False):
     import torch.distributed as dist
 
     from arctic import apply_activation_checkpointing
-    from arctic.data import prepare_sp_batch
-    from arctic.hf_attention import apply_sequence_parallel
-    from arctic.loss import apply_sp_loss
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.hf.attention import apply_sequence_parallel
+    from arctic.loss.head import apply_sp_loss
 
     world = ulysses * ring
     mesh = get_mesh(world, ulysses, ring)
@@ -272,7 +272,7 @@ def _rank_attention_peak(S_full, hidden, H, K):
     from torch.distributed._tools.mem_tracker import MemTracker
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from arctic.hf_attention import apply_sequence_parallel
+    from arctic.hf.attention import apply_sequence_parallel
 
     mesh = get_mesh(2, 2)
     cfg = LlamaConfig(vocab_size=VOCAB, hidden_size=hidden, intermediate_size=hidden,
@@ -333,8 +333,8 @@ def _rank_zero3():
     projections are gathered although no q_proj(...) call happens."""
     from deepspeed.utils import safe_get_full_grad
 
-    import arctic.engine
-    from arctic.data import prepare_sp_batch
+    import arctic.train.deepspeed
+    from arctic.data.batch import prepare_sp_batch
     from helpers import init_deepspeed_comm
 
     init_deepspeed_comm()
@@ -343,7 +343,7 @@ def _rank_zero3():
               "zero_optimization": {"stage": 3}, "sequence_parallel_size": 2,
               "ulysses": {"head_chunk_size": 1, "fuse_projections": True,
                           "activation_checkpointing": True}}
-    engine, *_ = arctic.engine.initialize(model=_model("qwen2", 2), config=config)
+    engine, *_ = arctic.train.deepspeed.initialize(model=_model("qwen2", 2), config=config)
     batch = prepare_sp_batch({"input_ids": _tokens()}, engine.sp_mesh)
     loss = engine(**batch)
     engine.backward(loss)
@@ -367,10 +367,10 @@ def _rank_fsdp2():
     layers: the projections' weights are read from the unsharded layer in forward and in the
     backward recompute."""
     from arctic import apply_activation_checkpointing
-    from arctic.data import prepare_sp_batch
-    from arctic.fsdp import apply_fsdp
-    from arctic.hf_attention import apply_sequence_parallel
-    from arctic.loss import apply_sp_loss
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.train.fsdp import apply_fsdp
+    from arctic.hf.attention import apply_sequence_parallel
+    from arctic.loss.head import apply_sp_loss
 
     mesh = get_mesh(2, 2)
     model = apply_sequence_parallel(_model("qwen3", 4), mesh=mesh, head_chunk_size=2,
@@ -396,7 +396,7 @@ def test_fsdp2_fused_matches_single_device():
 # --- refused combinations ---------------------------------------------------------------------
 
 def _rank_errors():
-    from arctic.hf_attention import apply_sequence_parallel
+    from arctic.hf.attention import apply_sequence_parallel
 
     mesh = get_mesh(2, 2)
     apply = lambda model, **kw: apply_sequence_parallel(model, mesh=mesh, **kw)  # noqa: E731

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from test_ulysses_kernels import _fa4_validate_head_dims
-from ulysses import cuda_kernels
+from ulysses import cuda_kernels, cuda_sdpa
 from ulysses.kernels import attention_backward, check_supported, select_backend
 
 CAPS = [(7, 0), (7, 5), (8, 0), (8, 6), (8, 9), (9, 0), (10, 0), (11, 0), (12, 0)]
@@ -133,11 +133,11 @@ def test_a_named_backend_is_refused_where_it_does_not_run(gpu, backend):
 def test_the_efficient_backward_reads_lse_padded_with_inf():
     """torch's memory-efficient backward reads lse in blocks of 32 rows, unchecked."""
     lse = torch.randn(2, 3, 45)
-    padded = cuda_kernels.efficient_backward_lse(lse)
+    padded = cuda_sdpa.efficient_backward_lse(lse)
     assert padded.shape == (2, 3, 64) and padded.is_contiguous()
     assert torch.equal(padded[..., :45], lse) and torch.isposinf(padded[..., 45:]).all()
     exact = torch.randn(1, 2, 64)
-    assert torch.equal(cuda_kernels.efficient_backward_lse(exact), exact)
+    assert torch.equal(cuda_sdpa.efficient_backward_lse(exact), exact)
 
 
 def test_a_package_that_fails_to_import_is_named_with_its_error(monkeypatch):
@@ -243,13 +243,13 @@ def test_cudnn_never_gets_a_single_query_or_key_row(monkeypatch, Sq, Sk):
     """pytorch#193893: cuDNN 9.19-9.25 corrupts one-row (decode-shaped) GQA pieces on
     Blackwell; a window of 2 or tiny ring blocks make such pieces. FA2 takes them."""
     aten = _Recorder()
-    monkeypatch.setattr(cuda_kernels, "_aten", aten)
+    monkeypatch.setattr(cuda_sdpa, "_aten", aten)
     q, k = torch.randn(1, Sq, 4, 8), torch.randn(1, Sk, 2, 8)
-    out, lse = cuda_kernels._sdpa_cudnn_forward(q, k, k, False, 1.0)
-    cuda_kernels._sdpa_cudnn_backward(out, q, k, k, out, lse, False, 1.0)
+    out, lse = cuda_sdpa.cudnn_forward(q, k, k, False, 1.0)
+    cuda_sdpa.cudnn_backward(out, q, k, k, out, lse, False, 1.0)
     assert aten.calls == ["flash", "flash_backward"]
     q, k = torch.randn(1, 3, 4, 8), torch.randn(1, 3, 2, 8)
-    cuda_kernels._sdpa_cudnn_backward(q, q, k, k, q, torch.zeros(1, 4, 3), False, 1.0)
+    cuda_sdpa.cudnn_backward(q, q, k, k, q, torch.zeros(1, 4, 3), False, 1.0)
     assert aten.calls[-1] == "cudnn_backward"  # more than one row each: cuDNN's
 
 
@@ -277,15 +277,15 @@ def test_efficient_backward_gets_out_with_the_row_stride_it_assumes(monkeypatch)
         seen["read"], seen["out"] = _read_like_efficient(out), out.clone()
         return q.clone(), k.clone(), v.clone(), None
 
-    monkeypatch.setattr(cuda_kernels, "_aten", SimpleNamespace(
+    monkeypatch.setattr(cuda_sdpa, "_aten", SimpleNamespace(
         _scaled_dot_product_efficient_attention_backward=backward))
     B, S, H, D = 2, 5, 6, 4
     wide = torch.randn(B, S, H, D)
     for out in (wide[:, :, 2:3], wide[:, :, 1:4], wide[:, 1:4], wide):
         h = out.shape[2]
         q, kv = torch.randn(B, out.shape[1], h, D), torch.randn(B, 3, 1, D)
-        cuda_kernels._sdpa_efficient_backward(out, q, kv, kv, out,
-                                              torch.zeros(B, h, out.shape[1]), False, 1.0)
+        cuda_sdpa.efficient_backward(out, q, kv, kv, out, torch.zeros(B, h, out.shape[1]),
+                                     False, 1.0)
         assert torch.equal(seen["read"], seen["out"])
         assert torch.equal(seen["out"], out.transpose(1, 2))
 
@@ -309,16 +309,16 @@ def _read_like_cudnn(lse_BHS1: torch.Tensor, ragged: bool) -> torch.Tensor:
 def test_cudnn_backward_lse_layout_follows_the_graph(monkeypatch, ragged):
     """TORCH_CUDNN_SDPA_AVOID_RECOMPILE=1 makes torch's cuDNN backward place batch rows by
     lse.stride(-2); a [B, H, S] lse would give every row after the first the wrong values."""
-    monkeypatch.setattr(cuda_kernels, "_cudnn_ragged_env", lambda: ragged)
+    monkeypatch.setattr(cuda_sdpa, "_cudnn_ragged_env", lambda: ragged)
     aten = _Recorder()
-    monkeypatch.setattr(cuda_kernels, "_aten", aten)
+    monkeypatch.setattr(cuda_sdpa, "_aten", aten)
     B, S, H, D = 3, 5, 4, 8
     q, lse = torch.randn(B, S, H, D), torch.randn(B, H, S)
     kv = q[:, :, :2].contiguous()
-    cuda_kernels._sdpa_cudnn_backward(q, q, kv, kv, q, lse, True, 1.0)
+    cuda_sdpa.cudnn_backward(q, q, kv, kv, q, lse, True, 1.0)
     assert torch.equal(_read_like_cudnn(aten.lse, ragged), lse)
     # torch takes the ragged graph only for BSHD-contiguous q, k, v: a strided piece is dense.
-    cuda_kernels._sdpa_cudnn_backward(q, q[:, :2], q[:, :2], q[:, :2], q[:, :2], lse[..., :2],
+    cuda_sdpa.cudnn_backward(q, q[:, :2], q[:, :2], q[:, :2], q[:, :2], lse[..., :2],
                                       True, 1.0)
     assert aten.lse.is_contiguous()
 
@@ -370,7 +370,7 @@ def test_cuda_kernels_get_16_byte_aligned_tensors(monkeypatch, backend, op):
         grads = tuple(t.clone() for t in args[1:4])
         return grads + (None,) if backend == "sdpa_efficient" else grads
 
-    monkeypatch.setattr(cuda_kernels, "_aten", SimpleNamespace(**{op: kernel}))
+    monkeypatch.setattr(cuda_sdpa, "_aten", SimpleNamespace(**{op: kernel}))
     full_lse = torch.randn(1, 1, 128)
     lse = full_lse[:, :, 37:69]
     assert lse.is_contiguous() and lse.data_ptr() % 16 == 4

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 
 from helpers import TOL, value_error_of
 from ulysses import cuda_kernels, kernels
-from ulysses.kernels import attention_backward, attention_forward, local_attention, select_backend
+from ulysses.attention import local_attention
+from ulysses.kernels import attention_backward, attention_forward, select_backend
 
 
 def _qkv(B, S, H, K, D, dtype, seed=0):

@@ -17,7 +17,8 @@ from helpers import TOL, make_qkv, reference, value_error_of
 from test_ulysses_blocks import block_reference
 from test_ulysses_window_sinks import reference as window_reference
 from ulysses import SequenceParallelDims, shard_sequence, ulysses_attention
-from ulysses.kernels import attention_backward, attention_forward, check_supported, local_attention
+from ulysses.attention import local_attention
+from ulysses.kernels import attention_backward, attention_forward, check_supported
 from ulysses.mesh import axis_group
 from ulysses.ring import ring_attention
 

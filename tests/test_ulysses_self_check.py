@@ -13,7 +13,8 @@ from torch._subclasses.fake_tensor import FakeTensorMode
 
 import dist_pool
 from helpers import get_mesh, make_qkv
-from ulysses import kernels, local_attention, self_check, shard_sequence, ulysses_attention
+from ulysses import (SequenceParallelDims, kernels, local_attention, self_check, shard_sequence,
+                     ulysses_attention)
 
 GOOD_FORWARD = kernels._FORWARD["cpu_flash"]
 GOOD_BACKWARD = kernels._BACKWARD["cpu_flash"]
@@ -108,15 +109,11 @@ def test_a_right_kernel_is_checked_once_per_combination(stand_in):
 def test_turned_off_the_wrong_kernel_runs(stand_in):
     stand_in(_scaled_out)
     q, k, v = _qkv()
-    self_check.set_enabled(False)
-    try:
-        out = local_attention(q, k, v, causal=True, backend="cpu_flash")
-    finally:
-        self_check.set_enabled(True)
+    out = local_attention(q, k, v, causal=True, backend="cpu_flash", self_check=False)
     want = local_attention(q, k, v, causal=True, backend="math")
     assert (out - want).abs().max() > 1e-2  # the wrong result went through
-    with pytest.raises(ValueError, match="must be turned on or off with a bool"):
-        self_check.set_enabled("no")
+    with pytest.raises(ValueError, match="kernel_self_check must be True or False"):
+        SequenceParallelDims(2, 2, kernel_self_check="no")
 
 
 def test_the_check_leaves_the_global_rng_alone(stand_in):
@@ -176,7 +173,6 @@ def test_a_causal_ring_checks_the_unmasked_kernel_too(stand_in):
 def _ranks_with_a_wrong_kernel(world, ring):
     """Every rank installs the wrong stand-in (workers persist: restored after)."""
     self_check.forget()
-    self_check.set_enabled(True)  # another test's config may have turned it off here
     kernels._FORWARD["cpu_flash"] = _scaled_out
     try:
         mesh = get_mesh(world, world // ring, ring)

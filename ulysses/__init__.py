@@ -7,9 +7,9 @@ Public API::
 """
 
 from ulysses.all_to_all import all_to_all, all_to_all_async
-from ulysses.attention import ulysses_attention
+from ulysses.attention import local_attention, ulysses_attention
 from ulysses.buffer_pool import BufferPool
-from ulysses.kernels import BACKENDS, local_attention, select_backend
+from ulysses.kernels import BACKENDS, select_backend
 from ulysses.layer import DistributedAttention
 from ulysses.mesh import DeepSpeedMPU, SequenceParallelDims, flat_mesh, mesh_dims
 from ulysses.ring import ring_attention

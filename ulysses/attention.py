@@ -22,14 +22,43 @@ from ulysses.buffer_pool import BufferPool
 from ulysses.head_chunking import (DEFAULT_CHUNK_BUDGET_BYTES, head_chunked_attention,
                                    resolve_chunk_size)
 from ulysses.hybrid import check_hybrid, inner_attention
-from ulysses.kernels import attention_with_lse, check_qkv, default_scale, select_backend
+from ulysses.kernels import (LocalAttention, attention_with_lse, check_qkv, default_scale,
+                             select_backend)
 from ulysses.mesh import axis_group, axis_rank, axis_size, check_mesh, mesh_dims
 from ulysses.segments import check_segments
-from ulysses.self_check import verify_call
+from ulysses.self_check import verify, verify_call
 from ulysses.seq_chunk import check_seq_chunk, resolve_seq_chunk
 from ulysses.sharding import HeadLayout, head_layout
 from ulysses.sinks import check_sinks
 from ulysses.softcap import check_softcap
+
+
+def local_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
+                    softmax_scale: float | None = None, backend: str | None = None,
+                    return_lse: bool = False, self_check: bool = True):
+    """Single-rank attention with autograd, shaped like ``flash_attn_func``.
+
+    Args:
+        q: ``[B, S, H, D]``; k, v: ``[B, S, K, D]`` with ``H % K == 0``.
+        causal: mask future keys.
+        softmax_scale: defaults to ``1 / sqrt(D)``.
+        backend: a name from :data:`BACKENDS`, or ``None`` to choose by device and dtype.
+        return_lse: also return ``lse_BHS`` (float32, not differentiable).
+        self_check: check the kernel against the float64 reference at its first use with
+            this device, dtype and mask (:mod:`ulysses.self_check`).
+
+    Returns:
+        ``out_BSHD``, or ``(out_BSHD, lse_BHS)`` when ``return_lse``.
+    """
+    check_qkv(q, k, v, causal=causal)
+    backend = select_backend(q.device, q.dtype, q.shape[-1], backend)
+    if self_check:
+        verify(backend, q, causal=causal)
+    attn = LocalAttention(causal=causal, scale=default_scale(q.shape[-1], softmax_scale),
+                          backend=backend)
+    out, lse = attention_with_lse(q, k, v, attn)
+    return (out, lse) if return_lse else out
+
 
 
 def _validate(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, causal: bool,
@@ -196,8 +225,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
                              layout_segments=layout_segments, blocks=blocks)
     if blocks is not None and seq_chunk is not None:
         raise ValueError("blocks= are not implemented with seq_chunk; leave seq_chunk out")
-    verify_call(backend, q, causal=causal, window=window, sinks=sinks is not None,
-                ring=axis_size(mesh, "ring") > 1, softcap=softcap)
+    if mesh_dims(mesh).kernel_self_check:
+        verify_call(backend, q, causal=causal, window=window, sinks=sinks is not None,
+                    ring=axis_size(mesh, "ring") > 1, softcap=softcap)
     if sinks is not None:  # [H] -> [h]: this rank's query heads (autograd scatters the grad)
         first = sum(layout.q_sizes[:rank])
         sinks = sinks[first:first + layout.q_sizes[rank]]

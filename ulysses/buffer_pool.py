@@ -18,6 +18,8 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
+from ulysses.torch_internals import view_base
+
 
 @dataclass(slots=True)
 class PoolStats:
@@ -83,7 +85,7 @@ class BufferPool:
 
     def release(self, buf: Tensor) -> None:
         """Return ``buf`` (from :meth:`acquire`); the caller must not use it afterwards."""
-        base = buf if buf._base is None else buf._base
+        base = view_base(buf)
         if any(b is base for b in self._free):
             raise ValueError("buffer released twice")
         self._free.append(base)

@@ -173,7 +173,7 @@ def _finish(src: ChunkSource, sent) -> None:
 #   anything new is acquired, and kernel outputs are dropped as soon as they are packed;
 # - a source's tensors (a projected chunk, say) live only until they are packed.
 
-def _steps_run(steps: Sequence[Step], x: Tensor) -> list[int]:
+def steps_run(steps: Sequence[Step], x: Tensor) -> list[int]:
     """The indices of the steps a loop runs: all of them; in a memory trace
     (:func:`ulysses.trace_shortcuts.skip` of ``x``), the schedule less its middle periods.
 
@@ -205,7 +205,7 @@ def run_forward(src: ChunkSource, out: Tensor, cfg: ChunkConfig, pool: BufferPoo
     def launch(j):
         return _send(src, "q", j, steps[j], steps[j].q[me][1], cfg, pool)
 
-    order = _steps_run(steps, out)
+    order = steps_run(steps, out)
     kv, pend_out, nxt = None, None, launch(order[0])
     for i, j in enumerate(order):
         st = steps[j]
@@ -263,7 +263,7 @@ def run_backward(src: ChunkSource, out: Tensor, lse: Tensor, cfg: ChunkConfig,
         st = steps[j]
         return [_send(src, kind, j, st, st.q[me][1], cfg, pool) for kind in ("q", "dout")]
 
-    order = _steps_run(steps, out)
+    order = steps_run(steps, out)
     kv, dkv_sum, sent, nxt = None, None, [], launch(order[0])
     for i, j in enumerate(order):
         st = steps[j]

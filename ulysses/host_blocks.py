@@ -32,11 +32,7 @@ import weakref
 import torch
 from torch import Tensor
 
-from ulysses.torch_internals import is_fake
-
-
-def _fake(x: Tensor) -> bool:
-    return is_fake(x)
+from ulysses.trace_shortcuts import is_traced
 
 
 def _uncount(stats, nbytes: int) -> None:
@@ -66,7 +62,7 @@ class HostBlocks:
 
     def __init__(self, like: Tensor, stats=None) -> None:
         self.device = like.device
-        self._planned = _fake(like)
+        self._planned = is_traced(like)
         self._stats = stats
         self._cuda = like.is_cuda and not self._planned
         self._side = torch.cuda.Stream(self.device) if self._cuda else None

@@ -277,31 +277,6 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn,
     return _AttentionFn.apply(q, k, v, attn, sinks)
 
 
-def local_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
-                    softmax_scale: float | None = None, backend: str | None = None,
-                    return_lse: bool = False):
-    """Single-rank attention with autograd, shaped like ``flash_attn_func``.
-
-    Args:
-        q: ``[B, S, H, D]``; k, v: ``[B, S, K, D]`` with ``H % K == 0``.
-        causal: mask future keys.
-        softmax_scale: defaults to ``1 / sqrt(D)``.
-        backend: a name from :data:`BACKENDS`, or ``None`` to choose by device and dtype.
-        return_lse: also return ``lse_BHS`` (float32, not differentiable).
-
-    Returns:
-        ``out_BSHD``, or ``(out_BSHD, lse_BHS)`` when ``return_lse``.
-    """
-    check_qkv(q, k, v, causal=causal)
-    backend = select_backend(q.device, q.dtype, q.shape[-1], backend)
-    from ulysses.self_check import verify  # self_check builds on this module
-    verify(backend, q, causal=causal)
-    attn = LocalAttention(causal=causal, scale=default_scale(q.shape[-1], softmax_scale),
-                          backend=backend)
-    out, lse = attention_with_lse(q, k, v, attn)
-    return (out, lse) if return_lse else out
-
-
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False) -> None:
     """Raise ``ValueError`` unless q, k, v are [B, S, H|K, D] tensors that fit together."""
     for name, t in (("q", q), ("k", k), ("v", v)):

@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch.distributed as dist
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
+from ulysses.torch_internals import flatten_mesh
+
 MESH_AXES = ("dp", "ring", "ulysses")
 
 
@@ -50,6 +52,11 @@ class SequenceParallelDims:
     depends on the documents, which ``shard_sequence``, ``gather_sequence`` and the attention
     take as ``segments=``. A row that is one document is cut as by ``zigzag``. No effect
     without a ring."""
+    kernel_self_check: bool = True
+    """Check each attention kernel against the float64 reference the first time this process
+    runs it with a combination of device, dtype and mask features (:mod:`ulysses.self_check`),
+    in every attention on this mesh. The mesh carries it, so two configurations in one
+    process each keep their own."""
 
     def __post_init__(self) -> None:
         _check_degree("world_size", self.world_size)
@@ -59,6 +66,9 @@ class SequenceParallelDims:
             raise ValueError(f"zigzag must be True or False, got {self.zigzag!r}")
         if not isinstance(self.per_document, bool):
             raise ValueError(f"per_document must be True or False, got {self.per_document!r}")
+        if not isinstance(self.kernel_self_check, bool):
+            raise ValueError(f"kernel_self_check must be True or False, got "
+                             f"{self.kernel_self_check!r}")
         if self.per_document and not self.zigzag:
             raise ValueError("per_document=True is a zigzag layout of each document; it cannot "
                              "be combined with zigzag=False")
@@ -113,12 +123,13 @@ class SequenceParallelDims:
         # "dp_sp" (every axis) is what ZeRO/FSDP shard over.
         # Kept on the mesh and read with flat_mesh(): slicing a flattened axis off the root
         # mesh warns of its deprecation from torch 2.11 on.
-        mesh._sp_flat = {"sp": mesh["ring", "ulysses"]._flatten("sp"),
-                         "dp_sp": mesh["dp", "ring", "ulysses"]._flatten("dp_sp")}
+        mesh._sp_flat = {"sp": flatten_mesh(mesh["ring", "ulysses"], "sp"),
+                         "dp_sp": flatten_mesh(mesh["dp", "ring", "ulysses"], "dp_sp")}
         # The description travels with the mesh: everything that cuts or attends a sequence
         # reads the layout from here, so the two sides cannot be given different ones.
         mesh._sp_dims = SequenceParallelDims(self.world_size, self.ulysses_degree,
-                                             self.ring_degree, self.zigzag, self.per_document)
+                                             self.ring_degree, self.zigzag, self.per_document,
+                                             self.kernel_self_check)
         return mesh
 
 

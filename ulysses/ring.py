@@ -178,7 +178,7 @@ def _work(cfg: RingAttention, t: int, L: int) -> list[tuple[slice, list[Piece]]]
     return [(rows, pieces) for rows, pieces in found if pieces]
 
 
-class _Hop:
+class Hop:
     """One ring hop in flight: tensors sent to the next rank, buffers filled by the previous."""
 
     def __init__(self, tensors: tuple[Tensor, ...], recv: tuple[Tensor, ...] | None,
@@ -224,7 +224,7 @@ def _forward(q, k, v, cfg: RingAttention) -> tuple[Tensor, Tensor]:
     comm = k.dtype if cfg.comm_dtype is None else cfg.comm_dtype
     cur, spare = (k, v), None
     for t in _hops_run(cfg, L, q):
-        hop = _Hop(cur, spare, cfg, comm) if t + 1 < cfg.size else None
+        hop = Hop(cur, spare, cfg, comm) if t + 1 < cfg.size else None
         for rows, pieces in _work(cfg, t, L):
             for p in pieces:
                 out_b, lse_b = piece_forward(q[rows], cur[0][rows], cur[1][rows], p,
@@ -248,7 +248,7 @@ def _backward(dout, q, k, v, out, lse, cfg: RingAttention) -> tuple[Tensor, Tens
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     cur, spare, dkv_hop = (k, v), None, None
     for t in _hops_run(cfg, L, q):
-        hop = _Hop(cur, spare, cfg, comm) if t + 1 < cfg.size else None
+        hop = Hop(cur, spare, cfg, comm) if t + 1 < cfg.size else None
         # The partial dk/dv of the block in hand: fresh at step 0, else what the previous
         # holder passed on (it travelled one hop behind the block itself).
         if dkv_hop is None:
@@ -265,7 +265,7 @@ def _backward(dout, q, k, v, out, lse, cfg: RingAttention) -> tuple[Tensor, Tens
                 dkv[0][rows, p.k0:p.k1] += dk_b
                 dkv[1][rows, p.k0:p.k1] += dv_b
                 del dq_b, dk_b, dv_b
-        dkv_hop = _Hop(dkv, None, cfg, comm_acc)  # after the last step: at the block's owner
+        dkv_hop = Hop(dkv, None, cfg, comm_acc)  # after the last step: at the block's owner
         del dkv
         if hop is not None:
             spare = cur if t > 0 and comm == k.dtype else None
@@ -287,7 +287,7 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup,
                    backend: str | None = None, window: int | None = None,
                    comm_dtype: torch.dtype | None = None,
                    softcap: float | None = None, segments=None,
-                   per_document: bool = False) -> Tensor:
+                   per_document: bool = False, self_check: bool = True) -> Tensor:
     """Ring attention over ``group``, shaped like ``flash_attn_func``.
 
     Args:
@@ -313,6 +313,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup,
         per_document: the rows were cut document by document (``shard_sequence(...,
             segments=)`` on a mesh built with ``per_document=True``): chunks r and 2R-1-r of
             every document of ``segments``. Needs ``segments`` and ``zigzag``.
+        self_check: check the kernel against the float64 reference at its first use with
+            this device, dtype and mask (:mod:`ulysses.self_check`).
 
     Returns:
         ``out_BLHD``, sharded like ``q``.
@@ -333,7 +335,8 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup,
                          backend=select_backend(q.device, q.dtype, q.shape[-1], backend),
                          zigzag=zigzag, window=window, comm_dtype=comm_dtype, softcap=softcap,
                          starts=starts, layout=starts if per_document and size > 1 else None)
-    verify_call(attn.backend, q, causal=causal, window=window, sinks=False, ring=size > 1,
-                softcap=softcap)
+    if self_check:
+        verify_call(attn.backend, q, causal=causal, window=window, sinks=False, ring=size > 1,
+                    softcap=softcap)
     out, _ = attention_with_lse(q, k, v, attn)
     return out

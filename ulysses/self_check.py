@@ -20,7 +20,9 @@ FLOP counter or memory tracker does not see it), and is skipped where nothing re
 fake or meta tensors (the planner's traces), under ``torch.compile`` tracing and during CUDA
 graph capture.
 
-Turn it off with :func:`set_enabled` (``ulysses.kernel_self_check: false`` in the config).
+A mesh built with ``kernel_self_check=False`` (``ulysses.kernel_self_check: false`` in the
+config) skips it for the attention on that mesh; ``local_attention`` and ``ring_attention`` take
+``self_check=False``.
 """
 
 from __future__ import annotations
@@ -34,7 +36,8 @@ from torch import Tensor
 from ulysses.band import WindowAttention
 from ulysses.kernels import LocalAttention, default_scale
 from ulysses.sinks import apply_sinks, sinks_grad
-from ulysses.torch_internals import disable_current_modes, is_fake
+from ulysses.torch_internals import disable_current_modes
+from ulysses.trace_shortcuts import is_traced
 
 TOLERANCE = {torch.float64: 1e-9, torch.float32: 1e-3, torch.float16: 1e-2,
              torch.bfloat16: 3e-2}
@@ -45,23 +48,11 @@ CHECK_WINDOW = 16
 """The window of a windowed check: shorter than the length, so the band's three kinds of
 pieces all run (:mod:`ulysses.band`)."""
 
-_enabled = True
 _verdicts: dict[tuple, str | None] = {}
 """(backend, device, dtype, head_dim, causal, windowed, sinks, softcap) -> None (passed) or the
-message."""
-
-
-def set_enabled(enabled: bool) -> None:
-    """Turn the first-use check on or off for this process (on by default)."""
-    if not isinstance(enabled, bool):
-        raise ValueError(f"kernel self-check must be turned on or off with a bool, got "
-                         f"{enabled!r}")
-    global _enabled
-    _enabled = enabled
-
-
-def is_enabled() -> bool:
-    return _enabled
+message: what the installed kernels did on this device, a fact of the process that no
+configuration changes (whether a call checks at all is the caller's: its mesh's
+``kernel_self_check``)."""
 
 
 def versions() -> str:
@@ -146,7 +137,7 @@ def compare_with_reference(backend: str, device: torch.device, dtype: torch.dtyp
 
 def _skipped(x: Tensor) -> bool:
     """Nothing real runs here: a fake or meta tensor, a compile trace, a CUDA graph capture."""
-    if x.device.type == "meta" or is_fake(x) or torch.compiler.is_compiling():
+    if x.device.type == "meta" or is_traced(x) or torch.compiler.is_compiling():
         return True
     return x.is_cuda and torch.cuda.is_current_stream_capturing()
 
@@ -157,7 +148,7 @@ def verify(backend: str, like: Tensor, *, causal: bool, window: int | None = Non
     last dim), the first time this process runs it with these mask features (``causal``, a
     ``window``, ``sinks``); ``ValueError`` if it disagrees with the float64 reference or fails
     to run. ``math`` is the reference and is not checked."""
-    if not _enabled or backend == "math":
+    if backend == "math":
         return
     head_dim = like.shape[-1] if head_dim is None else head_dim
     key = (backend, str(like.device), like.dtype, head_dim, causal, window is not None, sinks,

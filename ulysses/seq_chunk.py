@@ -58,10 +58,10 @@ from ulysses import trace_shortcuts
 from ulysses.band import acc_dtype, merge_into
 from ulysses.band import piece_backward, piece_forward
 from ulysses.buffer_pool import BufferPool
-from ulysses.chunk_loop import ChunkConfig, ChunkSource, _steps_run, as_BSnD, to_heads, to_seq
+from ulysses.chunk_loop import ChunkConfig, ChunkSource, steps_run, as_BSnD, to_heads, to_seq
 from ulysses.host_blocks import HostBlocks
 from ulysses.sinks import apply_sinks, sinks_grad
-from ulysses.ring import _Hop
+from ulysses.ring import Hop
 from ulysses.seq_chunk_sizes import (SeqChunking, Blocks, block_bounds, block_buffer_bytes,
                                      check_seq_chunk, resolve_seq_chunk, seq_chunking)
 
@@ -122,7 +122,7 @@ def _ring_gather(own: list, blocks: Blocks, host: HostBlocks, dtype: torch.dtype
         nxt = []
         for pair in cur:
             sent = tuple(host.fetch(x).get() for x in pair)
-            nxt.append([host.park(r.to(dtype)) for r in _Hop(sent, None, ring, comm).wait()])
+            nxt.append([host.park(r.to(dtype)) for r in Hop(sent, None, ring, comm).wait()])
             del sent
         got[(blocks.me - h) % blocks.R] = cur = nxt
     return got
@@ -184,7 +184,7 @@ def run_forward(src: ChunkSource, out: Tensor, cfg: ChunkConfig, pool: BufferPoo
     blocks, host = Blocks(seq, U, s, out), HostBlocks(out, pool.stats)
     lse = torch.empty(B, cfg.layout.q_sizes[me], s * U, dtype=torch.float32, device=out.device)
     kv = None
-    for j in _steps_run(steps, out):
+    for j in steps_run(steps, out):
         st = steps[j]
         kv = _park_kv(src, j, st, cfg, pool, blocks, host, out) or kv
         n = st.q[me][1]
@@ -277,7 +277,7 @@ def run_backward(src: ChunkSource, out: Tensor, lse: Tensor, cfg: ChunkConfig,
     dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float32,
                                                     device=sinks.device)
     kv = dkv = None
-    for j in _steps_run(steps, out):
+    for j in steps_run(steps, out):
         st = steps[j]
         new = _park_kv(src, j, st, cfg, pool, blocks, host, out)
         if new is not None:

@@ -35,6 +35,7 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from ulysses.mesh import axis_group, axis_rank, axis_size, mesh_dims
+from ulysses.segments import check_segments
 
 
 def _split_evenly(n: int, parts: int) -> list[int]:
@@ -199,7 +200,7 @@ class _SeqSplit:
                 for m in range(2 * R)]
 
 
-def _seq_split(mesh: DeviceMesh) -> _SeqSplit:
+def seq_split(mesh: DeviceMesh) -> _SeqSplit:
     dims = mesh_dims(mesh)
     return _SeqSplit(ring=dims.ring_degree, ulysses=dims.ulysses_degree, zigzag=dims.zigzag_ring,
                      per_document=dims.per_document_ring)
@@ -209,8 +210,6 @@ def _documents(segments, x: Tensor, dim: int, mesh: DeviceMesh, seq_len: int,
                total: int) -> tuple[tuple[int, ...], ...] | None:
     """Checked ``segments`` of ``shard_sequence``/``gather_sequence`` over the padded length
     ``total`` (None when not given), or ``ValueError`` before any collective."""
-    from ulysses.segments import check_segments
-
     if segments is None:
         return None
     if not mesh_dims(mesh).per_document:
@@ -224,7 +223,7 @@ def _documents(segments, x: Tensor, dim: int, mesh: DeviceMesh, seq_len: int,
     return tuple(_with_padding(row, seq_len, total) for row in rows)
 
 
-def _positions(split: _SeqSplit, total: int, sp_rank: int, documents) -> Tensor:
+def held_positions(split: _SeqSplit, total: int, sp_rank: int, documents) -> Tensor:
     """``[B, total / sp]``: per row, the positions sp rank ``sp_rank`` holds, in row order."""
     return torch.stack([torch.cat([torch.arange(g, g + n) for g, n in
                                    split.runs(total, sp_rank, row)]) for row in documents])
@@ -236,7 +235,7 @@ def _take(x: Tensor, index_Bn: Tensor) -> Tensor:
     return x.gather(1, index.expand(index_Bn.shape + x.shape[2:]))
 
 
-def _sp_rank(mesh: DeviceMesh) -> int:
+def sp_rank_of(mesh: DeviceMesh) -> int:
     return axis_rank(mesh, "ring") * axis_size(mesh, "ulysses") + axis_rank(mesh, "ulysses")
 
 
@@ -272,7 +271,7 @@ def shard_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1, *, pad: bool = Fal
         ``[..., S / sp, ...]``: a view when the piece is one run of positions (always without
         zigzag), else the concatenation of its two runs.
     """
-    split = _seq_split(mesh)
+    split = seq_split(mesh)
     multiple = mesh_dims(mesh).seq_len_divisor
     if not -x.dim() <= dim < x.dim():
         raise ValueError(f"dim {dim} is out of range for a {x.dim()}-D tensor of shape "
@@ -289,8 +288,8 @@ def shard_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1, *, pad: bool = Fal
         x = torch.nn.functional.pad(x, widths, value=pad_value)
     documents = _documents(segments, x, dim, mesh, seq_len, x.shape[dim])
     if documents is not None:
-        return _take(x, _positions(split, x.shape[1], _sp_rank(mesh), documents))
-    pieces = [x.narrow(dim, start, n) for start, n in split.runs(x.shape[dim], _sp_rank(mesh))]
+        return _take(x, held_positions(split, x.shape[1], sp_rank_of(mesh), documents))
+    pieces = [x.narrow(dim, start, n) for start, n in split.runs(x.shape[dim], sp_rank_of(mesh))]
     return pieces[0] if len(pieces) == 1 else torch.cat(pieces, dim=dim)
 
 
@@ -334,7 +333,7 @@ def gather_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1, *,
         alike on the gathered tensor thus gets sp times its gradient on each piece, which a
         reduction that averages over the sp ranks (DDP, FSDP2) divides back out.
     """
-    split = _seq_split(mesh)
+    split = seq_split(mesh)
     multiple = mesh_dims(mesh).seq_len_divisor
     total = x.shape[dim] * split.sp
     if unpadded_len is not None and unpadded_len > total:
@@ -345,11 +344,11 @@ def gather_sequence(x: Tensor, mesh: DeviceMesh, dim: int = 1, *,
     documents = _documents(segments, x, dim, mesh, unpadded_len or total, total)
     full = x
     if split.sp > 1:
-        full = _GatherSequence.apply(x, axis_group(mesh, "sp"), dim, _sp_rank(mesh))
+        full = _GatherSequence.apply(x, axis_group(mesh, "sp"), dim, sp_rank_of(mesh))
     if documents is not None:
         # sp order is ring rank 0's rows, then ring rank 1's, ...: put each row's positions
         # back in order.
-        held = torch.cat([_positions(split, total, r, documents) for r in range(split.sp)], 1)
+        held = torch.cat([held_positions(split, total, r, documents) for r in range(split.sp)], 1)
         full = _take(full, held.argsort(dim=1))
     elif split.zigzag:
         # sp order holds ring rank r's chunk pair (r, 2R-1-r) at [2rc, 2(r+1)c); put the 2R

@@ -21,6 +21,9 @@ What is read, and why:
 - a module's forward hook dicts: the loss probe runs a head without its hooks, the tiled
   layer refuses hooks it would skip, and the SP loss finds DeepSpeed's engine hook;
 - FSDP2's parameter groups: what a sharded unit was given (offload, reshard, dtype);
+- ``DeviceMesh._flatten``: the mesh's "sp" and "dp_sp" axes as one group each;
+- ``Tensor._base`` and ``Tensor._version``: a view's storage owner (buffer pools, the
+  offload's choice of what stays) and the in-place counter (a re-saved tensor's host copy);
 - ``torch.cuda.memory._set_allocator_settings``: expandable segments after CUDA started.
 """
 
@@ -43,8 +46,14 @@ def _missing(what: str, error: BaseException | None = None) -> TorchInternalsErr
 
 try:
     from torch._guards import detect_fake_mode
-    from torch._subclasses.fake_tensor import FakeTensorMode, is_fake, unset_fake_temporarily
-    from torch.utils._python_dispatch import _disable_current_modes as disable_current_modes
+    from torch._subclasses.fake_tensor import (
+        FakeTensorMode,
+        is_fake,
+        unset_fake_temporarily,
+    )
+    from torch.utils._python_dispatch import (
+        _disable_current_modes as disable_current_modes,
+    )
     from torch.utils._pytree import tree_flatten, tree_unflatten
 except ImportError as e:  # at import: every use of these runs on every step
     raise _missing("fake tensors or pytree (torch._subclasses, torch._guards, "
@@ -68,7 +77,11 @@ def mem_tracker():
     module and kind; ``total_key`` indexes its totals."""
     try:
         from torch.distributed._tools.common_utils import get_untyped_storages
-        from torch.distributed._tools.mem_tracker import _TOTAL_KEY, MemTracker, _MemRefType
+        from torch.distributed._tools.mem_tracker import (
+            _TOTAL_KEY,
+            MemTracker,
+            _MemRefType,
+        )
     except ImportError as e:
         raise _missing("torch.distributed._tools.mem_tracker", e) from e
     return MemTracker, _TOTAL_KEY, _MemRefType, get_untyped_storages
@@ -79,12 +92,36 @@ def context_parallel_internals():
     parallelism (``benchmarks/ring.py``'s peer): the module holds its templated ring attention
     and the ``custom_ops`` table a CPU kernel is registered in."""
     try:
-        from torch.distributed.tensor.experimental._attention import context_parallel_unshard
+        from torch.distributed.tensor.experimental._attention import (
+            context_parallel_unshard,
+        )
         from torch.distributed.tensor.experimental._context_parallel import _attention
     except ImportError as e:
         raise _missing("torch.distributed.tensor.experimental's context-parallel attention", e) \
             from e
     return _attention, context_parallel_unshard
+
+
+def view_base(t: torch.Tensor) -> torch.Tensor:
+    """The tensor ``t`` is a view of (``Tensor._base``), or ``t`` itself."""
+    base = t._base
+    return t if base is None else base
+
+
+def tensor_version(t: torch.Tensor) -> int:
+    """``t``'s in-place version counter (``Tensor._version``): it moves on every in-place
+    write, which autograd checks saved tensors by."""
+    return t._version
+
+
+def flatten_mesh(mesh, name: str):
+    """``mesh`` (a slice of a DeviceMesh) flattened into one axis called ``name``
+    (``DeviceMesh._flatten``: torch has no public way to make one group of several axes)."""
+    try:
+        flatten = mesh._flatten
+    except AttributeError as e:
+        raise _missing("DeviceMesh._flatten", e) from e
+    return flatten(name)
 
 
 def forward_hooks(module: nn.Module) -> tuple[dict, dict]:
@@ -156,5 +193,6 @@ def set_cuda_allocator_settings(settings: str) -> None:
 __all__ = ["FakeTensorMode", "TorchInternalsError", "context_parallel_internals",
            "cuda_allocator_setter", "detect_fake_mode",
            "disable_current_modes", "fake_store", "forward_hooks", "fsdp_param_groups",
-           "fsdp_unit_settings", "is_fake", "mem_tracker", "set_cuda_allocator_settings",
-           "set_forward_hooks", "tree_flatten", "tree_unflatten", "unset_fake_temporarily"]
+           "flatten_mesh", "fsdp_unit_settings", "is_fake", "mem_tracker", "set_cuda_allocator_settings",
+           "set_forward_hooks", "tensor_version", "tree_flatten", "tree_unflatten",
+           "unset_fake_temporarily", "view_base"]

@@ -6,7 +6,7 @@
 
 The planner runs one real training step of the code that trains (:func:`build` and
 :func:`train_step`, which ``benchmarks/scale_gpu.py`` runs on a GPU too): the HF model from
-its config, :func:`arctic.engine.apply_sp_recipe` (SP attention, head chunking, tiled MLP,
+its config, :func:`arctic.recipe.apply_sp_recipe` (SP attention, head chunking, tiled MLP,
 tiled loss, checkpointing with offload), FSDP2 over every rank with bf16 compute and fp32
 sharded parameters, gradients and AdamW state, then forward, backward and the optimizer
 step. It runs them under ``FakeTensorMode``: tensors have shapes, dtypes and storages but no
@@ -40,8 +40,14 @@ from arctic.plan.cli import main, parse_args, plot, report, settings_from_args
 from arctic.plan.estimate import TRACE_LAYERS, Estimate, plan
 from arctic.plan.models import MODELS, model_config
 from arctic.plan.search import find_max
-from arctic.plan.step import (STACKS, build, init_optimizer_state, make_batch, stack_config,
-                              train_step)
+from arctic.plan.step import (
+                              STACKS,
+                              build,
+                              init_optimizer_state,
+                              make_batch,
+                              stack_config,
+                              train_step,
+)
 from arctic.plan.tracing import KINDS, Peak, buffer_pools, fake_world, track_peak
 from arctic.plan.units import GiB, format_gib, parse_bytes, parse_tokens
 

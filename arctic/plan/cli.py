@@ -12,12 +12,12 @@ import json
 from pathlib import Path
 
 from arctic.config import SequenceParallelConfig, load_ds_config, zero_stage
+from arctic.hf.anatomy import text_config_of
+from arctic.memory.placement import MODES, Placement, placement_from_ds_config
 from arctic.plan.estimate import ALLOCATOR_HEADROOM, Estimate, plan, start_workers
 from arctic.plan.launch import command_lines, ulysses_block, write_config
-from arctic.anatomy import text_config_of
 from arctic.plan.models import MODELS, model_config
 from arctic.plan.search import find_max, search
-from arctic.placement import MODES, Placement, placement_from_ds_config
 from arctic.plan.step import PLANNED_FIELDS, STACKS
 from arctic.plan.units import GiB, format_gib, parse_bytes, parse_tokens
 

@@ -30,20 +30,27 @@ import os
 import time
 from dataclasses import dataclass, field, replace
 
+from arctic.hf.anatomy import text_config_of
+from arctic.memory.placement import Placement
 from arctic.plan.cache import cache_dir, cached, is_cached, trace_key
-from arctic.anatomy import text_config_of
 from arctic.plan.models import is_vlm_config, model_config
-from arctic.placement import Placement
-from arctic.plan.step import (PLANNED_FIELDS, build, init_optimizer_state, make_batch,
-                              stack_config, train_step)
+from arctic.plan.step import (
+    PLANNED_FIELDS,
+    build,
+    init_optimizer_state,
+    make_batch,
+    stack_config,
+    train_step,
+)
 from arctic.plan.tracing import KINDS, Peak, buffer_pools, fake_world, track_peak
 from arctic.plan.units import GiB
+from ulysses.torch_internals import FakeTensorMode
 from ulysses.trace_shortcuts import memory_trace
 
 ALLOCATOR_HEADROOM = 1.12
 """Reserved over allocated bytes of the CUDA caching allocator with
 ``expandable_segments:True``, which every launch path of ours sets
-(:func:`arctic.allocator.use_expandable_segments`): measured on an H100, one rank of 8,
+(:func:`arctic.memory.allocator.use_expandable_segments`): measured on an H100, one rank of 8,
 Llama-3-8B, 384K tokens per rank (38.19 / 33.96 GiB). The device budget for the traced
 (allocated) bytes is the GPU's memory less the reserve, divided by this."""
 
@@ -157,7 +164,6 @@ def _trace(config, sp, world: int, seq_len: int, *, shard: bool,
     (:mod:`ulysses.trace_shortcuts`): the peaks are the same, the trace's cost no longer
     grows with the tile counts."""
     import torch
-    from ulysses.torch_internals import FakeTensorMode
 
     fake_world(world)
     mesh = sp.dims(world).build_mesh("cpu")  # outside: the mesh reads its rank map
@@ -181,7 +187,7 @@ WORKERS = int(os.environ.get("ARCTIC_PLAN_WORKERS", "0")) or min(4, os.cpu_count
 """Processes that trace at once when several traces are needed (a trace is one Python
 thread); ``ARCTIC_PLAN_WORKERS`` overrides."""
 
-_PRELOAD = ["arctic.plan.estimate", "arctic.engine", "arctic.fsdp",
+_PRELOAD = ["arctic.plan.estimate", "arctic.train.deepspeed", "arctic.train.fsdp",
             "torch.distributed.fsdp", "torch.distributed._tools.mem_tracker",
             "torch._subclasses.fake_tensor", "torch.testing._internal.distributed.fake_pg",
             "transformers.models.llama.modeling_llama", "transformers.models.qwen3.modeling_qwen3"]
@@ -390,7 +396,7 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
 def _spill(inputs: int, state: int, host_limit: int, layers: int) -> int:
     """Bytes of the offloaded layer inputs (``inputs`` on the host without a disk tier) that
     the disk tier holds: at run time the pool's host limit is what the offloaded ``state``
-    leaves (:func:`arctic.placement.offload_pool_limit`); the tensor that does not fit, the
+    leaves (:func:`arctic.memory.placement.offload_pool_limit`); the tensor that does not fit, the
     rest of its layer and every later layer go to disk, so up to one layer more than the
     overflow (the layers' inputs being alike)."""
     over = inputs - max(0, host_limit - state)

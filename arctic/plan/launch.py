@@ -9,7 +9,7 @@ import json
 from pathlib import Path
 
 from arctic.config import load_ds_config
-from arctic.placement import Placement
+from arctic.memory.placement import Placement
 
 
 def ulysses_block(fields: dict) -> dict:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from arctic.anatomy import text_config_of
+from arctic.hf.anatomy import text_config_of
 
 MODELS: dict[str, tuple[str, dict]] = {
     # name -> (transformers config class, its arguments), from the published config.json files

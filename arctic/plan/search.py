@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from arctic.config import SequenceParallelConfig
 from arctic.plan.estimate import Estimate
 from arctic.plan.units import format_gib
+from ulysses.sharding import head_layout
 
 
 def find_max(plan_at, *, start: int, granule: int, log=print,
@@ -120,8 +121,6 @@ def factorizations(sp_size: int, num_heads: int, num_kv_heads: int) -> list[Cand
     :func:`ulysses.sharding.head_layout` refuses Ulysses degrees the heads cannot split over
     (more ranks than query heads; kv heads that neither divide nor are divided by the degree).
     """
-    from ulysses.sharding import head_layout
-
     out = []
     for ring in (r for r in range(1, sp_size + 1) if sp_size % r == 0):
         c = Candidate(ring=ring, ulysses=sp_size // ring, fields={})

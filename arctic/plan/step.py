@@ -12,13 +12,17 @@ import torch
 from torch import nn
 
 from arctic.config import SequenceParallelConfig
+from arctic.data.batch import prepare_sp_batch
+from arctic.plan.models import is_vlm_config
+from arctic.recipe import apply_sp_recipe
+from arctic.train.fsdp import apply_fsdp
 from ulysses.torch_internals import detect_fake_mode
 
 
 def build(config, sp: SequenceParallelConfig, mesh, *, device, shard: bool = True,
           host_memory_limit: int | None = None, compute_dtype: torch.dtype = torch.bfloat16):
     """The training setup of ``examples/train_fsdp.py`` at scale: the model from ``config``
-    (fp32 parameters), :func:`arctic.engine.apply_sp_recipe`, FSDP2 over every rank with
+    (fp32 parameters), :func:`arctic.recipe.apply_sp_recipe`, FSDP2 over every rank with
     ``compute_dtype`` (bf16) compute and fp32 gradient reduction, AdamW. ``shard=False``
     keeps the parameters whole, in ``compute_dtype`` (single-device references). Returns
     ``(model, optimizer)``."""
@@ -27,9 +31,6 @@ def build(config, sp: SequenceParallelConfig, mesh, *, device, shard: bool = Tru
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.initialization import no_init_weights
 
-    from arctic.engine import apply_sp_recipe
-    from arctic.fsdp import apply_fsdp
-    from arctic.plan.models import is_vlm_config
 
     auto = AutoModelForImageTextToText if is_vlm_config(config) else AutoModelForCausalLM
     # A trace needs no initial values (SigLIP's truncated normal reads them back)
@@ -64,8 +65,6 @@ def init_optimizer_state(model: nn.Module, optimizer) -> None:
 
 def make_batch(seq_len: int, vocab: int, mesh, device) -> dict:
     """This rank's shard of one packed sequence of ``seq_len`` tokens (``arctic.data``)."""
-    from arctic.data import prepare_sp_batch
-
     ids = torch.randint(0, vocab, (1, seq_len), generator=torch.Generator().manual_seed(0))
     return {k: v.to(device) if torch.is_tensor(v) else v  # max_length_q/k are ints
             for k, v in prepare_sp_batch({"input_ids": ids}, mesh).items()}
@@ -121,7 +120,7 @@ keeps each layer's attention output and lse on the host instead of recomputing a
 backward. ``hybrid``:
 ``ours`` over ring 2 x Ulysses W/2. Ours also tile the RMSNorms
 (:func:`arctic.tiling.apply_tiled_norms`) and, all but ``ours-unfused`` and ``ours-no-offload``,
-run each layer's tail after attention as one tiled unit (:mod:`arctic.tiled_layer`); ALST
+run each layer's tail after attention as one tiled unit (:mod:`arctic.tiling.layer`); ALST
 does neither."""
 
 

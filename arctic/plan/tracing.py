@@ -54,10 +54,11 @@ class Peak:
     """The phase's peak with the sharded training state left out: the most, over the phase,
     of the live bytes less the parameter shards, the optimizer's state and the gradient
     shards alive at that moment. What the device holds besides that state when the state
-    is offloaded (:mod:`arctic.placement`); in the optimizer phase, the bytes alive as it
+    is offloaded (:mod:`arctic.memory.placement`); in the optimizer phase, the bytes alive as it
     starts (an offloaded optimizer steps on the host)."""
     shard_params: int = 0
-    """Parameters in this rank's shards (the state's size: :class:`arctic.placement.Placement`)."""
+    """Parameters in this rank's shards (the state's size:
+    :class:`arctic.memory.placement.Placement`)."""
     optimizer_state: int = 0
     """Bytes of the optimizer's state (AdamW's moments) of this rank."""
 

@@ -7,7 +7,7 @@ language model on the merged sequence. Under sequence parallelism the merged seq
 what is cut:
 
 - **The data path** (:func:`arctic.data.prepare_sp_batch` with ``vision=``, a
-  :class:`arctic.vlm_data.VisionInputs` from :func:`vision_inputs`) sees the full batch. It
+  :class:`arctic.data.vision.VisionInputs` from :func:`vision_inputs`) sees the full batch. It
   numbers the image (and video) tokens of the full batch in the model's order, computes the
   M-RoPE positions of the full sequence with the model's own ``get_rope_index``, and cuts
   both as it cuts the tokens. Each rank then keeps the images its piece has tokens of
@@ -40,15 +40,16 @@ before any collective: precomputed ``mm_encoder_outputs``, pixel values without 
 
 from __future__ import annotations
 
+import functools
 import inspect
-import types
 
 import torch
 from torch import Tensor, nn
 
-from arctic.anatomy import base_model, language_model
-from arctic.hf_binding import of_module
-from arctic.vlm_data import REFUSED_KEYS, Modality, VisionInputs
+from arctic.data.vision import REFUSED_KEYS, Modality, VisionInputs
+from arctic.hf.anatomy import base_model, language_model
+from arctic.hf.binding import of_module
+from ulysses.patching import bound, replace_method
 
 
 def is_vlm(model: nn.Module) -> bool:
@@ -71,7 +72,7 @@ class _ConfigSelf:
         if name.startswith("__") or name in ("cls", "config"):
             raise AttributeError(name)
         value = getattr(self.cls, name)
-        return types.MethodType(value, self) if inspect.isfunction(value) else value
+        return functools.partial(value, self) if inspect.isfunction(value) else value
 
 
 def vision_inputs(model: nn.Module) -> VisionInputs:
@@ -189,8 +190,8 @@ def install_vision(model: nn.Module, vision: VisionInputs) -> None:
         if old is not None:
             old.remove()
     for m in modalities:
-        setattr(base, m.features, _picking(types.MethodType(getattr(type(base), m.features),
-                                                            base), held, m.name))
+        replace_method(base, _picking(bound(base, getattr(type(base), m.features)), held, m.name),
+                       name=m.features)
     base._sp_vision_hook = base.register_forward_pre_hook(before, with_kwargs=True)
     base._sp_vision_done = base.register_forward_hook(after)
 

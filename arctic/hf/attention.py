@@ -10,10 +10,10 @@ model by ``attn_implementation`` (:data:`IMPLEMENTATIONS`).
 :func:`apply_sequence_parallel` switches a model to it and records, on every attention module,
 what that module needs: the mesh, its head counts (checked against the mesh when applied, not
 inside ``forward``), head chunking, the buffer pool and the model's batch state
-(:mod:`arctic.hf_batch`: position ids and packed documents). transformers creates no mask for
+(:mod:`arctic.hf.batch`: position ids and packed documents). transformers creates no mask for
 implementations it does not know, so each layer sees ``attention_mask`` None and the attention
 is causal over the whole (gathered) sequence, with the sliding window, sinks and documents
-the model asks for (:mod:`arctic.hf_features` honours or refuses each feature).
+the model asks for (:mod:`arctic.hf.features` honours or refuses each feature).
 """
 
 from __future__ import annotations
@@ -25,21 +25,32 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface
 
-from arctic.anatomy import attention_modules, language_model, text_config
-from arctic.hf_batch import (BatchState, chunk_starts, document_starts, install_batch_hook,
-                             varlen_documents)
-from arctic.hf_features import (attention_chunk, check_model_features, fix_temperature,
-                                loss_arguments, read_attention_kwargs, tunes_temperature)
-from arctic.hf_fused import check_fusable, fuse, unfuse
-from arctic.loss import install_sp_causal_lm_loss
+from arctic.hf.anatomy import attention_modules, language_model, text_config
+from arctic.hf.batch import (
+    BatchState,
+    chunk_starts,
+    document_starts,
+    install_batch_hook,
+    varlen_documents,
+)
+from arctic.hf.features import (
+    attention_chunk,
+    check_model_features,
+    fix_temperature,
+    loss_arguments,
+    read_attention_kwargs,
+    tunes_temperature,
+)
+from arctic.hf.fused import check_fusable, fuse, unfuse
+from arctic.hf.vlm import image_block_key, install_vision, is_vlm, vision_inputs
+from arctic.loss.token import install_sp_causal_lm_loss
 from arctic.order import record_apply
-from arctic.removal import journaled
-from arctic.vlm import image_block_key, install_vision, is_vlm, vision_inputs
 from ulysses import BufferPool, shard_sequence, ulysses_attention
 from ulysses.all_to_all import check_comm_dtype
 from ulysses.head_chunking import resolve_chunk_size
 from ulysses.kernels import check_supported
 from ulysses.mesh import axis_size, check_mesh, mesh_dims
+from ulysses.patching import journaled
 from ulysses.seq_chunk import check_seq_chunk
 from ulysses.sharding import head_layout
 
@@ -65,7 +76,7 @@ class SPAttentionSettings:
     batch: BatchState
     """The model's current batch: where its documents come from."""
     fuse_projections: bool = False
-    """The module's forward is the fused one (:mod:`arctic.hf_fused`)."""
+    """The module's forward is the fused one (:mod:`arctic.hf.fused`)."""
     communication_dtype: torch.dtype | None = None
     """What the exchanges carry; None: the activations' dtype."""
     seq_chunk: int | str | None = None
@@ -92,7 +103,7 @@ def settings(module: nn.Module) -> SPAttentionSettings:
 def _sp_attention(module: nn.Module, query, key, value, attention_mask, **kwargs):
     """transformers' attention signature: q ``[B, H, s, D]``, k/v ``[B, K, s, D]`` (this rank's
     sequence piece); returns ``([B, s, H, D], None)``. Every keyword argument is honoured or
-    refused (:func:`arctic.hf_features.read_attention_kwargs`) before any collective."""
+    refused (:func:`arctic.hf.features.read_attention_kwargs`) before any collective."""
     sp = settings(module)
     if attention_mask is not None:
         raise ValueError("an explicit attention mask is not supported under sequence "
@@ -182,9 +193,9 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
             each head chunk (:mod:`ulysses.seq_chunk`); needs ``head_chunk_size``.
         attn_implementation: a name from :data:`IMPLEMENTATIONS` (the kernel).
         fuse_projections: compute q/k/v (with RoPE) per head chunk from the hidden states and
-            apply o_proj to the chunks' output (:mod:`arctic.hf_fused`), so that no all-heads
+            apply o_proj to the chunks' output (:mod:`arctic.hf.fused`), so that no all-heads
             q/k/v exists; needs ``head_chunk_size`` and a Llama-family attention module
-            (:data:`arctic.hf_fused.FUSABLE`). Replaces each attention module's forward (the
+            (:data:`arctic.hf.fused.FUSABLE`). Replaces each attention module's forward (the
             instance's; class, parameters and state_dict keys unchanged) and marks it a
             ZeRO-3 leaf. Calls must pass ``use_cache=False``. False restores the stock forward.
         communication_dtype: the dtype the sequence-parallel exchanges carry (the
@@ -198,7 +209,7 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
 
     Raises ``ValueError`` (before any communication) when the head counts do not fit the
     mesh, the chunk size is invalid, the config asks for an attention feature the SP attention
-    does not implement (:func:`arctic.hf_features.check_model_features`), no attention module
+    does not implement (:func:`arctic.hf.features.check_model_features`), no attention module
     exists, or ``fuse_projections`` is asked for without chunking or on a module it does not
     support. Inputs must then be this rank's shard, with ``position_ids``.
 

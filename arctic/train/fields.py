@@ -1,4 +1,4 @@
-"""Every ``TrainingArguments`` field, and what :class:`arctic.trainer.SequenceParallelTrainer`
+"""Every ``TrainingArguments`` field, and what :class:`arctic.train.trainer.SequenceParallelTrainer`
 does with it.
 
 Each field is one of:
@@ -37,7 +37,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "per_device_train_batch_size": (HONOURED, _PARITY),  # 2 in its SGD case
     "per_device_eval_batch_size": (HONOURED, _PARITY),
     "dataloader_drop_last": (HONOURED, _LOADERS),
-    # HF's ALST settings: read as sequence_parallel_size and the kernel (arctic.hf_parallelism)
+    # HF's ALST settings: read as sequence_parallel_size and the kernel (arctic.train.parallelism)
     "parallelism_config": (HONOURED, _PARITY),  # its AdamW case, where accelerate has it
     "dataloader_num_workers": (HONOURED, _LOADERS),
     "dataloader_pin_memory": (HONOURED, _LOADERS),
@@ -58,7 +58,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     "max_steps": (HONOURED, _RESUME),
     "num_train_epochs": (HONOURED, _RESUME),  # two epochs of 4 steps
     "deepspeed": (HONOURED, _PARITY),  # it carries the SP settings
-    # FSDP2 instead of DeepSpeed (arctic.hf_fsdp: every setting honoured or refused there)
+    # FSDP2 instead of DeepSpeed (arctic.train.hf_fsdp: every setting honoured or refused there)
     "fsdp": (HONOURED, _FSDP), "fsdp_config": (HONOURED, _FSDP),
     # the Trainer's own code, on the plain Trainer's parameters, gradients and losses
     "learning_rate": (TRAINER, _PARITY), "lr_scheduler_type": (TRAINER, _PARITY),
@@ -115,7 +115,7 @@ FIELDS: dict[str, tuple[str, str]] = {
     **{name: (NO_EFFECT, "DDP's settings: DeepSpeed or FSDP2 runs the model") for name in (
         "ddp_find_unused_parameters", "ddp_bucket_cap_mb", "ddp_broadcast_buffers",
         "ddp_static_graph", "ddp_backend", "ddp_timeout")},
-    # TRL's SFTConfig (arctic.trainer.SequenceParallelMixin with trl.SFTTrainer)
+    # TRL's SFTConfig (arctic.train.trainer.SequenceParallelMixin with trl.SFTTrainer)
     "packing": (HONOURED, _SFT), "padding_free": (HONOURED, _SFT),
     "completion_only_loss": (HONOURED, _SFT),
     "assistant_only_loss": (TRAINER, "TRL's collator masks the labels; the SP loss reads them"),

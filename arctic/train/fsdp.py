@@ -31,8 +31,8 @@ import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from arctic.anatomy import decoder_layers
 from arctic.config import zero_stage
+from arctic.hf.anatomy import decoder_layers
 from arctic.order import record_apply
 from ulysses.mesh import check_mesh, flat_mesh
 
@@ -81,7 +81,7 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
                mp_policy=None, offload_policy=None) -> nn.Module:
     """Shard ``model`` with FSDP2 over every rank of ``mesh``; returns ``model``.
 
-    Each decoder layer (:func:`arctic.anatomy.decoder_layers`: the modules holding a
+    Each decoder layer (:func:`arctic.hf.anatomy.decoder_layers`: the modules holding a
     ``self_attn`` and an ``mlp``) becomes its own FSDP unit (all-gathered just before it runs,
     and resharded after it when ``reshard_after_forward``), and the root holds the rest
     (embeddings, final norm, lm_head). Parameters become ``DTensor``\\ s sharded on dim 0 over
@@ -92,7 +92,7 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
     ``d(loss_sum_r) / N`` (N = the SP group's valid tokens), so a plain mean would be ``sp``
     times too small. The SP loss's backward adds the upstream gradients of the group's ``sp``
     ranks (``averaged_over_sp=True``, which the loss also finds on the sharded model:
-    :mod:`arctic.grad_reduction`), so after the reduction each parameter's gradient is the
+    :mod:`arctic.loss.reduction`), so after the reduction each parameter's gradient is the
     single-device gradient of its SP group's whole sequence, averaged over the ``dp`` groups.
 
     Args:
@@ -122,7 +122,12 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
                          f"are already partitioned by DeepSpeed ZeRO (they carry ds_id). Shard "
                          f"with one of them: apply_fsdp on a plain model, or arctic.initialize "
                          f"with a zero_optimization stage")
-    from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+    from torch.distributed.fsdp import (
+        FSDPModule,
+        MixedPrecisionPolicy,
+        OffloadPolicy,
+        fully_shard,
+    )
 
     if any(isinstance(m, FSDPModule) for m in model.modules()):
         raise ValueError(f"{type(model).__name__} is already sharded with fully_shard; "

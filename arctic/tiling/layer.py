@@ -23,7 +23,7 @@ Only layer classes whose forward is exactly "norm1, attention, add, norm2, MLP, 
 untiled one when :func:`arctic.apply_tiled_mlp` already wrapped it), so forward hooks on
 those two modules would be skipped and are refused. Parameter sharding: FSDP2 unshards the
 decoder layer for its forward and backward; ZeRO-3 gathers parameters in each module's
-hooks, so the layer is marked a ZeRO-3 leaf (as :mod:`arctic.hf_fused` marks the attention
+hooks, so the layer is marked a ZeRO-3 leaf (as :mod:`arctic.hf.fused` marks the attention
 module): ZeRO-3 gathers all of its parameters when the layer runs and reduces their
 gradients in a full backward hook on it, for which ``hidden_states`` is passed positionally,
 requiring grad.
@@ -33,18 +33,26 @@ Shape legend: B batch, S this rank's sequence piece, E hidden size.
 
 from __future__ import annotations
 
-import types
-
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from arctic.anatomy import decoder_layers, text_config
-from arctic.hf_binding import of_module
-from arctic.hf_fused import _positional_input
+from arctic.hf.anatomy import decoder_layers, text_config
+from arctic.hf.binding import of_module
+from arctic.hf.fused import positional_input
 from arctic.order import record_apply
-from arctic.removal import journaled
-from arctic.tiling import DEFAULT_TILE_BUDGET_BYTES, _tile_rows, _TiledForward, resolve_tiles
+from arctic.tiling.tiles import (
+    DEFAULT_TILE_BUDGET_BYTES,
+    TiledForward,
+    resolve_tiles,
+    tile_rows,
+)
+from ulysses.patching import (
+    instance_method,
+    is_bound_replacement,
+    journaled,
+    replace_method,
+)
 from ulysses.torch_internals import forward_hooks
 
 TILABLE = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
@@ -58,7 +66,7 @@ def _own_forward(module: nn.Module):
     """The module's forward without a tiling wrapper (tiles inside tiles would only add
     copies)."""
     forward = module.forward
-    return forward.inner if isinstance(forward, _TiledForward) else forward
+    return forward.inner if isinstance(forward, TiledForward) else forward
 
 
 class _TiledTailFn(torch.autograd.Function):
@@ -72,7 +80,7 @@ class _TiledTailFn(torch.autograd.Function):
     def backward(ctx, dy_BSE):
         x_BSE, a_BSE = ctx.saved_tensors
         dh = None
-        for i, start, n in _tile_rows(x_BSE, x_BSE.shape[1], ctx.tiles):
+        for i, start, n in tile_rows(x_BSE, x_BSE.shape[1], ctx.tiles):
             rows = slice(start, start + n)
             # ZeRO-1/2 reduce a gradient when its hook fires; it is whole after the last tile.
             for p in ctx.params:
@@ -94,7 +102,7 @@ class _TiledTailFn(torch.autograd.Function):
 def _tail_no_grad(x_BSE: Tensor, a_BSE: Tensor, tail, tiles: int) -> Tensor:
     y = None
     with torch.no_grad():
-        for _, start, n in _tile_rows(x_BSE, x_BSE.shape[1], tiles):
+        for _, start, n in tile_rows(x_BSE, x_BSE.shape[1], tiles):
             rows = slice(start, start + n)
             y_t = tail(x_BSE[:, rows] + a_BSE[:, rows])
             if y is None:
@@ -118,7 +126,7 @@ class _Tail:
 def _tiled_layer_forward(self, *args, **kwargs):
     """The decoder layer's forward under ``tiled_layer``: the stock forward's first half, then
     the tiled tail. The call is bound through the installed layer class's forward
-    (:mod:`arctic.hf_binding`) and handed on to the attention module as the stock forward
+    (:mod:`arctic.hf.binding`) and handed on to the attention module as the stock forward
     hands it: every argument by keyword, each role under the attention's own name for it."""
     bound = of_module(self).bind(args, kwargs)
     attention = of_module(self.self_attn)
@@ -151,7 +159,7 @@ def check_tilable(layer: nn.Module) -> None:
     if name not in TILABLE:
         raise ValueError(f"ulysses.tiled_layer supports the decoder layers {list(TILABLE)}; "
                          f"{name} may compute something else: set tiled_layer to false")
-    if "forward" in vars(layer) and not isinstance(layer.forward, types.MethodType):
+    if instance_method(layer) is not None and not is_bound_replacement(layer):
         raise ValueError(f"{name}.forward is already replaced ({type(layer.forward).__name__}); "
                          f"apply tiled_layer before activation checkpointing")
     missing = [p for p in _PARTS if not isinstance(getattr(layer, p, None), nn.Module)]
@@ -202,9 +210,9 @@ def apply_tiled_layers(model: nn.Module, *, tiles: int | str = "auto",
     settings = _TileSettings(tiles, intermediate, budget_bytes, group)
     for layer in layers:
         if not isinstance(getattr(layer, "_sp_tiled_layer", None), _TileSettings):
-            layer.forward = types.MethodType(_tiled_layer_forward, layer)
+            replace_method(layer, _tiled_layer_forward, bind=True)
             layer._z3_leaf = True
-            layer.register_forward_pre_hook(_positional_input, with_kwargs=True)
+            layer.register_forward_pre_hook(positional_input, with_kwargs=True)
         layer._sp_tiled_layer = settings
     return model
 

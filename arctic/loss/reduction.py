@@ -3,7 +3,7 @@
 Each rank of a sequence-parallel group computes the parameter gradients of its own piece of
 the sequence. The framework that reduces gradients then either **averages** them over every
 rank (dp x sp) or **adds** them over the SP ranks (and averages over dp only). The SP losses
-(:mod:`arctic.loss`, :mod:`arctic.router_loss`) scale their backward by which one, so that
+(:mod:`arctic.loss`, :mod:`arctic.loss.router`) scale their backward by which one, so that
 after the reduction the gradients are single-device training's. What reduces, and how
 (DeepSpeed 0.19.8, read from its sources):
 
@@ -105,7 +105,7 @@ def resolve_sp_averaging(model: nn.Module, sp_size: int, given: bool | None) -> 
         how = {True: "averages", False: "adds"}
         raise ValueError(f"the SP loss was built with averaged_over_sp={given}, but the "
                          f"reduction that trains this model {how[found]} the gradients of the "
-                         f"{sp_size} SP ranks (see arctic.grad_reduction); leave "
+                         f"{sp_size} SP ranks (see arctic.loss.reduction); leave "
                          f"averaged_over_sp unset to follow the reduction")
     return given
 

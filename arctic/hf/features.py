@@ -27,7 +27,7 @@ logit softcapping inside the softmax (Gemma2's ``attn_logit_softcapping``;
 ``layer_types`` marks chunked: documents of that length, :func:`attention_chunk`); Gemma3's
 ``use_bidirectional_attention`` (:data:`BIDIRECTIONAL`: no causal mask, symmetric sliding
 windows); flash-attn's varlen arguments (``cu_seq_lens_q``/``_k``, ``max_length_q``/``_k``:
-the documents, :func:`arctic.hf_batch.varlen_documents`). What is refused: attention dropout,
+the documents, :func:`arctic.hf.batch.varlen_documents`). What is refused: attention dropout,
 other non-causal attention (another family's flag, ``config.is_causal=False``, a per-call
 ``is_causal=False``), explicit masks, ``seq_idx`` (the packed-sequence index of state-space
 layers, which sequence parallelism does not cut), and returned attention weights. Llama4's
@@ -42,7 +42,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor, nn
 
-from arctic.anatomy import language_model, text_config
+from arctic.hf.anatomy import language_model, text_config
 from ulysses.softcap import check_softcap
 
 HONOURED = ("scaling", "sliding_window", "s_aux", "softcap", "cu_seq_lens_q", "cu_seq_lens_k",
@@ -114,8 +114,8 @@ def unknown_arguments_error(owner: str, names, where: str) -> ValueError:
                       f"{transformers.__version__}); the sequence-parallel attention does not "
                       f"know these arguments and cannot tell whether they change the result, "
                       f"so it refuses them. Train this model without sequence parallelism, or "
-                      f"report it (arguments are classified in arctic/hf_features.py and "
-                      f"arctic/hf_binding.py)")
+                      f"report it (arguments are classified in arctic/hf/features.py and "
+                      f"arctic/hf/binding.py)")
 
 
 @dataclass(frozen=True, slots=True)

@@ -28,14 +28,13 @@ a tensor that requires grad.
 
 from __future__ import annotations
 
-import types
-
 import torch
 from torch import nn
 
-from arctic.hf_binding import of_module
-from arctic.hf_features import read_attention_kwargs, unknown_arguments_error
+from arctic.hf.binding import of_module
+from arctic.hf.features import read_attention_kwargs, unknown_arguments_error
 from ulysses.fused_attention import fused_attention
+from ulysses.patching import replace_method, restore_method
 
 _STOCK_WINDOW = {
     "LlamaAttention": lambda m: None,
@@ -95,7 +94,7 @@ def check_fusable(module: nn.Module, *, num_heads: int, num_kv_heads: int,
 def _fused_forward(self, *args, **kwargs):
     """The attention module's forward under ``fuse_projections``: hidden ``[B, s, E]`` (this
     rank's piece) -> ``([B, s, E], None)``, like the stock forward. The call is bound through
-    the installed class's forward (:mod:`arctic.hf_binding`), so its arguments are found by
+    the installed class's forward (:mod:`arctic.hf.binding`), so its arguments are found by
     role whatever this transformers release names them. The keyword arguments the stock
     forward would pass to the attention (its own dropout, scaling and sliding window, and
     whatever the layer passed on) are honoured or refused as there."""
@@ -140,7 +139,7 @@ def _fused_forward(self, *args, **kwargs):
     return y, None
 
 
-def _positional_input(module, args, kwargs):
+def positional_input(module, args, kwargs):
     """Forward pre-hook: the input (``hidden_states``, by the installed forward's name) as the
     first positional argument, requiring grad when grad is on, so that a full backward hook
     (ZeRO-3's leaf reduction) fires after the module's backward; see the module docstring."""
@@ -158,9 +157,9 @@ def fuse(module: nn.Module) -> None:
     """Give ``module`` (checked by :func:`check_fusable`) the fused forward, and mark it a
     ZeRO-3 leaf so that ZeRO-3 gathers its projections with it."""
     unfuse(module)
-    module.forward = types.MethodType(_fused_forward, module)
+    replace_method(module, _fused_forward, bind=True)
     module._z3_leaf = True
-    module._sp_fused = module.register_forward_pre_hook(_positional_input, with_kwargs=True)
+    module._sp_fused = module.register_forward_pre_hook(positional_input, with_kwargs=True)
 
 
 def unfuse(module: nn.Module) -> None:
@@ -168,4 +167,5 @@ def unfuse(module: nn.Module) -> None:
     handle = getattr(module, "_sp_fused", None)
     if handle is not None:
         handle.remove()
-        del module.forward, module._z3_leaf, module._sp_fused
+        restore_method(module)
+        del module._z3_leaf, module._sp_fused

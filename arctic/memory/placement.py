@@ -36,6 +36,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from offload import activations
+
 MODES = ("none", "optimizer", "optimizer+params", "fsdp2")
 
 DS_REDUCE_BUCKET_SIZE = 500_000_000
@@ -160,8 +162,6 @@ def offload_pool_limit(placement: Placement, num_params: int, world: int, *,
     :func:`arctic.initialize` does; ``ValueError`` if the state alone takes the budget."""
     if not placement.offloaded:
         return None
-    from offload import activations
-
     budget = activations.default_host_limit(group)
     state = placement.host_bytes(-(-num_params // world))
     if state >= budget:

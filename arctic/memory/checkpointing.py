@@ -2,24 +2,28 @@
 
 :func:`offload.apply_activation_checkpointing` is torch-only: it wraps the layers it is given.
 This is the one-call form for HF causal LMs: it finds the decoder layers
-(:func:`arctic.anatomy.decoder_layers`), refuses a model already under HF's own gradient
+(:func:`arctic.hf.anatomy.decoder_layers`), refuses a model already under HF's own gradient
 checkpointing, records the stage in the recipe's order (:mod:`arctic.order`) and drops the
 KV cache under checkpointing, as HF's own checkpointing does: a cache would be written twice
 (forward and recompute) and would hold every layer's k/v. The cache argument is found by its
-role in each layer's installed forward (:mod:`arctic.hf_binding`), under any of its names.
+role in each layer's installed forward (:mod:`arctic.hf.binding`), under any of its names.
 """
 
 from __future__ import annotations
 
 from torch import nn
 
-from arctic.anatomy import attention_modules, decoder_layers, hf_checkpointing
-from arctic.hf_binding import ROLE_NAMES, of_module
+from arctic.hf.anatomy import attention_modules, decoder_layers, hf_checkpointing
+from arctic.hf.binding import ROLE_NAMES, of_module
 from arctic.order import record_apply
-from arctic.removal import journaled
-from offload import DEFAULT_MIN_OFFLOAD_BYTES, HostBufferPool, check_activation_checkpointing
+from offload import (
+    DEFAULT_MIN_OFFLOAD_BYTES,
+    HostBufferPool,
+    check_activation_checkpointing,
+)
 from offload import apply_activation_checkpointing as _checkpoint_layers
 from ulysses.keep import KeptAttention
+from ulysses.patching import journaled
 
 
 @journaled
@@ -40,7 +44,7 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
             states ``[B, S_local, E]``, RoPE cos/sin, position ids) to pinned host buffers,
             asynchronously on a side stream on CUDA; in backward, layer i's recompute starts
             the copy back of layer i-1's inputs.
-        layers: the modules to checkpoint; default :func:`arctic.anatomy.decoder_layers`.
+        layers: the modules to checkpoint; default :func:`arctic.hf.anatomy.decoder_layers`.
         pool: the host buffers; default a new :class:`offload.HostBufferPool` with
             ``host_memory_limit`` (default 80% of available host memory per local rank,
             agreed over ``group``).

@@ -18,33 +18,30 @@
    mesh has a ring. On a mesh built with ``per_document`` each row is cut by its documents
    (the padding one included), and the batch also carries them as flash-attn's varlen
    arguments of the full batch (``cu_seq_lens_q``/``_k``, ``max_length_q``/``_k``), which the
-   model's sequence-parallel attention reads (:mod:`arctic.hf_batch`).
+   model's sequence-parallel attention reads (:mod:`arctic.hf.batch`).
 
 Shifting before sharding matters: after sharding, the label of a piece's last token lives on
 the next rank.
-
-:class:`SequenceParallelDataLoader` feeds every rank of an SP group the same samples (the
-sampler is split over the ``"dp"`` axis only) and counts samples, not samples x SP.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.data import (BatchSampler, DataLoader, Dataset, DistributedSampler,
-                              default_collate)
 
-from arctic.hf_batch import varlen_documents
-from arctic.vlm_data import VisionInputs
-from ulysses.mesh import axis_rank, axis_size, check_mesh, mesh_dims
-from ulysses.sharding import _positions, _seq_split, _sp_rank
-from ulysses.torch_internals import is_fake
+from arctic.data.vision import VisionInputs
+from arctic.hf.batch import varlen_documents
+from ulysses.mesh import check_mesh, mesh_dims
+from ulysses.sharding import held_positions, seq_split, sp_rank_of
+from ulysses.trace_shortcuts import is_traced
 
 IGNORE_INDEX = -100
+
+
 BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "cu_seq_lens_q",
               "cu_seq_lens_k", "max_length_q", "max_length_k")
 """What a batch may hold (``seq_idx`` too, checked and dropped); any other key is refused."""
@@ -72,7 +69,7 @@ def prepare_sp_batch(batch: dict[str, Any], mesh: DeviceMesh, *, pad_token_id: i
             (``pixel_values_videos``, ``video_grid_thw``), and each rank gets the images and
             videos its piece has tokens of, with ``image_embed_index`` /
             ``video_embed_index``, and M-RoPE ``position_ids [4, B, s]`` where the model uses
-            them (:mod:`arctic.vlm`).
+            them (:mod:`arctic.hf.vlm`).
 
     Returns:
         ``input_ids``, ``position_ids`` and ``shift_labels``, each ``[B, S_pad / sp]``.
@@ -86,11 +83,11 @@ def prepare_sp_batch(batch: dict[str, Any], mesh: DeviceMesh, *, pad_token_id: i
         base drops it.
     """
     check_mesh(mesh)
-    return _SequenceCut.of(mesh, vision)(batch, pad_token_id)
+    return SequenceCut.of(mesh, vision)(batch, pad_token_id)
 
 
 @dataclass(frozen=True)
-class _SequenceCut:
+class SequenceCut:
     """What cutting a batch for one rank needs of the mesh: plain values, so that it pickles
     (a collate function runs in the loader's worker processes; a mesh does not pickle)."""
     split: Any  # ulysses.sharding's sequence layout
@@ -99,11 +96,11 @@ class _SequenceCut:
     vision: VisionInputs | None = None
 
     @classmethod
-    def of(cls, mesh: DeviceMesh, vision: VisionInputs | None = None) -> "_SequenceCut":
+    def of(cls, mesh: DeviceMesh, vision: VisionInputs | None = None) -> "SequenceCut":
         if vision is not None and not isinstance(vision, VisionInputs):
             raise ValueError(f"vision must be arctic.vision_inputs(model), got "
                              f"{type(vision).__name__}")
-        return cls(_seq_split(mesh), _sp_rank(mesh), mesh_dims(mesh).seq_len_divisor, vision)
+        return cls(seq_split(mesh), sp_rank_of(mesh), mesh_dims(mesh).seq_len_divisor, vision)
 
     def __call__(self, batch: dict[str, Any], pad_token_id: int) -> dict[str, Tensor]:
         if "input_ids" not in batch:
@@ -189,19 +186,19 @@ class _SequenceCut:
                 full[key] = _pad_right(torch.as_tensor(batch[key]), n, 0)
         # The tokens that are the batch's own (not its attention_mask's padding, nor the
         # cut's): only with padding. The MoE router loss counts them alone, as HF's does.
-        padded = mask is not None and not is_fake(mask) and not bool(mask.all())
+        padded = mask is not None and not is_traced(mask) and not bool(mask.all())
         if n > S or padded:
             real_tokens = torch.ones(B, S, dtype=torch.bool) if mask is None else mask
             full["token_mask"] = _pad_right(real_tokens, n, False)
         by_documents = self.split.per_document or varlen is not None
         if not by_documents:
             documents = None
-        elif is_fake(starts):  # the planner's trace: one document per row, the padding apart
+        elif is_traced(starts):  # the planner's trace: one document per row, the padding apart
             documents = [(0, first) if 0 < first < n else (0,) for first in real]
         else:
             documents = [tuple(row.nonzero().squeeze(1).tolist()) for row in starts]
         if self.split.per_document:
-            index = _positions(self.split, n, self.sp_rank, documents)  # as shard_sequence
+            index = held_positions(self.split, n, self.sp_rank, documents)  # as shard_sequence
             out = {k: v.gather(-1, index.expand(*v.shape[:-1], -1)) for k, v in full.items()}
         else:
             runs = self.split.runs(n, self.sp_rank)  # as ulysses.shard_sequence cuts
@@ -239,71 +236,3 @@ def _varlen_arguments(documents: list[tuple[int, ...]], n: int) -> dict[str, Any
     longest = max(e - a for a, e in zip(bounds, bounds[1:]))
     return {"cu_seq_lens_q": cu, "cu_seq_lens_k": cu.clone(), "max_length_q": longest,
             "max_length_k": longest}
-
-
-class _SPCollate:
-    """The user's collate, then this rank's cut: a loader rebuilt around the same
-    ``collate_fn`` (accelerate's ``skip_first_batches`` does, to resume) still yields SP
-    batches."""
-
-    def __init__(self, collate_fn: Callable | None, cut: _SequenceCut, pad_token_id: int):
-        self.collate_fn = collate_fn or default_collate
-        self.cut, self.pad_token_id = cut, pad_token_id
-
-    def __call__(self, samples: list) -> dict[str, Tensor]:
-        return self.cut(self.collate_fn(samples), self.pad_token_id)
-
-
-class _EpochBatchSampler(BatchSampler):
-    """A ``BatchSampler`` whose ``set_epoch`` reaches its ``DistributedSampler`` (the HF
-    Trainer reaches a rebuilt loader's epoch through its batch sampler)."""
-
-    def set_epoch(self, epoch: int) -> None:
-        self.sampler.set_epoch(epoch)
-
-
-class SequenceParallelDataLoader(DataLoader):
-    """A ``torch.utils.data.DataLoader`` whose batches are already SP shards.
-
-    Samples are split over the mesh's ``"dp"`` axis only: the ranks of one SP group read the
-    same samples and each keeps its piece of the sequence. ``len()`` is the number of batches
-    per epoch of one dp rank, and :meth:`set_epoch` reshuffles, as with
-    ``DistributedSampler``. The cut is part of ``collate_fn`` (it runs in the workers, and a
-    loader rebuilt from this one's ``dataset``, ``batch_sampler`` and ``collate_fn`` yields
-    the same batches).
-
-    Args:
-        dataset: yields what ``collate_fn`` turns into a batch dict with ``input_ids``.
-        mesh: the SP mesh.
-        batch_size: samples per batch on each dp rank.
-        collate_fn: default ``torch.utils.data.default_collate``.
-        shuffle, seed, drop_last: as for ``DistributedSampler``.
-        pad_token_id, vision: as for :func:`prepare_sp_batch`.
-        num_workers, pin_memory, persistent_workers, prefetch_factor,
-        multiprocessing_context, in_order: as for ``DataLoader``.
-    """
-
-    def __init__(self, dataset: Dataset, mesh: DeviceMesh, *, batch_size: int = 1,
-                 collate_fn: Callable | None = None, shuffle: bool = True, seed: int = 0,
-                 drop_last: bool = False, pad_token_id: int = 0,
-                 vision: VisionInputs | None = None, num_workers: int = 0,
-                 pin_memory: bool = False,
-                 persistent_workers: bool = False, prefetch_factor: int | None = None,
-                 multiprocessing_context=None, in_order: bool = True) -> None:
-        check_mesh(mesh)
-        # in_order is DataLoader's from torch 2.6: given only when it is not the default
-        ordering = {} if in_order else {"in_order": False}
-        self.mesh = mesh
-        sampler = DistributedSampler(dataset, num_replicas=axis_size(mesh, "dp"),
-                                     rank=axis_rank(mesh, "dp"), shuffle=shuffle, seed=seed,
-                                     drop_last=drop_last)
-        super().__init__(dataset, batch_sampler=_EpochBatchSampler(sampler, batch_size,
-                                                                   drop_last),
-                         collate_fn=_SPCollate(collate_fn, _SequenceCut.of(mesh, vision),
-                                               pad_token_id),
-                         num_workers=num_workers, pin_memory=pin_memory,
-                         persistent_workers=persistent_workers, prefetch_factor=prefetch_factor,
-                         multiprocessing_context=multiprocessing_context, **ordering)
-
-    def set_epoch(self, epoch: int) -> None:
-        self.batch_sampler.set_epoch(epoch)

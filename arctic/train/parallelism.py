@@ -7,7 +7,7 @@ sp_seq_length_is_variable=True, sp_attn_implementation="sdpa"))`` beside a DeepS
 accelerate then installs DeepSpeed's ``UlyssesSPAttentionHF`` (over the global
 ``ALL_ATTENTION_FUNCTIONS[<implementation>]`` entry) and its ``UlyssesSPDataLoaderAdapter``,
 and the Trainer sends the loss to ``deepspeed_sp_compute_loss``.
-:class:`arctic.trainer.SequenceParallelTrainer` reads the same object instead
+:class:`arctic.train.trainer.SequenceParallelTrainer` reads the same object instead
 (:func:`merge_parallelism_config`): ``sp_size`` becomes ``sequence_parallel_size``, the
 handler's attention implementation picks the kernel, and the DeepSpeed JSON's ``"ulysses"``
 block adds the rest (head chunks, tiling, offload, ring). The trainer then hands accelerate

@@ -23,8 +23,6 @@ loss is asked for.
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
 import inspect
 from dataclasses import dataclass
 
@@ -32,7 +30,10 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from ulysses.torch_internals import is_fake, unset_fake_temporarily
+from arctic.hf.anatomy import base_model
+from arctic.hf.probe import probe_output_type, stubbed
+from ulysses.patching import swapped_method
+from ulysses.trace_shortcuts import is_traced, real_values
 
 EXPERT_KEYS = ("num_local_experts", "num_experts", "n_routed_experts")
 TOP_K_KEYS = ("num_experts_per_tok", "moe_topk", "top_k")
@@ -46,30 +47,6 @@ class RouterLoss:
     num_experts: int
     top_k: int
     coef: float
-
-
-_SP_LOSS_CALL = contextvars.ContextVar("arctic_router_by_sp_loss", default=False)
-
-
-@contextlib.contextmanager
-def routed_by_sp_loss():
-    """The SP loss's call of the base model: its router logits go to :func:`router_loss`."""
-    token = _SP_LOSS_CALL.set(True)
-    try:
-        yield
-    finally:
-        _SP_LOSS_CALL.reset(token)
-
-
-def check_router_logits_asked(kwargs: dict) -> None:
-    """``ValueError`` when a base model call outside the SP loss asks for router logits: the
-    HF forward around it would add a router loss of this rank's piece alone (a product of
-    means over the piece, not the sequence's)."""
-    if kwargs.get("output_router_logits") and not _SP_LOSS_CALL.get():
-        raise ValueError("output_router_logits=True under sequence parallelism: the model's own "
-                         "forward would add the MoE router loss of this rank's piece of the "
-                         "sequence only. Use arctic.apply_sp_loss, which adds it over the "
-                         "sequence-parallel group, or set output_router_logits=False")
 
 
 class _GroupSum(torch.autograd.Function):
@@ -157,47 +134,38 @@ def find_router_loss(model: nn.Module) -> RouterLoss | str | None:
     if experts is None or top_k is None:
         return (f"{name}'s config does not give its experts and top-k under the names read "
                 f"here ({EXPERT_KEYS}, {TOP_K_KEYS})")
-    with unset_fake_temporarily(), torch.no_grad():  # real values, also under the planner
+    with real_values(), torch.no_grad():  # real values, also under the planner
         return _probe(model, name, RouterLoss(experts, top_k, 0.0))
 
 
 def _probe(model: nn.Module, name: str, spec: RouterLoss) -> RouterLoss | str | None:
-    from arctic.anatomy import base_model
-    from arctic.loss import _probe_output_type, _stubbed
-
     base, head = base_model(model), model.get_output_embeddings()
     g = torch.Generator().manual_seed(0)
     T, weight = 6, head.weight
     # Meta and fake weights hold no values; the probe reads none, so CPU does (ZeRO-3: the
     # partitioned weight's full shape is its ds_shape).
-    device = torch.device("cpu") if weight.is_meta or is_fake(weight) else weight.device
+    device = torch.device("cpu") if weight.is_meta or is_traced(weight) else weight.device
     hidden_size = getattr(weight, "ds_shape", weight.shape)[1]
     vocab = getattr(weight, "ds_shape", weight.shape)[0]
     logits = tuple(torch.randn(T, spec.num_experts, generator=g).to(device) * 3
                    for _ in range(2))
     hidden = torch.zeros(1, T, hidden_size, device=device)
-    out_type = _probe_output_type()
+    out_type = probe_output_type()
     # The stubs take whatever the forward passes them: nothing it passes can change what
     # they return, which is the point of the probe. HF's loss_function property reads the
     # instance's _loss_function: stubbed (an LM loss of 0), then put back.
-    had = "_loss_function" in vars(model)
-    old = vars(model).get("_loss_function")
-    model.loss_function = lambda *args, **kwargs: torch.zeros((), device=device)
+    zero_loss = lambda *args, **kwargs: torch.zeros((), device=device)  # noqa: E731
     try:
-        with _stubbed(base, lambda *args, **kwargs: out_type(last_hidden_state=hidden,
+        with swapped_method(model, zero_loss, name="_loss_function"), \
+                stubbed(base, lambda *args, **kwargs: out_type(last_hidden_state=hidden,
                                                              router_logits=logits)), \
-                _stubbed(head, lambda x: torch.zeros(1, T, vocab, device=device)):
+                stubbed(head, lambda x: torch.zeros(1, T, vocab, device=device)):
             ids = torch.zeros(1, T, dtype=torch.long, device=device)
             out = type(model).forward(model, input_ids=ids, labels=ids,
                                       position_ids=torch.arange(T, device=device)[None],
                                       output_router_logits=True, use_cache=False)
     except Exception as e:  # a forward that cannot be probed is not honoured
         return f"{name}.forward could not be probed for its router loss ({type(e).__name__}: {e})"
-    finally:
-        if had:
-            model._loss_function = old
-        else:
-            del model._loss_function
     aux = getattr(out, "aux_loss", None)
     if aux is None:
         return None
@@ -212,5 +180,4 @@ def _probe(model: nn.Module, name: str, spec: RouterLoss) -> RouterLoss | str | 
     return RouterLoss(spec.num_experts, spec.top_k, added / float(aux))
 
 
-__all__ = ["RouterLoss", "check_router_logits_asked", "find_router_loss", "routed_by_sp_loss",
-           "router_loss"]
+__all__ = ["RouterLoss", "find_router_loss", "router_loss"]

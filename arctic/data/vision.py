@@ -1,4 +1,4 @@
-"""The data side of vision-language models under sequence parallelism (:mod:`arctic.vlm`):
+"""The data side of vision-language models under sequence parallelism (:mod:`arctic.hf.vlm`):
 what cutting a VLM's batch needs to know of the model, and the cut of its images and videos.
 
 A :class:`VisionInputs` (from :func:`arctic.vision_inputs`) holds plain values and pickles
@@ -75,7 +75,7 @@ class VisionInputs:
     merge: int = 1
     """Spatial merge of a grid's patches into tokens (``merge**2`` patches a token)."""
     rope: Any = None
-    """The base model's class and config (:class:`arctic.vlm._ConfigSelf`), to call its
+    """The base model's class and config (:class:`arctic.hf.vlm._ConfigSelf`), to call its
     ``get_rope_index`` (M-RoPE); None: 1-D positions."""
     cut_keys: tuple[str, ...] = ()
     """Batch keys ``[B, S]`` cut as the tokens are and passed on (Gemma3's

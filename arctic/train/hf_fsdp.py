@@ -1,6 +1,6 @@
 """FSDP2 under the HF Trainer: ``TrainingArguments(fsdp="full_shard", fsdp_config={"version":
-2, ...})`` with :class:`arctic.trainer.SequenceParallelTrainer` (or the mixin), the SP settings
-given as ``sp_config=`` (or ``parallelism_config``).
+2, ...})`` with :class:`arctic.train.trainer.SequenceParallelTrainer` (or the mixin), the SP
+settings given as ``sp_config=`` (or ``parallelism_config``).
 
 accelerate shards with FSDP2 only on GPUs (on CPU processes it never sets its FSDP type and
 wraps the model in DDP instead), and with its own wrap policy. So the trainer shards the
@@ -49,7 +49,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from arctic.anatomy import decoder_layers
+from arctic.hf.anatomy import decoder_layers
+from arctic.train.fsdp import apply_fsdp
 
 _KNOWN = {"fsdp_version", "reshard_after_forward", "cpu_offload", "activation_checkpointing",
           "auto_wrap_policy", "transformer_cls_names_to_wrap", "state_dict_type",
@@ -142,8 +143,6 @@ def shard(model: nn.Module, mesh, settings: FsdpSettings) -> None:
     """:func:`arctic.apply_fsdp` with ``settings``, after checking the wrapped class names."""
     from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 
-    from arctic.fsdp import apply_fsdp
-
     if settings.layer_classes is not None:
         own = sorted({type(m).__name__ for m in decoder_layers(model)})
         if sorted(set(settings.layer_classes)) != own:
@@ -184,7 +183,10 @@ class ShardedModel(nn.Module):
 def full_state_dict(model: nn.Module) -> dict:
     """The whole state dict of the sharded ``model``, on the main process (empty elsewhere);
     every rank must call it."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+    from torch.distributed.checkpoint.state_dict import (
+        StateDictOptions,
+        get_model_state_dict,
+    )
 
     return get_model_state_dict(model, options=StateDictOptions(full_state_dict=True,
                                                                 cpu_offload=True))

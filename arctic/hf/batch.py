@@ -30,21 +30,45 @@ refused instead of recomputed with the wrong documents.
 from __future__ import annotations
 
 import contextlib
+import contextvars
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
-from arctic.anatomy import base_model, hf_checkpointing
-from arctic.hf_binding import of_module
-from arctic.router_loss import check_router_logits_asked
+from arctic.hf.anatomy import base_model, hf_checkpointing
+from arctic.hf.binding import of_module
 from ulysses import gather_sequence
 from ulysses.mesh import axis_size, mesh_dims
-from ulysses.torch_internals import is_fake
+from ulysses.trace_shortcuts import is_traced
 
 VARLEN = ("cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 """flash-attn's varlen arguments, as transformers passes them (``FlashAttentionKwargs``)."""
+
+
+_SP_LOSS_CALL = contextvars.ContextVar("arctic_router_by_sp_loss", default=False)
+
+
+@contextlib.contextmanager
+def routed_by_sp_loss():
+    """The SP loss's call of the base model: its router logits go to :func:`router_loss`."""
+    token = _SP_LOSS_CALL.set(True)
+    try:
+        yield
+    finally:
+        _SP_LOSS_CALL.reset(token)
+
+
+def check_router_logits_asked(kwargs: dict) -> None:
+    """``ValueError`` when a base model call outside the SP loss asks for router logits: the
+    HF forward around it would add a router loss of this rank's piece alone (a product of
+    means over the piece, not the sequence's)."""
+    if kwargs.get("output_router_logits") and not _SP_LOSS_CALL.get():
+        raise ValueError("output_router_logits=True under sequence parallelism: the model's own "
+                         "forward would add the MoE router loss of this rank's piece of the "
+                         "sequence only. Use arctic.apply_sp_loss, which adds it over the "
+                         "sequence-parallel group, or set output_router_logits=False")
 
 
 def document_starts(position_ids_BS: Tensor) -> tuple[tuple[int, ...], ...] | None:
@@ -53,7 +77,7 @@ def document_starts(position_ids_BS: Tensor) -> tuple[tuple[int, ...], ...] | No
 
     Fake position ids (the memory planner's trace, :mod:`arctic.plan`) hold no values: each
     row is planned as one document, the case that needs the most attention memory."""
-    if is_fake(position_ids_BS):
+    if is_traced(position_ids_BS):
         return None
     breaks = position_ids_BS[:, 1:] != position_ids_BS[:, :-1] + 1
     if not bool(breaks.any()):
@@ -76,7 +100,7 @@ def varlen_documents(kwargs, batch: int, full_len: int):
         raise ValueError(f"flash-attn varlen arguments {sorted(given)} without cu_seq_lens_q: "
                          f"give the documents' cumulative lengths")
     cu = torch.as_tensor(given["cu_seq_lens_q"])
-    if is_fake(cu):
+    if is_traced(cu):
         return None
     other = given.get("cu_seq_lens_k")
     if other is not None and not torch.equal(torch.as_tensor(other).cpu(), cu.cpu()):

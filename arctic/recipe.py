@@ -1,0 +1,68 @@
+"""The recipe: everything a :class:`arctic.config.SequenceParallelConfig` asks of a HF model,
+applied in the stage order (:mod:`arctic.order`), as torchtitan's ``parallelize.py`` calls its
+``apply_*`` stages. The training glue (DeepSpeed, FSDP2, the HF Trainer: :mod:`arctic.train`)
+calls it and then shards the parameters.
+"""
+
+from __future__ import annotations
+
+from torch import nn
+
+from arctic.config import SequenceParallelConfig
+from arctic.loss.head import apply_sp_loss
+from arctic.memory.checkpointing import apply_activation_checkpointing
+from arctic.tiling.layer import apply_tiled_layers
+from arctic.tiling.mlp import apply_tiled_mlp
+from arctic.tiling.norms import apply_tiled_norms
+from ulysses import flat_mesh, mesh_dims
+
+
+def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
+                    averaged_over_sp: bool | None = None,
+                    host_memory_limit: int | None = None) -> nn.Module:
+    """Apply everything ``config`` asks for to a HF causal LM, in the fixed order
+    (:mod:`arctic.order`): SP attention, MLP tiling, the tiled SP loss, checkpointing with
+    the layer inputs offloaded to the host when ``config.offload_activations`` (spilling
+    past the host limit to ``config.offload_dir`` when set, with ``config.offload_io``'s
+    I/O, and the attention results kept, not recomputed, when ``config.recompute_attention``
+    is False). ``config.kernel_self_check`` is the mesh's (``config.dims(world).build_mesh``
+    carries it to every attention on the mesh); a mesh built with another value is refused.
+    Parameter sharding (ZeRO, FSDP2) comes after, from the caller. ``averaged_over_sp``: whether
+    that gradient reduction averages the SP ranks' gradients (DDP, FSDP2) or adds them
+    (DeepSpeed given an SP ``mpu``); None follows the reduction found on the model when the
+    loss runs (:mod:`arctic.loss.reduction`), and a value given is checked against it.
+    ``host_memory_limit`` (bytes per rank) caps the offload pool; default: 80% of the host's
+    available memory per local rank, agreed over all ranks. Returns ``model``."""
+    from arctic.hf.attention import apply_sequence_parallel
+
+    if mesh_dims(mesh).kernel_self_check != config.kernel_self_check:
+        raise ValueError(f"kernel_self_check is {config.kernel_self_check} in the config but "
+                         f"{mesh_dims(mesh).kernel_self_check} on the mesh, which every "
+                         f"attention on it reads; build the mesh from the config: "
+                         f"config.dims(world_size).build_mesh(device_type)")
+    apply_sequence_parallel(model, mesh=mesh, head_chunk_size=config.head_chunk_size,
+                            seq_chunk=config.seq_chunk,
+                            attn_implementation=config.attn_implementation,
+                            fuse_projections=config.fuse_projections,
+                            communication_dtype=config.comm_dtype,
+                            attention_backend=config.attention_backend)
+    if config.tiled_mlp is not None:
+        apply_tiled_mlp(model, tiles=config.tiled_mlp)
+        if config.tiled_norms:
+            # With the MLP tiled, the RMSNorms' float32 temporaries set the step's peak (found
+            # by the planner, arctic.plan); they are tiled with it, by their own byte budget.
+            apply_tiled_norms(model)
+        if config.tiled_layer:
+            # The tail after attention as one tiled unit (its norm and MLP run untiled inside).
+            apply_tiled_layers(model, tiles=config.tiled_mlp)
+    apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group(), loss_tiles=config.loss_tiles,
+                  averaged_over_sp=averaged_over_sp)
+    if config.activation_checkpointing:
+        # The host limit is agreed over all ranks, so all refuse (or not) together.
+        apply_activation_checkpointing(model, offload_to_cpu=config.offload_activations,
+                                       host_memory_limit=host_memory_limit,
+                                       offload_dir=config.offload_dir,
+                                       offload_io=config.offload_io or "auto",
+                                       recompute_attention=config.recompute_attention,
+                                       group=flat_mesh(mesh, "dp_sp").get_group())
+    return model

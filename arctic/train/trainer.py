@@ -1,0 +1,421 @@
+"""``SequenceParallelTrainer``: the HF Trainer with sequence parallelism.
+
+A ``transformers.Trainer`` subclass. It reads the SP settings from the same DeepSpeed JSON
+given as ``TrainingArguments(deepspeed=...)``, so a DeepSpeed user changes one class name:
+
+    args = TrainingArguments(..., deepspeed="configs/cpu_demo.json")
+    trainer = SequenceParallelTrainer(model=model, args=args, train_dataset=ds, eval_dataset=ev)
+    trainer.train()
+
+What it changes, and nothing else:
+
+- the model: SP attention, tiled MLP, checkpointing, and a forward that returns the SP loss
+  (``arctic.loss.apply_sp_loss``), before the Trainer wraps it;
+- the dataloaders, train and eval: :class:`arctic.data.SequenceParallelDataLoader`, so the
+  ranks of an SP group read the same samples and evaluation also runs sequence-parallel
+  (running it without SP is what runs out of memory in transformers#46868);
+- the loss: the token mean over the SP group, equal on its ranks, so the logged loss (the
+  Trainer's mean over ranks) is the mean over data-parallel replicas;
+- gradient accumulation, as HF weighs it: ``num_items_in_batch`` counts the valid
+  ``shift_labels`` of all the step's micro-batches (every rank's piece, over all ranks with
+  ``average_tokens_across_devices``, else over the SP group), and each micro-batch's loss is
+  its summed token loss over that count.
+
+What SP cannot give is refused at construction, before any collective: every
+``TrainingArguments`` field is classified in :mod:`arctic.train.fields` (honoured here,
+done by the Trainer's own code, refused, or without effect on what is trained), and a field
+it does not know is refused away from its default. Refused also: ``compute_loss_func``
+(it needs the whole logits, which are never materialised), ``compute_metrics`` without
+``preprocess_logits_for_metrics``, a ``train_sampling_strategy`` other than random or
+sequential, ``predict()``, ``model_init`` and ``train(trial=...)``.
+
+Metrics: ``preprocess_logits_for_metrics(logits, labels)`` runs inside the SP loss on tiles
+of each rank's logits (``[B, t, V]``, and the ``[B, t]`` labels of those positions), so it
+must work position by position (an argmax, a top-k, a log-probability of the label); its
+outputs are gathered in sequence order over the SP group and over the data-parallel ranks,
+and ``compute_metrics`` receives them with HF's unshifted labels for the whole sequence. The
+labels are rebuilt from the shifted targets: the first position's and each packed document's
+first token's are -100 (no causal-LM metric reads them). The loaders read ``data_seed`` (else
+``seed``) and the ``dataloader_*`` fields. Resuming
+(``train(resume_from_checkpoint=...)``) skips the trained batches as the Trainer does:
+the SP cut is the loader's ``collate_fn``, which the loader accelerate rebuilds keeps.
+
+SP is on inside ``train()`` and ``evaluate()`` only (:func:`arctic.remove_sequence_parallel`
+and :func:`arctic.restore_sequence_parallel`): elsewhere the model is the user's own, to run
+on whole sequences, generate with and save.
+
+DeepSpeed runs inside the Trainer without our ``mpu`` (accelerate builds the engine), so it
+treats every rank as data parallel: it averages gradients over all ranks (the SP loss scales
+by sp to match) and must not see ``sequence_parallel_size``, with which it would size batches
+for world/sp ranks while the Trainer sizes them for all. The trainer hands DeepSpeed the
+config without our keys.
+
+FSDP2 instead of DeepSpeed: ``TrainingArguments(fsdp="full_shard", fsdp_config={"version":
+2})`` with the SP settings as ``sp_config=`` (a JSON path or dict of the SP keys, or a
+:class:`arctic.config.SequenceParallelConfig`); the trainer shards the model itself and keeps
+accelerate from wrapping or sharding it again (:mod:`arctic.train.hf_fsdp`, where every FSDP setting
+is honoured or refused).
+
+HF's ALST settings work as they are: ``TrainingArguments(parallelism_config=
+ParallelismConfig(sp_backend="deepspeed", sp_size=N, sp_handler=...))`` beside the DeepSpeed
+config is read as ``sequence_parallel_size=N`` and the handler's attention implementation
+(:mod:`arctic.train.parallelism`), and removed from the arguments before the Trainer builds its
+accelerator, so accelerate installs neither DeepSpeed's Ulysses attention nor its dataloader
+adapter.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from transformers import Trainer, TrainerCallback
+
+from arctic.data.batch import IGNORE_INDEX
+from arctic.data.loader import SequenceParallelDataLoader
+from arctic.hf.batch import cut_documents
+from arctic.hf.vlm import is_vlm, vision_inputs
+from arctic.memory import allocator
+from arctic.recipe import apply_sp_recipe
+from arctic.removal import (
+    remove_sequence_parallel,
+    restore_sequence_parallel,
+    sequence_parallel_on,
+)
+from arctic.train.deepspeed import host_limit_beside_state
+from arctic.train.fields import refuse_unsupported_arguments
+from arctic.train.hf_fsdp import (
+    ShardedModel,
+    full_state_dict,
+    hand_accelerate_no_fsdp,
+    read_fsdp,
+    shard,
+)
+from arctic.train.parallelism import SP_KEYS, sp_settings
+from ulysses import flat_mesh, gather_sequence, shard_sequence
+from ulysses.mesh import axis_group, axis_size
+from ulysses.patching import instance_method, replace_method
+
+
+@dataclasses.dataclass(frozen=True)
+class _Collate:
+    """The default collate: the samples' values stacked, key by key (strings and None left
+    out), as HF's default collator does. With ``remove_unused_columns`` (HF's default) the
+    keys that the model's own forward does not name go first, as HF's column removal drops
+    them; what is left is cut by :mod:`arctic.data`, which refuses a key it does not read."""
+
+    keep: frozenset[str] | None
+    """The keys kept; None: all."""
+
+    @classmethod
+    def of(cls, model, remove_unused_columns: bool) -> "_Collate":
+        if not remove_unused_columns:
+            return cls(None)
+        names = inspect.signature(type(model).forward).parameters
+        return cls(frozenset(names) | {"labels", "label", "label_ids"})
+
+    def __call__(self, features: list[dict[str, Any]]) -> dict[str, torch.Tensor]:
+        first = features[0]
+        return {k: torch.stack([torch.as_tensor(f[k]) for f in features]) for k in first
+                if (self.keep is None or k in self.keep) and
+                first[k] is not None and not isinstance(first[k], str)}
+
+
+class SequenceParallelMixin:
+    """Sequence parallelism for a ``transformers.Trainer`` class: put it first among the
+    bases, ``class SPSFTTrainer(SequenceParallelMixin, trl.SFTTrainer)``
+    (:class:`SequenceParallelTrainer` is it with ``Trainer``). The arguments are the
+    trainer's own; the SP settings come from ``args.deepspeed`` (and ``parallelism_config``),
+    or under FSDP2 (``args.fsdp``) from ``sp_config=``.
+    With TRL's ``SFTTrainer``, its ``SFTConfig`` fields are honoured or refused as the
+    Trainer's are (:data:`arctic.train.fields.SFT_FIELDS`): its dataset preparation,
+    packing and padding-free collator run unchanged and feed the SP loaders (packed documents
+    become the attention's documents), and the completion and assistant masks reach the loss
+    through the labels. Its token accuracy and entropy logs need the whole logits, which are
+    never materialised: they are not logged."""
+
+    def __init__(self, model=None, args=None, data_collator=None, *, sp_config=None,
+                 **kwargs) -> None:
+        fsdp = read_fsdp(args) if args is not None else None
+        if args is None or not (args.deepspeed or fsdp):
+            raise ValueError("SequenceParallelTrainer reads its settings from "
+                             "TrainingArguments(deepspeed=<config with sequence_parallel_size>, "
+                             "or parallelism_config=ParallelismConfig(sp_size=...) beside it), "
+                             "or trains under FSDP2: TrainingArguments(fsdp='full_shard', "
+                             "fsdp_config={'version': 2}) with sp_config=<SP settings>")
+        _refuse_what_sp_cannot_give(args, kwargs)
+        if model is None:
+            raise ValueError("SequenceParallelTrainer needs model= (a HF causal LM)")
+        # HF's ALST settings (accelerate's ParallelismConfig) are read here; accelerate gets
+        # the arguments without them, so it installs none of DeepSpeed's Ulysses pieces.
+        ds, sp = sp_settings(args, sp_config)
+        if getattr(args, "parallelism_config", None) is not None:
+            args.parallelism_config = None
+        allocator.use_expandable_segments()  # arctic.memory.allocator: unless the user set it
+        if getattr(args, "activation_checkpointing", None) or args.gradient_checkpointing or \
+                (fsdp is not None and fsdp.activation_checkpointing):
+            # TrainingArguments(activation_checkpointing=True), or its older name
+            # gradient_checkpointing, means ours (non-reentrant, per layer, offload as
+            # configured); HF's own would checkpoint every layer a second time.
+            sp = dataclasses.replace(sp, activation_checkpointing=True)
+            args.gradient_checkpointing = False
+            if hasattr(args, "activation_checkpointing"):
+                args.activation_checkpointing = False
+        self.sp_config = sp
+        self.sp_mesh = sp.dims(args.world_size).build_mesh(args.device.type)
+        apply_sp_recipe(model, config=sp, mesh=self.sp_mesh, averaged_over_sp=True,
+                        host_memory_limit=host_limit_beside_state(ds, sp, model, self.sp_mesh))
+        self._fsdp = fsdp
+        if fsdp is not None:
+            shard(model, self.sp_mesh, fsdp)
+            hand_accelerate_no_fsdp(args)
+        else:
+            _hand_deepspeed_plain_config(args, {k: v for k, v in ds.items() if k not in SP_KEYS})
+        self._full_state = None
+        self._sp_collate = data_collator or _Collate.of(model, args.remove_unused_columns)
+        # a VLM's batches are cut with its vision inputs (each rank's own images)
+        self._sp_vision = vision_inputs(model) if is_vlm(model) else None
+        ours = instance_method(model)
+        super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
+        if instance_method(model) is not ours:
+            # The trainer class after this one replaced the forward: TRL's SFTTrainer puts its
+            # fused LM head there (log-probabilities in chunks, for its loss and its accuracy
+            # and entropy logs). Under SP the forward is the tiled SP loss, and compute_loss
+            # (here) never asks for the fused head: the SP forward goes back.
+            replace_method(model, ours)
+        if data_collator is None and not _stock_collator(self.data_collator):
+            # the trainer class's own collator (TRL's padding-free one makes the packed
+            # documents' position ids): the SP loaders cut what it makes
+            self._sp_collate = self.data_collator
+        # The SP loss takes num_items_in_batch (its divisor): the Trainer then leaves the
+        # accumulated loss undivided by the accumulation steps, as for HF's own losses.
+        self.model_accepts_loss_kwargs = True
+        # SP runs inside train() and evaluate(); elsewhere the model is the user's own.
+        remove_sequence_parallel(model)
+        self.add_callback(_ShuffleLikeTheEpoch())
+        # preprocess_logits_for_metrics runs inside the SP loss, on tiles of the logits; the
+        # Trainer's loop must not run it again on what comes out.
+        self._sp_preprocess, self.preprocess_logits_for_metrics = \
+            self.preprocess_logits_for_metrics, None
+
+    @contextmanager
+    def _sequence_parallel(self):
+        """SP on the model for the duration (nested calls: the outermost takes it off)."""
+        was_on = sequence_parallel_on(self.model)
+        restore_sequence_parallel(self.model)
+        try:
+            yield
+        finally:
+            if not was_on:
+                remove_sequence_parallel(self.model)
+
+    def get_train_dataloader(self) -> SequenceParallelDataLoader:
+        if self.train_dataset is None:
+            raise ValueError("SequenceParallelTrainer needs a train_dataset")
+        # (train_sampling_strategy was checked when the trainer was built)
+        return self._sp_loader(self.train_dataset, self.args.per_device_train_batch_size,
+                               shuffle=self.args.train_sampling_strategy == "random")
+
+    def _sp_loader(self, dataset, batch_size: int, shuffle: bool) -> SequenceParallelDataLoader:
+        # data_seed seeds the sampler when given, as in the Trainer's own sampler; the workers
+        # collate, and the SP pieces are cut in this process.
+        seed = self.args.data_seed if self.args.data_seed is not None else self.args.seed
+        a = self.args
+        return SequenceParallelDataLoader(
+            dataset, self.sp_mesh, batch_size=batch_size, collate_fn=self._sp_collate,
+            vision=self._sp_vision, shuffle=shuffle, seed=seed, drop_last=a.dataloader_drop_last,
+            num_workers=a.dataloader_num_workers, pin_memory=a.dataloader_pin_memory,
+            persistent_workers=a.dataloader_persistent_workers,
+            prefetch_factor=a.dataloader_prefetch_factor,
+            # transformers 5.24's fields; none before
+            multiprocessing_context=getattr(a, "dataloader_multiprocessing_context", None),
+            in_order=getattr(a, "dataloader_in_order", True))
+
+    def get_eval_dataloader(self, eval_dataset=None) -> SequenceParallelDataLoader:
+        dataset = eval_dataset if eval_dataset is not None else self.eval_dataset
+        if dataset is None:
+            raise ValueError("SequenceParallelTrainer.evaluate needs an eval_dataset")
+        if isinstance(dataset, dict):
+            raise ValueError("pass one eval dataset at a time to SequenceParallelTrainer")
+        return self._sp_loader(dataset, self.args.per_device_eval_batch_size, False)
+
+    def get_batch_samples(self, epoch_iterator, num_batches, device):
+        """The step's micro-batches, and HF's ``num_items_in_batch`` for them: the valid
+        ``shift_labels`` of every piece, summed over all ranks (each token lives on one rank
+        of its SP group) with ``average_tokens_across_devices``, else over the SP group."""
+        batches, _ = super().get_batch_samples(epoch_iterator, num_batches, device)
+        if not batches:
+            return batches, None
+        # int64: exact at any length (float32 counts stop being exact past 2**24 tokens)
+        count = sum(b["shift_labels"].ne(IGNORE_INDEX).sum() for b in batches).to(device)
+        if dist.is_initialized():
+            group = (None if self.args.average_tokens_across_devices else
+                     flat_mesh(self.sp_mesh, "sp").get_group())
+            dist.all_reduce(count, group=group)
+        return batches, count
+
+    def compute_loss(self, model, inputs, return_outputs=False, num_items_in_batch=None):
+        # The model's forward is the SP loss already: the SP group's summed token loss over
+        # num_items_in_batch (or over the group's own count), equal on the group's ranks.
+        if num_items_in_batch is not None:
+            inputs = {**inputs, "num_items_in_batch": num_items_in_batch}
+        loss = model(**inputs)
+        if num_items_in_batch is not None and self.args.average_tokens_across_devices:
+            # As HF multiplies by the number of processes: the count spans every data-parallel
+            # replica, and the ranks' mean (logged, and DeepSpeed's gradient average) must
+            # add the replicas up. The SP loss already accounts for the SP ranks.
+            loss = loss * axis_size(self.sp_mesh, "dp")
+        return (loss, {"loss": loss}) if return_outputs else loss
+
+    def train(self, resume_from_checkpoint=None, trial=None, ignore_keys_for_eval=None):
+        if trial is not None:
+            raise ValueError("SequenceParallelTrainer.train(trial=...) is not supported: a "
+                             "hyperparameter search rebuilds the model with model_init, "
+                             "which sequence parallelism is not applied to")
+        if self._fsdp is not None and resume_from_checkpoint:
+            raise ValueError("SequenceParallelTrainer under FSDP2 does not resume from "
+                             "checkpoints: their sharded optimizer state is not written")
+        with self._sequence_parallel():
+            return super().train(resume_from_checkpoint,
+                                 ignore_keys_for_eval=ignore_keys_for_eval)
+
+    def _wrap_model(self, model, training=True, dataloader=None):
+        # Under FSDP2 the model is sharded already: accelerate must neither wrap it in DDP nor
+        # shard it again (nor wrap its forward in autocast), and the Trainer leaves a model
+        # that _wrap_model wrapped unprepared, in training and in evaluation.
+        if self._fsdp is None:
+            return super()._wrap_model(model, training, dataloader)
+        return model if isinstance(model, ShardedModel) else ShardedModel(self.model)
+
+    def save_model(self, output_dir=None, _internal_call=False):
+        if self._fsdp is None:
+            return super().save_model(output_dir, _internal_call)
+        # Every rank gathers the whole state (a collective); the main process writes it.
+        self._full_state = full_state_dict(self.model)
+        try:
+            return super().save_model(output_dir, _internal_call)
+        finally:
+            self._full_state = None
+
+    def _save(self, output_dir=None, state_dict=None):
+        if state_dict is None and self._full_state is not None:
+            state_dict = self._full_state
+        return super()._save(output_dir, state_dict=state_dict)
+
+    def evaluate(self, eval_dataset=None, ignore_keys=None, metric_key_prefix="eval"):
+        with self._sequence_parallel():
+            return super().evaluate(eval_dataset, ignore_keys, metric_key_prefix)
+
+    def predict(self, test_dataset, ignore_keys=None, metric_key_prefix="test"):
+        raise ValueError("SequenceParallelTrainer.predict is not supported: the tiled loss never "
+                         "materialises the logits. Use evaluate() for the loss; for "
+                         "predictions, use the trained model itself (sequence parallelism is "
+                         "off outside train() and evaluate()), e.g. with a plain Trainer")
+
+    def prediction_step(self, model, inputs, prediction_loss_only, ignore_keys=None):
+        inputs = self._prepare_inputs(inputs)
+        if prediction_loss_only or self._sp_preprocess is None:
+            with torch.no_grad():
+                return model(**inputs).detach(), None, None
+        # Metrics: the preprocessed logits of the whole sequence, in order, on every rank of
+        # the SP group, and HF's unshifted labels rebuilt from the shifted ones.
+        cut = cut_documents(self.sp_mesh, inputs, *inputs["shift_labels"].shape)
+        with torch.no_grad():
+            full = gather_sequence(inputs["shift_labels"], self.sp_mesh, dim=1, segments=cut)
+            labels = torch.cat([torch.full_like(full[:, :1], IGNORE_INDEX), full[:, :-1]], 1)
+            out = model(**inputs, labels=shard_sequence(labels, self.sp_mesh, dim=1,
+                                                        segments=cut),
+                        logits_fn=self._sp_preprocess, return_dict=True)
+            return (out.loss.detach(),
+                    gather_sequence(out.logits, self.sp_mesh, dim=1, segments=cut), labels)
+
+    def evaluation_loop(self, dataloader, description, prediction_loss_only=None,
+                        ignore_keys=None, metric_key_prefix="eval"):
+        # Each SP group's ranks hold the same predictions: gather them over the data-parallel
+        # ranks only (the Trainer resets its gather function at the end of the loop).
+        self.gather_function = self._gather_over_dp
+        return super().evaluation_loop(dataloader, description, prediction_loss_only,
+                                       ignore_keys, metric_key_prefix)
+
+    def _gather_over_dp(self, tensor):
+        if isinstance(tensor, (tuple, list)):
+            return type(tensor)(self._gather_over_dp(t) for t in tensor)
+        dp = axis_size(self.sp_mesh, "dp")
+        if dp == 1:
+            return tensor
+        pieces = [torch.empty_like(tensor) for _ in range(dp)]
+        dist.all_gather(pieces, tensor.contiguous(), group=axis_group(self.sp_mesh, "dp"))
+        return torch.cat(pieces)
+
+
+def _stock_collator(collate) -> bool:
+    """Whether ``collate`` is the Trainer's own default (no collator of the trainer class's)."""
+    from transformers.data.data_collator import (
+        DataCollatorWithPadding,
+        default_data_collator,
+    )
+
+    return collate is default_data_collator or isinstance(collate, DataCollatorWithPadding)
+
+
+class SequenceParallelTrainer(SequenceParallelMixin, Trainer):
+    """``transformers.Trainer`` with the sequence parallelism named in ``args.deepspeed`` (or,
+    under FSDP2, in ``sp_config=``)."""
+
+
+class _ShuffleLikeTheEpoch(TrainerCallback):
+    """Sets the train loader's epoch (its shuffle) at each epoch's start, from the step count
+    as the Trainer counts epochs. The Trainer sets it too, on the loader it holds; but to
+    resume mid-epoch it iterates a loader that accelerate rebuilt around our batch sampler,
+    whose epoch not every transformers version sets (5.13 does not)."""
+
+    def on_epoch_begin(self, args, state, control, *, train_dataloader=None, **event):
+        # ``event``: the rest of what the Trainer hands every callback (model, optimizer,
+        # ...), which this one does not need.
+        if isinstance(train_dataloader, SequenceParallelDataLoader):
+            accumulate = args.gradient_accumulation_steps
+            n = len(train_dataloader)
+            per_epoch = max(n // accumulate + int(n % accumulate > 0), 1)
+            train_dataloader.set_epoch(state.global_step // per_epoch)
+
+
+def _hand_deepspeed_plain_config(args, ds_config: dict) -> None:
+    """Rebuild the arguments' DeepSpeed config without the SP keys (the way the Trainer
+    itself rebuilds it for hyperparameter sweeps)."""
+    from accelerate.utils import DeepSpeedPlugin
+    from transformers.integrations.deepspeed import HfTrainerDeepSpeedConfig
+
+    args.deepspeed = ds_config
+    args.hf_deepspeed_config = HfTrainerDeepSpeedConfig(ds_config)
+    args.hf_deepspeed_config.trainer_config_process(args)
+    args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=args.hf_deepspeed_config)
+
+
+def _refuse_what_sp_cannot_give(args, kwargs: dict) -> None:
+    """A ValueError naming the first Trainer argument or ``TrainingArguments`` field that SP
+    cannot give its effect (:mod:`arctic.train.fields`)."""
+    refuse_unsupported_arguments(args)
+    strategy = args.train_sampling_strategy
+    if strategy not in ("random", "sequential"):
+        raise ValueError(f"TrainingArguments(train_sampling_strategy={strategy!r}) is not "
+                         f"supported by SequenceParallelTrainer: its loader splits samples over "
+                         f"the data-parallel ranks only, shuffled or in order; use 'random' or "
+                         f"'sequential'")
+    if kwargs.get("model_init") is not None:
+        raise ValueError("SequenceParallelTrainer does not support model_init: sequence "
+                         "parallelism is applied to the model given as model=, once")
+    if kwargs.get("compute_loss_func") is not None:
+        raise ValueError("SequenceParallelTrainer does not support compute_loss_func: it needs "
+                         "the model's whole logits, which the tiled SP loss never "
+                         "materialises. Leave it out")
+    if kwargs.get("compute_metrics") is not None and \
+            kwargs.get("preprocess_logits_for_metrics") is None:
+        raise ValueError("SequenceParallelTrainer runs compute_metrics on what "
+                         "preprocess_logits_for_metrics makes of each tile of the logits (the "
+                         "whole [batch, seq, vocab] logits are never materialised); give "
+                         "preprocess_logits_for_metrics too, e.g. lambda logits, labels: "
+                         "logits.argmax(-1)")
