@@ -377,8 +377,9 @@ REFUSED = {
     "varlen_kwargs": ["cu_seq_lens_q", "cumulative document lengths", "128 last"],
     "seq_idx": ["LlamaAttention", "seq_idx"],
     "attention_switched_back": ["LlamaAttention", "'sdpa'"],
-    # token mixers outside attention would see only this rank's piece
-    "linear_attention_layers": ["Qwen3NextForCausalLM", "linear_attention", "outside attention"],
+    # token mixers outside attention that SP does not implement would see only this rank's
+    # piece (gated delta nets are honoured: tests/test_arctic_hybrid_models.py)
+    "mamba_layers": ["JambaForCausalLM", "linear_attention", "outside attention"],
     "convolution_in_a_layer": ["LlamaForCausalLM", "layers.0.mixer (Conv1d)", "outside attention"],
 }
 """Each refusal -> words its message must hold (the model or module class, the feature)."""
@@ -386,7 +387,7 @@ REFUSED = {
 
 def _refused_calls():
     """name -> a call that must raise, on an SP=2 mesh (rank side)."""
-    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, Qwen3NextConfig
+    from transformers import AutoModelForCausalLM, Gemma2Config, JambaConfig, LlamaConfig
 
     from arctic.hf.attention import apply_sequence_parallel
 
@@ -423,11 +424,9 @@ def _refused_calls():
         "seq_idx": lambda: apply(_model("llama"))(input_ids=ids, position_ids=pos,
                                                   seq_idx=torch.zeros_like(ids, dtype=torch.int32)),
         "attention_switched_back": switched_back,
-        "linear_attention_layers": lambda: apply(build(Qwen3NextConfig(
-            **SMALL, layer_types=["linear_attention", "full_attention"], num_experts=2,
-            moe_intermediate_size=32, shared_expert_intermediate_size=32,
-            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
-            linear_value_head_dim=16))),
+        "mamba_layers": lambda: apply(build(JambaConfig(
+            **SMALL, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+            num_experts=2, mamba_d_state=4, mamba_dt_rank=8, mamba_expand=1))),
         "convolution_in_a_layer": lambda: apply(with_conv(_model("llama"))),
     }
 

@@ -14,6 +14,13 @@ from torch import nn
 
 NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
 """The per-token norms of a HF decoder layer that see ``[B, S, E]`` (Llama, Mistral, Qwen2/3)."""
+MIXER_NAMES = ("self_attn", "linear_attn")
+"""What a HF decoder layer calls its token mixer: its attention, or a hybrid model's
+linear-attention layer (Qwen3.5, Qwen3-Next, OLMo-hybrid)."""
+RECURRENT_NAMES = ("Mamba", "DeltaNet", "LinearAttention", "DeltaAttention", "Lightning",
+                   "RecurrentBlock", "RGLRU", "SSM", "xLSTM", "Mixer", "ShortConv")
+"""Class-name parts of token mixers other than attention: state-space (Mamba), gated delta
+and linear-attention layers, recurrent blocks, short convolutions."""
 MLP_NAMES = ("mlp", "feed_forward")
 """What a HF decoder layer calls its MLP (or MoE block): ``mlp``, or ``feed_forward``
 (Llama4)."""
@@ -60,18 +67,26 @@ def layer_mlp(layer: nn.Module) -> nn.Module | None:
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers of a HF causal LM (of a VLM's language model): modules with both
-    ``self_attn`` and an MLP (:func:`layer_mlp`)."""
+    """The decoder layers of a HF causal LM (of a VLM's language model): modules with both a
+    token mixer (:data:`MIXER_NAMES`) and an MLP (:func:`layer_mlp`)."""
     return [m for m in language_model(model).modules()
-            if layer_mlp(m) is not None and isinstance(getattr(m, "self_attn", None), nn.Module)]
+            if layer_mlp(m) is not None and
+            any(isinstance(getattr(m, n, None), nn.Module) for n in MIXER_NAMES)]
+
+
+def is_recurrent(module: nn.Module) -> bool:
+    """Whether ``module``'s class names a token mixer other than attention
+    (:data:`RECURRENT_NAMES`)."""
+    return any(part in type(module).__name__ for part in RECURRENT_NAMES)
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     """The self-attention modules of a HF decoder (of a VLM's language model): they hold
-    q/k/v projections and know their ``layer_idx``."""
+    q/k/v projections and know their ``layer_idx``, and are not a linear-attention layer
+    (OLMo-hybrid's gated delta nets have q/k/v projections too)."""
     return [m for m in language_model(model).modules()
             if all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj")) and
-            hasattr(m, "layer_idx")]
+            hasattr(m, "layer_idx") and not is_recurrent(m)]
 
 
 def token_norms(model: nn.Module) -> list[nn.Module]:
@@ -94,5 +109,6 @@ def hf_checkpointing(model: nn.Module) -> bool:
     return False
 
 
-__all__ = ["MLP_NAMES", "NORM_NAMES", "attention_modules", "decoder_layers", "hf_checkpointing",
-           "language_model", "layer_mlp", "text_config", "text_config_of", "token_norms"]
+__all__ = ["MIXER_NAMES", "MLP_NAMES", "NORM_NAMES", "RECURRENT_NAMES", "attention_modules",
+           "decoder_layers", "hf_checkpointing", "is_recurrent", "language_model", "layer_mlp",
+           "text_config", "text_config_of", "token_norms"]

@@ -42,6 +42,7 @@ from arctic.hf.features import (
     tunes_temperature,
 )
 from arctic.hf.fused import check_fusable, fuse, unfuse
+from arctic.hf.mixers import check_mixers, check_token_mixers, install_mixers
 from arctic.hf.vlm import image_block_key, install_vision, is_vlm, vision_inputs
 from arctic.loss.token import install_sp_causal_lm_loss
 from arctic.order import record_apply
@@ -227,6 +228,7 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
     if not modules:
         raise ValueError(f"{type(model).__name__} has no attention module with q/k/v "
                          f"projections to make sequence-parallel")
+    check_token_mixers(model)
     check_model_features(model, modules)
     vlm = is_vlm(model)
     vision = vision_inputs(model) if vlm else None  # ValueError for an unsupported family
@@ -234,6 +236,7 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
     H = config.num_attention_heads
     K = getattr(config, "num_key_value_heads", None) or H
     layout = head_layout(H, K, axis_size(mesh, "ulysses"))  # ValueError names valid degrees
+    check_mixers(model, mesh)
     backend = IMPLEMENTATIONS[attn_implementation]
     if attention_backend is not None:
         if backend is not None and attention_backend != backend:
@@ -282,6 +285,7 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
     # A VLM's vision tower keeps its own attention: only the language model is switched.
     (language_model(model) if vlm else model).set_attn_implementation(REGISTERED)
     install_batch_hook(model, batch)
+    install_mixers(model, mesh, batch, passed_over)
     if vlm:
         install_vision(model, vision)
     # model(..., labels=) on the pieces: HF's loss of the whole sequence

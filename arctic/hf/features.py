@@ -234,45 +234,10 @@ def is_bidirectional(model: nn.Module) -> bool:
         type(language_model(model)).__name__ in BIDIRECTIONAL
 
 
-ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention",
-                         "attention", "dense", "sparse", "moe")
-"""``config.layer_types`` entries whose layers mix tokens only through attention the SP
-attention implements (global, sliding, Llama4's chunks) or not at all (MLP and MoE kinds)."""
-RECURRENT_NAMES = ("Mamba", "DeltaNet", "LinearAttention", "Lightning", "RecurrentBlock",
-                   "RGLRU", "SSM", "xLSTM", "Mixer")
-"""Class-name parts of token mixers other than attention: state-space (Mamba), gated delta
-and linear-attention layers, recurrent blocks. With ``nn.Conv1d`` (their causal
-convolution along the sequence) they mark a model whose layers would see only this rank's
-piece of the sequence."""
-
-
-def check_token_mixers(model: nn.Module) -> None:
-    """``ValueError`` when ``model`` mixes tokens along the sequence outside its attention
-    (state-space, linear-attention or convolution layers: Qwen3-Next, Jamba, FalconH1,
-    Bamba, ...): sequence parallelism cuts the sequence for every layer, and only attention
-    sees the whole of it."""
-    name = type(model).__name__
-    types = [t for t in getattr(text_config(model), "layer_types", None) or ()
-             if t not in ATTENTION_LAYER_TYPES]
-    if types:
-        raise ValueError(f"{name}: config.layer_types has {sorted(set(types))} layers, which mix "
-                         f"tokens outside attention; under sequence parallelism they would see "
-                         f"only this rank's piece of the sequence. Train it without sequence "
-                         f"parallelism")
-    for path, m in language_model(model).named_modules():
-        kind = type(m).__name__
-        if isinstance(m, nn.Conv1d) or any(part in kind for part in RECURRENT_NAMES):
-            raise ValueError(f"{name}: {path} ({kind}) mixes tokens along the sequence outside "
-                             f"attention (a state-space, linear-attention or convolution "
-                             f"layer); under sequence parallelism it would see only this "
-                             f"rank's piece. Train it without sequence parallelism")
-
-
 def check_model_features(model: nn.Module, modules: list[nn.Module]) -> None:
     """``ValueError`` for what the config of ``model`` (or its attention ``modules``) asks for
     and the SP attention cannot reproduce; called before any collective."""
     config, name = text_config(model), type(model).__name__
-    check_token_mixers(model)
     value = getattr(config, "attention_dropout", None)
     if value:
         raise ValueError(f"{name}: config.attention_dropout={value!r} asks for attention "

@@ -16,7 +16,7 @@ from arctic.hf.anatomy import text_config_of
 from arctic.memory.placement import MODES, Placement, placement_from_ds_config
 from arctic.plan.estimate import ALLOCATOR_HEADROOM, Estimate, plan, start_workers
 from arctic.plan.launch import command_lines, ulysses_block, write_config
-from arctic.plan.models import MODELS, model_config
+from arctic.plan.models import MODELS, model_config, unsupported_settings
 from arctic.plan.search import find_max, search
 from arctic.plan.step import PLANNED_FIELDS, STACKS
 from arctic.plan.units import GiB, format_gib, parse_bytes, parse_tokens
@@ -282,6 +282,11 @@ def _main(args: argparse.Namespace) -> int:
         raise ValueError("--write-config with --disk: give --offload-dir, the directory the "
                          "written config names as offload_dir")
     config = model_config(args.model, layers=args.layers)  # an unknown model fails here
+    if args.ds_config is None:  # a named stack: off what the model does not support
+        for key, why in unsupported_settings(config).items():
+            if fields.get(key) and getattr(args, key) is None:
+                fields[key] = False
+                print(f"note: {key}=False: {why}")
     world = args.gpus * args.nodes
     common = dict(gpus=args.gpus, nodes=args.nodes, gpu_memory=args.gpu_memory,
                   host_memory=args.host_memory, reserve=args.reserve,

@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from arctic.hf.anatomy import text_config_of
+from arctic.hf.anatomy import attention_modules, decoder_layers, text_config_of
+from arctic.hf.fused import FUSABLE
+from arctic.tiling.layer import TILABLE
 
 MODELS: dict[str, tuple[str, dict]] = {
     # name -> (transformers config class, its arguments), from the published config.json files
@@ -33,6 +35,27 @@ MODELS: dict[str, tuple[str, dict]] = {
         vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
         num_attention_heads=8, num_key_value_heads=4, tie_word_embeddings=False)),
 }
+
+
+def unsupported_settings(config) -> dict[str, str]:
+    """The stack settings the model of ``config`` does not support, each with why: its
+    attention classes outside :data:`arctic.hf.fused.FUSABLE` (``fuse_projections``), its
+    decoder layers outside :data:`arctic.tiling.layer.TILABLE` (``tiled_layer``). Read off
+    the model built on the meta device (no memory, no initial values)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if is_vlm_config(config) else AutoModelForCausalLM
+    with torch.device("meta"):
+        model = auto.from_config(config)
+    out = {}
+    attention = sorted({type(m).__name__ for m in attention_modules(model)} - set(FUSABLE))
+    if attention:
+        out["fuse_projections"] = f"the fused projections do not support {attention}"
+    layers = sorted({type(m).__name__ for m in decoder_layers(model)} - set(TILABLE))
+    if layers:
+        out["tiled_layer"] = f"the tiled layer tail does not support {layers}"
+    return out
 
 
 def model_config(name: str, *, layers: int | None = None, max_positions: int | None = None):

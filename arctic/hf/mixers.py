@@ -1,0 +1,293 @@
+"""Sequence-parallel token mixers of HF hybrid models: the linear-attention layers beside the
+attention layers (gated delta nets: Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid).
+
+A mixer's forward is the model's own. Its per-token work (projections, gates, norms) runs on
+this rank's piece of the sequence; its two calls that mix tokens along the sequence, the
+causal convolution and the chunked scan, are module-level functions of the model's file
+(transformers resolves them at import to flash-linear-attention's and causal-conv1d's
+kernels where installed, else to its torch fallback). Each is replaced in that file, once,
+by a :class:`Dispatch`: outside a sequence-parallel mixer's forward it calls the function
+as before; inside one (a ContextVar set by the forward, scoped to the call) it runs the
+function through :func:`ulysses.mixers.causal_conv` (the previous rank's tail, each document
+alone) or :func:`ulysses.mixers.head_scan` (head-sharded over the whole sequence).
+
+:data:`FAMILIES` lists the mixer classes, by name, with the functions their forward calls.
+A mixer whose forward did not make exactly those calls through us (another transformers
+release, a kernel swapped in later) is refused after its forward, never used.
+"""
+
+from __future__ import annotations
+
+import contextvars
+import dis
+import inspect
+import sys
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from arctic.hf.anatomy import is_recurrent, language_model, text_config
+from arctic.hf.batch import BatchState
+from arctic.hf.binding import of_module
+from arctic.hf.features import classify, unknown_arguments_error
+from ulysses.mesh import axis_size
+from ulysses.mixers import causal_conv, check_mixer_heads, check_mixer_mesh, head_scan
+from ulysses.patching import replace_method
+
+
+@dataclass(frozen=True, slots=True)
+class MixerKind:
+    """What one family's mixer forward calls: the names, in its module, of its causal
+    convolution and of its scan; the scan's grouped (key-head) and per-head (value-head)
+    arguments, positional first; and where its head counts live on the module."""
+
+    conv: str
+    scan: str
+    grouped: tuple[str, ...]
+    per_head: tuple[str, ...]
+    num_heads: str
+    num_grouped: str
+
+
+GATED_DELTA_NET = MixerKind(conv="causal_conv1d_fn", scan="torch_chunk_gated_delta_rule",
+                            grouped=("query", "key"), per_head=("value", "g", "beta"),
+                            num_heads="num_v_heads", num_grouped="num_k_heads")
+"""transformers' gated delta rule: ``(query, key, value, g, beta, ...)``, q/k ``[B, S, K,
+dk]``, v ``[B, S, H, dv]``, g/beta ``[B, S, H]``."""
+
+FAMILIES: dict[str, MixerKind] = {
+    "Qwen3_5GatedDeltaNet": GATED_DELTA_NET,
+    "Qwen3_5MoeGatedDeltaNet": GATED_DELTA_NET,
+    "Qwen3NextGatedDeltaNet": GATED_DELTA_NET,
+    "OlmoHybridGatedDeltaNet": GATED_DELTA_NET,
+}
+"""Mixer class name -> what its forward calls. Other mixers are refused by name
+(:func:`arctic.hf.features.check_token_mixers`)."""
+
+SCAN_OPTIONS = ("use_qk_l2norm_in_kernel", "scale", "chunk_size")
+"""Arguments of a scan that change what it computes per head, passed on as given."""
+
+
+@dataclass(slots=True)
+class MixerSettings:
+    """What one mixer module needs to run sequence-parallel."""
+
+    mesh: DeviceMesh
+    kind: MixerKind
+    batch: BatchState
+    loss_arguments: frozenset[str] = frozenset()
+
+
+@dataclass(slots=True)
+class _Call:
+    """One forward of a mixer: its settings, its documents, the calls made through us."""
+
+    module: nn.Module
+    sp: MixerSettings
+    documents: object
+    made: list[str] = field(default_factory=list)
+
+
+_ACTIVE: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("sp_mixer", default=None)
+
+
+class Dispatch:
+    """A module-level function of a model's file: the original outside a sequence-parallel
+    mixer's forward, the sequence-parallel form inside one."""
+
+    def __init__(self, original: Callable, role: str) -> None:
+        self.original, self.role = original, role
+
+    def __call__(self, *args, **kwargs):
+        call = _ACTIVE.get()
+        if call is None:
+            return self.original(*args, **kwargs)
+        call.made.append(self.role)
+        run = _conv if self.role == "conv" else _scan
+        return run(call, self.original, args, kwargs)
+
+
+def _check_extra(call: _Call, kwargs: dict, where: str) -> None:
+    """Keyword arguments the forward passed on (transformers' ``**kwargs``) that reach a
+    mixing call: honoured (the documents: flash-attn's varlen arguments, which the batch
+    state reads), inert, the loss's; refused when they ask for something, or unknown."""
+    unknown = []
+    for name, value in kwargs.items():
+        kind = classify(name, call.sp.loss_arguments)
+        if kind == "refused" and value is not None and value is not False:
+            raise ValueError(f"{type(call.module).__name__}: {name}={value!r} reaches its "
+                             f"{where}, which sequence parallelism does not implement")
+        if kind is None:
+            unknown.append(name)
+    if unknown:
+        raise unknown_arguments_error(type(call.module).__name__, unknown, f"its {where}")
+
+
+def _conv(call: _Call, original, args, kwargs):
+    x, weight = args[0], args[1] if len(args) > 1 else kwargs.pop("weight")
+    rest = dict(kwargs)
+    bias = args[2] if len(args) > 2 else rest.pop("bias", None)
+    activation = args[3] if len(args) > 3 else rest.pop("activation", None)
+    _check_extra(call, rest, "causal convolution")
+    return causal_conv(lambda t: original(t, weight, bias, activation=activation), x,
+                       weight.shape[-1], mesh=call.sp.mesh, documents=call.documents)
+
+
+def _scan(call: _Call, original, args, kwargs):
+    kind, kw = call.sp.kind, dict(kwargs)
+    names = kind.grouped + kind.per_head
+    values = dict(zip(names, args))
+    for n in names[len(args):]:
+        values[n] = kw.pop(n)
+    state, final = kw.pop("initial_state", None), kw.pop("output_final_state", False)
+    if state is not None or final:
+        raise ValueError(f"{type(call.module).__name__}: a recurrent state in or out (a cache) "
+                         f"is not supported under sequence parallelism; train with "
+                         f"use_cache=False")
+    kw.pop("cu_seqlens", None)  # the documents, as the batch state has them
+    options = {n: kw.pop(n) for n in SCAN_OPTIONS if n in kw}
+    _check_extra(call, kw, "scan")
+
+    def scan(**inputs):
+        out, _ = original(*(inputs[n] for n in names), **options)
+        return out
+
+    out = head_scan(scan, {n: values[n] for n in kind.grouped},
+                    {n: values[n] for n in kind.per_head}, mesh=call.sp.mesh,
+                    documents=call.documents)
+    return out, None
+
+
+def unreached_calls(cls: type) -> list[str]:
+    """The sequence-mixing functions of ``cls``'s kind (:data:`FAMILIES`) that its installed
+    forward does not call as module-level functions of its file (read off the bytecode:
+    the names it loads as globals). transformers 5.24 calls both so; older releases keep
+    them on the instance or run an ``nn.Conv1d`` module instead, which sequence parallelism
+    cannot reach."""
+    kind = FAMILIES[cls.__name__]
+    code = inspect.unwrap(cls.forward)
+    loaded = {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"}
+    return [name for name in (kind.conv, kind.scan) if name not in loaded]
+
+
+def _install_dispatch(module: nn.Module, kind: MixerKind) -> None:
+    file = sys.modules[type(module).__module__]
+    for role, name in (("conv", kind.conv), ("scan", kind.scan)):
+        current = getattr(file, name, None)
+        if current is None:
+            raise ValueError(f"{type(module).__name__}: its file {file.__name__} has no "
+                             f"{name!r} (transformers changed it); sequence parallelism "
+                             f"cannot reach its {role}")
+        if not isinstance(current, Dispatch):
+            setattr(file, name, Dispatch(current, role))
+
+
+def _sp_mixer_forward(module: nn.Module, *args, **kwargs):
+    sp: MixerSettings = module.sp_mixer
+    bound = of_module(module).bind(args, kwargs)
+    if bound.role("cache") is not None:
+        raise ValueError(f"{type(module).__name__}: a cache is not supported under sequence "
+                         f"parallelism (its state would be this rank's piece's); train with "
+                         f"use_cache=False (or model.config.use_cache = False: with "
+                         f"use_cache=True the model creates one)")
+    if bound.role("attention_mask") is not None:
+        raise ValueError(f"{type(module).__name__} got a padding mask; under sequence "
+                         f"parallelism mark padding with labels=-100 and documents with "
+                         f"position_ids (arctic.data does both)")
+    call = _Call(module, sp, sp.batch.segments())
+    token = _ACTIVE.set(call)
+    try:
+        out = type(module).forward(module, *args, **kwargs)
+    finally:
+        _ACTIVE.reset(token)
+    if call.made != ["conv", "scan"]:
+        raise ValueError(f"{type(module).__name__}'s forward made {call.made or 'none'} of its "
+                         f"sequence-mixing calls through sequence parallelism, not its "
+                         f"convolution then its scan (another transformers release, or a "
+                         f"kernel installed after arctic.apply_sequence_parallel); its result "
+                         f"would be this rank's piece alone")
+    return out
+
+
+ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention",
+                         "attention", "dense", "sparse", "moe")
+"""``config.layer_types`` entries whose layers mix tokens only through attention the SP
+attention implements (global, sliding, Llama4's chunks) or not at all (MLP and MoE kinds)."""
+MIXER_LAYER_TYPES = ("linear_attention",)
+"""``config.layer_types`` entries whose layers hold a mixer of :data:`FAMILIES`."""
+
+
+def check_token_mixers(model: nn.Module) -> None:
+    """``ValueError`` when ``model`` mixes tokens along the sequence outside its attention in
+    a layer that is not one of :data:`FAMILIES` (state-space, other linear-attention or
+    convolution layers: Jamba, FalconH1, Bamba, LFM2, ...): sequence parallelism cuts the
+    sequence for every layer, and such a layer would see only this rank's piece."""
+    name = type(model).__name__
+    supported = token_mixers(model)
+    known = ATTENTION_LAYER_TYPES + (MIXER_LAYER_TYPES if supported else ())
+    types = [t for t in getattr(text_config(model), "layer_types", None) or () if t not in known]
+    if types:
+        raise ValueError(f"{name}: config.layer_types has {sorted(set(types))} layers, which mix "
+                         f"tokens outside attention in a way sequence parallelism does not "
+                         f"implement (supported: {sorted(FAMILIES)}); under it they would see "
+                         f"only this rank's piece of the sequence. Train it without sequence "
+                         f"parallelism")
+    inside = {id(p) for m in supported for p in m.modules()}
+    named = list(language_model(model).named_modules())
+    held = [path for path, m in named if id(m) in inside and type(m).__name__ in FAMILIES]
+    for path, m in named:
+        if id(m) in inside or any(h.startswith(path + ".") for h in held if path):
+            continue  # a supported mixer, a part of one, or a layer that holds one
+        if isinstance(m, nn.Conv1d) or is_recurrent(m):
+            raise ValueError(f"{name}: {path} ({type(m).__name__}) mixes tokens along the "
+                             f"sequence outside attention (a state-space, linear-attention or "
+                             f"convolution layer) and is not one sequence parallelism "
+                             f"implements (supported: {sorted(FAMILIES)}); under it it would "
+                             f"see only this rank's piece. Train it without sequence "
+                             f"parallelism")
+
+
+def token_mixers(model: nn.Module) -> list[nn.Module]:
+    """The mixer modules of :data:`FAMILIES` in the model's text decoder."""
+    return [m for m in language_model(model).modules() if type(m).__name__ in FAMILIES]
+
+
+def check_mixers(model: nn.Module, mesh: DeviceMesh) -> None:
+    """``ValueError`` (before any collective) for a mesh or head counts the
+    :func:`token_mixers` of ``model`` cannot run on."""
+    mixers = token_mixers(model)
+    if not mixers:
+        return
+    check_mixer_mesh(mesh, type(mixers[0]).__name__)
+    degree = axis_size(mesh, "ulysses")
+    for m in mixers:
+        kind = FAMILIES[type(m).__name__]
+        missing = unreached_calls(type(m))
+        if missing:
+            import transformers
+
+            raise ValueError(f"{type(m).__name__}'s forward in transformers "
+                             f"{transformers.__version__} does not call {missing} from its "
+                             f"module, as the releases whose {type(m).__name__} runs under "
+                             f"sequence parallelism do (5.24); upgrade transformers, or "
+                             f"train it without sequence parallelism")
+        check_mixer_heads(type(m).__name__, getattr(m, kind.num_heads),
+                          getattr(m, kind.num_grouped), degree)
+
+
+def install_mixers(model: nn.Module, mesh: DeviceMesh, batch: BatchState,
+                   loss_arguments: frozenset[str]) -> None:
+    """Make every :func:`token_mixers` module of ``model`` sequence-parallel over ``mesh``,
+    reading the documents from ``batch`` (the attention's); :func:`check_mixers` first."""
+    for m in token_mixers(model):
+        kind = FAMILIES[type(m).__name__]
+        _install_dispatch(m, kind)
+        m.sp_mixer = MixerSettings(mesh, kind, batch, loss_arguments)
+        replace_method(m, _sp_mixer_forward, bind=True)
+
+
+__all__ = ["ATTENTION_LAYER_TYPES", "FAMILIES", "GATED_DELTA_NET", "MIXER_LAYER_TYPES", "Dispatch",
+           "MixerKind", "MixerSettings", "check_mixers", "check_token_mixers", "install_mixers",
+           "token_mixers", "unreached_calls"]

@@ -1,0 +1,323 @@
+"""Hybrid models under sequence parallelism: gated delta nets beside attention (Qwen3.5,
+Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid). The SP step's loss and every gradient equal the
+unmodified model's on one process (fp32), with and without packed documents whose boundaries
+fall inside the pieces (reference: each document run on its own).
+
+Each check is seen to fail: with the mixers left on their local piece (the stock forward),
+and with their state crossing the documents (the mixers' documents hidden from them), the
+gradients are far outside the tolerance.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dist_pool
+from helpers import TOL, get_mesh, value_error_of
+
+pytest.importorskip("transformers", reason="arctic needs transformers ([hf])")
+
+S, VOCAB = 128, 96
+DOCS = (50, 30, S - 80)
+"""Three documents; at SP=2 (pieces of 64) and SP=4 (32) their starts fall inside pieces."""
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+             num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+             tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2)
+LINEAR = dict(linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+              linear_value_head_dim=8, linear_conv_kernel_dim=4,
+              layer_types=["linear_attention", "full_attention"])
+"""4 value heads sharing 2 key heads: split at SP=2, the key heads replicated at SP=4."""
+MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
+           shared_expert_intermediate_size=32)
+
+
+def _config(family: str):
+    import transformers as tf
+
+    return {
+        "qwen3_5": lambda: tf.Qwen3_5TextConfig(**SMALL, **LINEAR),
+        "qwen3_5_moe": lambda: tf.Qwen3_5MoeTextConfig(**SMALL, **LINEAR, **MOE),
+        "qwen3_next": lambda: tf.Qwen3NextConfig(**SMALL, **LINEAR, **MOE),
+        "olmo_hybrid": lambda: tf.OlmoHybridConfig(**SMALL, **LINEAR),
+    }[family]()
+
+
+CLASSES = {"qwen3_5": ("qwen3_5", "Qwen3_5GatedDeltaNet"),
+           "qwen3_5_moe": ("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"),
+           "qwen3_next": ("qwen3_next", "Qwen3NextGatedDeltaNet"),
+           "olmo_hybrid": ("olmo_hybrid", "OlmoHybridGatedDeltaNet")}
+
+
+def _skip_unless_supported(family: str) -> None:
+    """Skip where the installed transformers lacks the family, or its mixer's forward is not
+    the one sequence parallelism reaches (an older release: refused, see
+    test_an_older_forward_is_refused)."""
+    import importlib
+
+    from arctic.hf.mixers import unreached_calls
+
+    folder, name = CLASSES[family]
+    try:
+        module = importlib.import_module(f"transformers.models.{folder}.modeling_{folder}")
+    except ImportError:
+        pytest.skip(f"this transformers has no {family}")
+    missing = unreached_calls(getattr(module, name))
+    if missing:
+        pytest.skip(f"{name}'s forward in this transformers does not call {missing}")
+
+
+def _model(family: str):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager")
+
+
+def _tokens():
+    return torch.randint(3, VOCAB, (1, S), generator=torch.Generator().manual_seed(1))
+
+
+def _grads(model):
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def _reference(family: str, documents: bool):
+    """``(loss, grads)`` of the unmodified model on one process; with ``documents``, each
+    document run on its own and the loss the mean over all their tokens."""
+    model = _model(family)
+    ids = _tokens()
+    if not documents:
+        loss = model(input_ids=ids, labels=ids).loss
+    else:
+        total, count = 0.0, 0
+        for part in ids.split(list(DOCS), dim=1):
+            total = total + model(input_ids=part, labels=part).loss * (part.shape[1] - 1)
+            count += part.shape[1] - 1
+        loss = total / count
+    loss.backward()
+    return loss.item(), _grads(model)
+
+
+_REFS: dict = {}
+
+
+def _cached_reference(*key):
+    if key not in _REFS:
+        _REFS[key] = _reference(*key)
+    return _REFS[key]
+
+
+class _NoDocuments:
+    """A batch state that hides the documents (the broken variant: state crosses them)."""
+
+    def segments(self):
+        return None
+
+
+def _rank_step(family: str, ulysses: int, documents: bool, broken: str | None = None):
+    """One SP step: the loss and the gradients averaged over the ranks (as DDP would).
+    ``broken``: ``"local"`` (the mixers' stock forward, on this rank's piece) or
+    ``"crossing"`` (the mixers do not see the documents)."""
+    import torch.distributed as dist
+
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.hf.attention import apply_sequence_parallel
+    from arctic.hf.mixers import token_mixers
+    from arctic.loss.head import apply_sp_loss
+    from ulysses import flat_mesh
+    from ulysses.patching import restore_method
+
+    mesh = get_mesh(ulysses, ulysses)
+    model = apply_sequence_parallel(_model(family), mesh=mesh)
+    apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group())
+    for m in token_mixers(model):
+        if broken == "local":
+            restore_method(m)
+        elif broken == "crossing":
+            m.sp_mixer.batch = _NoDocuments()
+    raw = {"input_ids": _tokens(), "labels": _tokens()}
+    if documents:
+        raw["position_ids"] = torch.cat([torch.arange(n) for n in DOCS])[None]
+    loss = model(**prepare_sp_batch(raw, mesh))
+    loss.backward()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= ulysses
+    return loss.item(), _grads(model)
+
+
+def _worst(got, ref) -> float:
+    return max((got[n] - ref[n]).abs().max().item() for n in ref)
+
+
+def _check(results, ref):
+    loss, grads = ref
+    for got_loss, got in results:
+        assert abs(got_loss - loss) <= 1e-5 * abs(loss), (got_loss, loss)
+        assert set(got) == set(grads)
+        for n, g in got.items():
+            torch.testing.assert_close(g, grads[n], **TOL[torch.float32],
+                                       msg=lambda m: f"{n}: {m}")
+
+
+CASES = [("qwen3_5", 2, True), ("qwen3_5", 4, True), ("qwen3_5", 2, False),
+         ("qwen3_5_moe", 2, True), ("qwen3_next", 2, True), ("olmo_hybrid", 2, True),
+         ("qwen3_next", 4, True), ("olmo_hybrid", 4, False)]
+
+
+@pytest.mark.parametrize("family,ulysses,documents", [
+    pytest.param(*c, id=f"{c[0]}-sp{c[1]}-{'documents' if c[2] else 'whole'}",
+                 marks=[pytest.mark.slow] if c[1] == 4 and c[0] != "qwen3_5" else
+                 [pytest.mark.hf_facing] if c[1] == 2 else [])
+    for c in CASES])
+def test_hybrid_matches_unmodified_model(family, ulysses, documents):
+    _skip_unless_supported(family)
+    ref = _cached_reference(family, documents)
+    _check(dist_pool.run(_rank_step, family, ulysses, documents, world_size=ulysses), ref)
+
+
+@pytest.mark.hf_facing
+@pytest.mark.parametrize("broken,documents", [("local", False), ("crossing", True)])
+def test_each_check_fails_when_broken(broken, documents):
+    """The mixers on their local piece, or their state crossing the documents, are caught:
+    the gradients are over 100 times the tolerance away."""
+    _skip_unless_supported("qwen3_5")
+    ref = _cached_reference("qwen3_5", documents)
+    results = dist_pool.run(_rank_step, "qwen3_5", 2, documents, broken, world_size=2)
+    assert _worst(results[0][1], ref[1]) > 100 * TOL[torch.float32]["atol"]
+
+
+def _refusal(ulysses: int, ring: int, what: str):
+    from transformers import AutoModelForCausalLM
+
+    from arctic.hf.attention import apply_sequence_parallel
+
+    mesh = get_mesh(ulysses * ring, ulysses, ring, False)
+    config = _config("qwen3_5")
+    if what == "heads":  # 2 value heads: the attention's 4 split over 4 ranks, these do not
+        config.linear_num_value_heads = 2
+    model = AutoModelForCausalLM.from_config(config, attn_implementation="eager")
+    if what == "cache":
+        model = apply_sequence_parallel(model, mesh=mesh)
+        ids = torch.zeros(1, S // (ulysses * ring), dtype=torch.long)
+        pos = torch.arange(ids.shape[1])[None]
+        return value_error_of(lambda: model(input_ids=ids, position_ids=pos, use_cache=True))
+    return value_error_of(lambda: apply_sequence_parallel(model, mesh=mesh))
+
+
+@pytest.mark.hf_facing
+@pytest.mark.parametrize("ulysses,ring,what,expected", [
+    (1, 2, "apply", "ring_degree=2 would need the state passed along the ring"),
+    (4, 1, "heads", "valid degrees: [1, 2]"),
+    (2, 1, "cache", "use_cache=False"),
+])
+def test_refused_before_any_collective(ulysses, ring, what, expected):
+    """A ring, head counts the degree does not split, and a cache are refused with a
+    ValueError on every rank, before any collective (a collective would hang here)."""
+    _skip_unless_supported("qwen3_5")
+    results = dist_pool.run(_refusal, ulysses, ring, what, world_size=ulysses * ring)
+    for message in results:
+        assert expected in message, message
+
+
+def test_other_token_mixers_are_still_refused():
+    """A state-space hybrid (Jamba: Mamba layers) is refused by name."""
+    import transformers as tf
+    from transformers import AutoModelForCausalLM
+
+    from arctic.hf.mixers import check_token_mixers
+
+    config = tf.JambaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                            attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
+                            num_experts=2, mamba_d_state=4, mamba_dt_rank=8, mamba_expand=1)
+    model = AutoModelForCausalLM.from_config(config)
+    message = value_error_of(lambda: check_token_mixers(model))
+    assert message.startswith("JambaForCausalLM: ") and "supported:" in message, message
+
+
+def _rank_recipe(length: int):
+    """Qwen3.5 through apply_sp_recipe at SP=4: head chunks of 1, tiled MLP and norms, the
+    tiled loss, checkpointing with the layer inputs offloaded, the cut's padding."""
+    import torch.distributed as dist
+
+    from arctic.config import SequenceParallelConfig
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.recipe import apply_sp_recipe
+    from offload.checkpoint import _CheckpointedForward
+
+    config = SequenceParallelConfig(sequence_parallel_size=4, head_chunk_size=1, tiled_mlp=2,
+                                    loss_tiles=2, activation_checkpointing=True,
+                                    offload_activations=True)
+    mesh = config.dims(4).build_mesh("cpu")
+    model = _model("qwen3_5")
+    apply_sp_recipe(model, config=config, mesh=mesh, averaged_over_sp=True,
+                    host_memory_limit=1 << 28)
+    layers = model.model.layers
+    assert all(isinstance(layer.forward, _CheckpointedForward) for layer in layers)
+    ids = _tokens()[:, :length]
+    loss = model(**prepare_sp_batch({"input_ids": ids, "labels": ids}, mesh))
+    loss.backward()
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= 4
+    return loss.item(), _grads(model)
+
+
+def test_qwen3_5_through_the_recipe_matches_unmodified_model():
+    """S - 3 tokens: the cut pads each row to a multiple of 4."""
+    _skip_unless_supported("qwen3_5")
+    model = _model("qwen3_5")
+    ids = _tokens()[:, :S - 3]
+    loss = model(input_ids=ids, labels=ids).loss
+    loss.backward()
+    _check(dist_pool.run(_rank_recipe, S - 3, world_size=4), (loss.item(), _grads(model)))
+
+
+def _rank_removed():
+    """SP applied, a step, SP removed: the model runs its own forward on the whole sequence
+    (its mixers' stock forward); SP restored: the SP step again."""
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.hf.attention import apply_sequence_parallel
+    from arctic.hf.mixers import token_mixers
+    from arctic.loss.head import apply_sp_loss
+    from arctic.removal import remove_sequence_parallel, restore_sequence_parallel
+    from ulysses import flat_mesh
+    from ulysses.patching import instance_method
+
+    mesh = get_mesh(2, 2)
+    model = apply_sequence_parallel(_model("qwen3_5"), mesh=mesh)
+    apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group())
+    ids = _tokens()
+    batch = prepare_sp_batch({"input_ids": ids, "labels": ids}, mesh)
+    sp_loss = model(**batch).item()
+    remove_sequence_parallel(model)
+    assert all(instance_method(m) is None for m in token_mixers(model))
+    whole = model(input_ids=ids, labels=ids).loss.item()  # a cache is fine without SP
+    restore_sequence_parallel(model)
+    return sp_loss, whole, model(**batch).item()
+
+
+def test_removal_gives_back_the_stock_mixers():
+    _skip_unless_supported("qwen3_5")
+    ref, _ = _cached_reference("qwen3_5", False)
+    for sp_loss, whole, again in dist_pool.run(_rank_removed, world_size=2):
+        for got in (sp_loss, whole, again):
+            assert abs(got - ref) <= 1e-5 * abs(ref), (got, ref)
+
+
+def test_an_older_forward_is_refused():
+    """A mixer whose forward calls its convolution and scan through the instance (as
+    transformers 5.13's did), not as functions of its module, is refused when SP is applied:
+    the calls would not reach sequence parallelism."""
+    from arctic.hf.mixers import unreached_calls
+
+    class Qwen3_5GatedDeltaNet(torch.nn.Module):  # the name of a supported family
+        def forward(self, x):
+            return self.chunk_gated_delta_rule(self.causal_conv1d_fn(x))
+
+    assert unreached_calls(Qwen3_5GatedDeltaNet) == ["causal_conv1d_fn",
+                                                     "torch_chunk_gated_delta_rule"]

@@ -1,0 +1,164 @@
+"""Sequence parallelism for token mixers other than attention: causal convolutions along the
+sequence, and scans that run head by head (gated delta nets, Kimi's delta attention).
+
+Both keep the model's own kernels: they are given the function the model would call (the
+torch fallback, or flash-linear-attention's and causal-conv1d's kernels where installed) and
+call it on what the whole sequence needs, so the result is the whole sequence's, exactly.
+
+- :func:`causal_conv`: a depthwise causal convolution of width ``w`` needs, for this rank's
+  first positions, the previous rank's last ``w - 1``. One all-gather of those tails (``[B, C,
+  w - 1]`` from every rank) brings them, and its backward returns their gradients: the
+  convolution runs on this rank's piece, sequence-sharded, with no all-to-all.
+- :func:`head_scan`: a recurrence along the whole sequence, independent across heads, runs
+  as Ulysses runs attention. An all-to-all makes every input head-sharded over the whole
+  sequence; the scan runs on this rank's heads; an all-to-all brings its output back to this
+  rank's piece. Inputs of the *grouped* heads (the keys and queries that several value heads
+  share, as GQA's kv heads) follow their value heads by :func:`ulysses.sharding.head_layout`:
+  split when there are at least as many as ranks, replicated otherwise.
+
+Packed documents (``documents``: per row, the first position of each document over the whole
+sequence, as the attention takes them) restart both: the convolution's window and the scan's
+state never cross a document start. The sequence must be cut in contiguous pieces, rank
+``r`` holding positions ``[r * s, (r + 1) * s)``: a mesh without a ring (a ring would need the
+state passed from rank to rank; :func:`check_mixer_mesh` refuses it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh
+
+from ulysses.all_to_all import all_to_all
+from ulysses.mesh import axis_rank, axis_size, mesh_dims
+from ulysses.sharding import head_layout, valid_degrees
+
+Documents = Sequence[Sequence[int]] | None
+
+
+def check_mixer_mesh(mesh: DeviceMesh, what: str) -> None:
+    """``ValueError`` unless ``mesh`` cuts the sequence as the mixers here need: Ulysses only
+    (``ring_degree`` 1)."""
+    ring = mesh_dims(mesh).ring_degree
+    if ring != 1:
+        raise ValueError(f"{what} mixes tokens along the sequence with a recurrence or a "
+                         f"convolution, which runs here under Ulysses only; ring_degree="
+                         f"{ring} would need the state passed along the ring, which is not "
+                         f"implemented. Use ring_degree=1")
+
+
+def check_mixer_heads(what: str, num_heads: int, num_grouped: int, degree: int) -> None:
+    """``ValueError`` naming the valid degrees when ``num_heads`` value heads and
+    ``num_grouped`` key heads cannot be laid out over ``degree`` ranks."""
+    if degree not in valid_degrees(num_heads, num_grouped):
+        raise ValueError(f"{what} has {num_heads} value heads and {num_grouped} key heads, "
+                         f"which cannot be split over ulysses_degree={degree}; valid degrees: "
+                         f"{valid_degrees(num_heads, num_grouped)}")
+
+
+class _WithPreviousTail(torch.autograd.Function):
+    """``x [B, C, s]`` -> ``[B, C, width + s]``: the previous rank's last ``width`` positions
+    (zeros on the first rank), then ``x``. The backward returns the tail's gradient to the
+    rank it came from."""
+
+    @staticmethod
+    def forward(ctx, x, width, group, rank, world):
+        tail = x[..., x.shape[-1] - width:].contiguous()
+        parts = [torch.empty_like(tail) for _ in range(world)]
+        dist.all_gather(parts, tail, group=group)
+        ctx.meta = (rank, world, group, width)
+        previous = parts[rank - 1] if rank > 0 else torch.zeros_like(tail)
+        return torch.cat([previous, x], dim=-1)
+
+    @staticmethod
+    def backward(ctx, grad):
+        rank, world, group, width = ctx.meta
+        head = grad[..., :width].contiguous()
+        parts = [torch.empty_like(head) for _ in range(world)]
+        dist.all_gather(parts, head, group=group)
+        dx = grad[..., width:].clone()
+        if rank < world - 1:
+            dx[..., dx.shape[-1] - width:] += parts[rank + 1]
+        return dx, None, None, None, None
+
+
+def _runs(starts: Sequence[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """``(start, end, document start)`` of the positions ``[lo, hi)`` cut at documents."""
+    cuts = sorted({lo, hi, *(d for d in starts if lo < d < hi)})
+    return [(a, b, max(d for d in starts if d <= a)) for a, b in zip(cuts, cuts[1:])]
+
+
+def causal_conv(conv: Callable[[Tensor], Tensor], x_BCs: Tensor, width: int, *,
+                mesh: DeviceMesh, documents: Documents = None) -> Tensor:
+    """``conv`` (a causal convolution of width ``width`` along the last dim, ``[B, C, L]`` ->
+    ``[B, C, L]``, zero history) of the whole sequence, at this rank's positions: ``x_BCs`` is
+    this rank's piece. ``documents``: per row, where each document starts (whole sequence);
+    None: one document per row."""
+    group = mesh["ulysses"].get_group()
+    rank, world = axis_rank(mesh, "ulysses"), axis_size(mesh, "ulysses")
+    h = width - 1
+    s = x_BCs.shape[-1]
+    if world == 1 or h == 0:
+        return _per_document(conv, x_BCs, 0, 0, documents)
+    if s < h:
+        raise ValueError(f"each rank's piece ({s} positions) is shorter than the convolution's "
+                         f"history ({h}); use fewer ranks or a longer sequence")
+    ext = _WithPreviousTail.apply(x_BCs, h, group, rank, world)
+    return _per_document(conv, ext, h, rank * s, documents)
+
+
+def _per_document(conv, ext: Tensor, h: int, lo: int, documents: Documents) -> Tensor:
+    """``conv`` on ``ext`` (``h`` positions of history, then the piece starting at global
+    position ``lo``), each document on its own; the piece's outputs."""
+    s = ext.shape[-1] - h
+    if documents is None:
+        return conv(ext)[..., h:]
+    rows = []
+    for b, starts in enumerate(documents):
+        outs = []
+        for a, e, start in _runs(starts, lo, lo + s):
+            back = min(h, a - start)  # history of the same document
+            outs.append(conv(ext[b:b + 1, :, h + a - lo - back:h + e - lo])[..., back:])
+        rows.append(torch.cat(outs, dim=-1))
+    return torch.cat(rows, dim=0)
+
+
+def head_scan(scan: Callable[..., Tensor], grouped: Mapping[str, Tensor],
+              per_head: Mapping[str, Tensor], *, mesh: DeviceMesh,
+              documents: Documents = None) -> Tensor:
+    """``scan(**grouped, **per_head)`` over the whole sequence, head-sharded; returns this
+    rank's piece of its output ``[B, s, H, ...]``.
+
+    ``per_head``: ``[B, s, H, ...]`` tensors of the ``H`` (value) heads, this rank's piece;
+    ``grouped``: ``[B, s, K, ...]`` tensors of the ``K`` key heads, each shared by ``H / K``
+    consecutive value heads. ``scan`` takes them whole-sequence, this rank's heads, and
+    returns ``[B, S, h, ...]``; it runs once per document."""
+    group = mesh["ulysses"].get_group()
+    world = axis_size(mesh, "ulysses")
+    H = next(iter(per_head.values())).shape[2]
+    K = next(iter(grouped.values())).shape[2] if grouped else H
+    layout = head_layout(H, K, world)
+    if layout.replicated:
+        index = torch.tensor(layout.kv_index(), device=next(iter(per_head.values())).device)
+        grouped = {n: t.index_select(2, index) for n, t in grouped.items()}
+    inputs = {n: all_to_all(t, group, scatter_dim=2, gather_dim=1,
+                            scatter_sizes=layout.kv_sizes) for n, t in grouped.items()}
+    inputs.update({n: all_to_all(t, group, scatter_dim=2, gather_dim=1,
+                                 scatter_sizes=layout.q_sizes) for n, t in per_head.items()})
+    if documents is None:
+        out = scan(**inputs)
+    else:
+        S = next(iter(inputs.values())).shape[1]
+        rows = []
+        for b, starts in enumerate(documents):
+            cuts = [*starts, S]
+            rows.append(torch.cat([scan(**{n: t[b:b + 1, x:y] for n, t in inputs.items()})
+                                   for x, y in zip(cuts, cuts[1:])], dim=1))
+        out = torch.cat(rows, dim=0)
+    return all_to_all(out, group, scatter_dim=1, gather_dim=2, gather_sizes=layout.q_sizes)
+
+
+__all__ = ["causal_conv", "check_mixer_heads", "check_mixer_mesh", "head_scan"]
