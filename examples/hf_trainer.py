@@ -154,6 +154,9 @@ def main() -> None:
                    help="TrainingArguments(fsdp=...) with --fsdp, e.g. 'shard_grad_op offload'")
     p.add_argument("--alst", action="store_true",
                    help="HF's ALST settings: sp_size from TrainingArguments(parallelism_config)")
+    p.add_argument("--model", default="tiny-llama",
+                   help="'tiny-llama', a name of python -m arctic.plan's catalogue, or a "
+                        "config.json path (random weights)")
     p.add_argument("--seq-len", type=int, default=256)
     p.add_argument("--max-steps", type=int, default=5)
     p.add_argument("--output-dir", default="/tmp/arctic_hf_trainer")
@@ -188,7 +191,7 @@ def main() -> None:
     args = p.parse_args()
 
     torch.manual_seed(0)
-    model = build_model("tiny-llama", args.seq_len)
+    model = build_model(args.model, args.seq_len)
     corpus = ByteCorpus(REPO / "examples" / "data" / "corpus.txt", args.seq_len)
     train = torch.utils.data.Subset(corpus, range(args.train_samples))
     evaluation = torch.utils.data.Subset(corpus, range(64, 72))

@@ -91,6 +91,35 @@ def test_sp_trainer_matches_plain_trainer(tmp_path, optim):
     _check_the_trained_models(sp, plain)
 
 
+@pytest.mark.slow
+def test_sp_trainer_on_a_hybrid_model_matches_plain_trainer(tmp_path):
+    """Qwen3.5 (a gated delta net layer, then an attention layer; byte vocabulary): the SP
+    Trainer's losses, eval loss and trained parameters equal the plain Trainer's."""
+    import transformers as tf
+
+    from test_arctic_hybrid_models import LINEAR, _skip_unless_supported
+
+    _skip_unless_supported("qwen3_5")
+    # hidden 256: each layer's input (128 tokens a rank) is over the offload threshold
+    config = tf.Qwen3_5TextConfig(vocab_size=256, hidden_size=256, intermediate_size=256,
+                                  num_hidden_layers=2, num_attention_heads=4,
+                                  num_key_value_heads=2, head_dim=16, tie_word_embeddings=False,
+                                  **LINEAR)
+    path = tmp_path / "qwen3_5.json"
+    path.write_text(config.to_json_string())
+    optim = ["--optim", "adamw_torch", "--model", str(path)]
+    torchrun = str(Path(sys.executable).parent / "torchrun")
+    sp, plain = _sp_and_plain(tmp_path, [torchrun, "--nproc-per-node", "2", SCRIPT,
+                                         "--deepspeed", str(REPO / "configs" /
+                                                            "cpu_trainer.json")] + optim, optim)
+    assert sp["global_step"] == plain["global_step"] == 5
+    assert sp["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=0)
+    assert sp["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5, abs=0)
+    assert plain["loss"][-1] < plain["loss"][0]
+    assert sp["offloaded_bytes"] > 0
+    _check_the_trained_models(sp, plain)
+
+
 def _has_parallelism_config() -> bool:
     try:
         import accelerate.parallelism_config  # noqa: F401  (accelerate >= 1.10)

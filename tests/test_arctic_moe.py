@@ -32,6 +32,12 @@ def _config(family: str, router: bool = True):
         "qwen3_moe": lambda: tf.Qwen3MoeConfig(**SMALL, num_experts=4, moe_intermediate_size=32,
                                                **experts),
         "gpt_oss": lambda: tf.GptOssConfig(**SMALL, num_local_experts=4, **experts),
+        # a hybrid: a gated delta net layer (arctic.hf.mixers), then an attention layer
+        "qwen3_5_moe": lambda: tf.Qwen3_5MoeTextConfig(
+            **SMALL, num_experts=4, moe_intermediate_size=32, shared_expert_intermediate_size=32,
+            linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+            linear_value_head_dim=8, layer_types=["linear_attention", "full_attention"],
+            **experts),
     }[family]()
 
 
@@ -196,7 +202,9 @@ def _rank_zero3(family: str, extra: dict):
 
 @pytest.mark.parametrize("family,extra", [
     pytest.param("mixtral", {"activation_checkpointing": True}, marks=pytest.mark.hf_facing),
-    ("qwen3_moe", {})], ids=["mixtral-checkpointed", "qwen3_moe"])
+    ("qwen3_moe", {}),
+    pytest.param("qwen3_5_moe", {"activation_checkpointing": True}, marks=pytest.mark.slow)],
+    ids=["mixtral-checkpointed", "qwen3_moe", "qwen3_5_moe-checkpointed"])
 def test_moe_under_zero3_matches_single_device(family, extra):
     """ZeRO-3 partitions the experts' stacked weights and the router; every rank calls every
     MoE block (the experts' weights are gathered whatever the routing), so no rank waits on a
@@ -236,7 +244,8 @@ def test_a_tiled_moe_mlp_with_the_router_loss_is_refused():
 
 
 @pytest.mark.parametrize("family", [pytest.param("mixtral", marks=pytest.mark.slow),
-                                    "qwen3_moe"])
+                                    "qwen3_moe",
+                                    pytest.param("qwen3_5_moe", marks=pytest.mark.slow)])
 def test_moe_under_fsdp2_job_matches_single_device(tmp_path, family):
     """examples/train_fsdp.py on 2 ranks (SP=2, FSDP2 over both, checkpointed layers) with a
     MoE config file and the router loss on: the step-1 gradients and the losses of 3 AdamW
