@@ -55,6 +55,16 @@ def _model(family: str):
             vision_config=dict(**QWEN_VISION, in_channels=3, num_position_embeddings=64,
                                deepstack_visual_indexes=[0]), **ids)
         return tf.Qwen3VLForConditionalGeneration(config)
+    if family == "qwen3_5":  # Qwen3-VL's vision tower before a hybrid text model
+        rope = {"rope_type": "default", "mrope_section": [2, 1, 1], "mrope_interleaved": True,
+                "partial_rotary_factor": 0.5}
+        config = tf.Qwen3_5Config(
+            text_config=dict(**TEXT, rope_parameters=rope, linear_num_value_heads=4,
+                             linear_num_key_heads=2, linear_key_head_dim=8,
+                             linear_value_head_dim=8,
+                             layer_types=["linear_attention", "full_attention"]),
+            vision_config=dict(**QWEN_VISION, in_channels=3, num_position_embeddings=64), **ids)
+        return tf.Qwen3_5ForConditionalGeneration(config)
     config = tf.Gemma3Config(
         text_config=dict(**TEXT, sliding_window=8,
                          layer_types=["sliding_attention", "full_attention"]),
@@ -180,8 +190,8 @@ def _rank_step(family: str, sp: int, ring: int, length: int, masked: int, varian
     if family == "gemma3":
         apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group(), loss_tiles=2)
         loss = model(**batch)  # the SP loss itself
-    else:
-        loss = model(**batch, labels=_label_piece(full["labels"], mesh)).loss
+    else:  # a hybrid's linear layers refuse a cache under SP: use_cache=False
+        loss = model(**batch, labels=_label_piece(full["labels"], mesh), use_cache=False).loss
     loss.backward()
     for p in model.parameters():
         if p.grad is not None:
@@ -213,11 +223,13 @@ CASES = {  # id -> (family, sp, ring, length, masked, variant)
     "qwen3_vl-sp2": ("qwen3_vl", 2, 1, S, 0, ""),
     "qwen3_vl-sp4": ("qwen3_vl", 4, 1, S, 0, ""),
     "qwen3_vl-sp2-video": ("qwen3_vl", 2, 1, S, 0, "video"),
+    "qwen3_5-sp2": ("qwen3_5", 2, 1, S, 0, ""),
+    "qwen3_5-sp4": ("qwen3_5", 4, 1, S, 0, ""),
     "gemma3-sp2": ("gemma3", 2, 1, S, 0, ""),
     "gemma3-sp4": ("gemma3", 4, 1, S, 0, ""),
     "gemma3-sp4-packed": ("gemma3", 4, 1, S, 0, "packed"),
 }
-SLOW = {"qwen3_vl-sp4", "qwen2_5_vl-sp4"}
+SLOW = {"qwen3_vl-sp4", "qwen2_5_vl-sp4", "qwen3_5-sp4"}
 
 
 @pytest.mark.parametrize("case", [pytest.param(c, marks=pytest.mark.slow) if c in SLOW else c
