@@ -1,7 +1,8 @@
 """Hybrid models under sequence parallelism: gated delta nets beside attention (Qwen3.5,
-Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid). The SP step's loss and every gradient equal the
-unmodified model's on one process (fp32), with and without packed documents whose boundaries
-fall inside the pieces (reference: each document run on its own).
+Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid) and gated short convolutions (LFM2). The SP step's loss
+and every gradient equal the unmodified model's on one process (fp32), with and without
+packed documents whose boundaries fall inside the pieces (reference: each document run on
+its own).
 
 Each check is seen to fail: with the mixers left on their local piece (the stock forward),
 and with their state crossing the documents (the mixers' documents hidden from them), the
@@ -40,13 +41,17 @@ def _config(family: str):
         "qwen3_5_moe": lambda: tf.Qwen3_5MoeTextConfig(**SMALL, **LINEAR, **MOE),
         "qwen3_next": lambda: tf.Qwen3NextConfig(**SMALL, **LINEAR, **MOE),
         "olmo_hybrid": lambda: tf.OlmoHybridConfig(**SMALL, **LINEAR),
+        # a gated short convolution (width 3), then an attention layer
+        "lfm2": lambda: tf.Lfm2Config(**{k: v for k, v in SMALL.items() if k != "head_dim"},
+                                      layer_types=["conv", "full_attention"]),
     }[family]()
 
 
 CLASSES = {"qwen3_5": ("qwen3_5", "Qwen3_5GatedDeltaNet"),
            "qwen3_5_moe": ("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"),
            "qwen3_next": ("qwen3_next", "Qwen3NextGatedDeltaNet"),
-           "olmo_hybrid": ("olmo_hybrid", "OlmoHybridGatedDeltaNet")}
+           "olmo_hybrid": ("olmo_hybrid", "OlmoHybridGatedDeltaNet"),
+           "lfm2": ("lfm2", "Lfm2ShortConv")}
 
 
 def _skip_unless_supported(family: str) -> None:
@@ -71,7 +76,13 @@ def _model(family: str):
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    return AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager")
+    model = AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager")
+    if family == "lfm2":  # taps large enough that a window crossing a boundary shows
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("conv.conv.weight"):
+                    p.mul_(100)
+    return model
 
 
 def _tokens():
@@ -164,7 +175,8 @@ def _check(results, ref):
 
 CASES = [("qwen3_5", 2, True), ("qwen3_5", 4, True), ("qwen3_5", 2, False),
          ("qwen3_5_moe", 2, True), ("qwen3_next", 2, True), ("olmo_hybrid", 2, True),
-         ("qwen3_next", 4, True), ("olmo_hybrid", 4, False)]
+         ("qwen3_next", 4, True), ("olmo_hybrid", 4, False), ("lfm2", 2, True),
+         ("lfm2", 4, True)]
 
 
 @pytest.mark.parametrize("family,ulysses,documents", [
@@ -179,14 +191,19 @@ def test_hybrid_matches_unmodified_model(family, ulysses, documents):
 
 
 @pytest.mark.hf_facing
-@pytest.mark.parametrize("broken,documents", [("local", False), ("crossing", True)])
-def test_each_check_fails_when_broken(broken, documents):
-    """The mixers on their local piece, or their state crossing the documents, are caught:
-    the gradients are over 100 times the tolerance away."""
-    _skip_unless_supported("qwen3_5")
-    ref = _cached_reference("qwen3_5", documents)
-    results = dist_pool.run(_rank_step, "qwen3_5", 2, documents, broken, world_size=2)
-    assert _worst(results[0][1], ref[1]) > 100 * TOL[torch.float32]["atol"]
+@pytest.mark.parametrize("family,broken,documents", [
+    ("qwen3_5", "local", False), ("qwen3_5", "crossing", True),
+    ("lfm2", "local", False), ("lfm2", "crossing", True)])
+def test_each_check_fails_when_broken(family, broken, documents):
+    """The mixers on their local piece, or their state (the convolution's window) crossing
+    the documents, fail the parity check the working path passes, with gradients over 50
+    times its tolerance away."""
+    _skip_unless_supported(family)
+    ref = _cached_reference(family, documents)
+    results = dist_pool.run(_rank_step, family, 2, documents, broken, world_size=2)
+    with pytest.raises(AssertionError):
+        _check(results, ref)
+    assert _worst(results[0][1], ref[1]) > 50 * TOL[torch.float32]["atol"]
 
 
 def _refusal(ulysses: int, ring: int, what: str):

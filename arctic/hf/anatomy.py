@@ -14,9 +14,9 @@ from torch import nn
 
 NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
 """The per-token norms of a HF decoder layer that see ``[B, S, E]`` (Llama, Mistral, Qwen2/3)."""
-MIXER_NAMES = ("self_attn", "linear_attn")
+MIXER_NAMES = ("self_attn", "linear_attn", "conv")
 """What a HF decoder layer calls its token mixer: its attention, or a hybrid model's
-linear-attention layer (Qwen3.5, Qwen3-Next, OLMo-hybrid)."""
+linear-attention layer (Qwen3.5, Qwen3-Next, OLMo-hybrid) or short convolution (LFM2)."""
 RECURRENT_NAMES = ("Mamba", "DeltaNet", "LinearAttention", "DeltaAttention", "Lightning",
                    "RecurrentBlock", "RGLRU", "SSM", "xLSTM", "Mixer", "ShortConv")
 """Class-name parts of token mixers other than attention: state-space (Mamba), gated delta

@@ -1,10 +1,11 @@
-"""Sequence-parallel token mixers of HF hybrid models: the linear-attention layers beside the
-attention layers (gated delta nets: Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid).
+"""Sequence-parallel token mixers of HF hybrid models: the layers beside the attention layers
+that mix tokens otherwise (gated delta nets: Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid;
+gated short convolutions: LFM2).
 
 A mixer's forward is the model's own. Its per-token work (projections, gates, norms) runs on
-this rank's piece of the sequence; its two calls that mix tokens along the sequence, the
-causal convolution and the chunked scan, are module-level functions of the model's file
-(transformers resolves them at import to flash-linear-attention's and causal-conv1d's
+this rank's piece of the sequence; its calls that mix tokens along the sequence, the causal
+convolution and (gated delta nets) the chunked scan, are module-level functions of the
+model's file (transformers resolves them at import to flash-linear-attention's and causal-conv1d's
 kernels where installed, else to its torch fallback). Each is replaced in that file, once,
 by a :class:`Dispatch`: outside a sequence-parallel mixer's forward it calls the function
 as before; inside one (a ContextVar set by the forward, scoped to the call) it runs the
@@ -44,11 +45,17 @@ class MixerKind:
     arguments, positional first; and where its head counts live on the module."""
 
     conv: str
-    scan: str
-    grouped: tuple[str, ...]
-    per_head: tuple[str, ...]
-    num_heads: str
-    num_grouped: str
+    scan: str | None = None
+    """None: the mixer is the convolution alone (LFM2's short convolutions)."""
+    grouped: tuple[str, ...] = ()
+    per_head: tuple[str, ...] = ()
+    num_heads: str | None = None
+    num_grouped: str | None = None
+
+    @property
+    def calls(self) -> list[str]:
+        """The roles of the calls one forward makes, in order."""
+        return ["conv"] + (["scan"] if self.scan else [])
 
 
 GATED_DELTA_NET = MixerKind(conv="causal_conv1d_fn", scan="torch_chunk_gated_delta_rule",
@@ -57,7 +64,11 @@ GATED_DELTA_NET = MixerKind(conv="causal_conv1d_fn", scan="torch_chunk_gated_del
 """transformers' gated delta rule: ``(query, key, value, g, beta, ...)``, q/k ``[B, S, K,
 dk]``, v ``[B, S, H, dv]``, g/beta ``[B, S, H]``."""
 
+SHORT_CONVOLUTION = MixerKind(conv="causal_conv1d_fn")
+"""LFM2's gated short convolution: ``B * x`` convolved along the sequence, gated by ``C``."""
+
 FAMILIES: dict[str, MixerKind] = {
+    "Lfm2ShortConv": SHORT_CONVOLUTION,
     "Qwen3_5GatedDeltaNet": GATED_DELTA_NET,
     "Qwen3_5MoeGatedDeltaNet": GATED_DELTA_NET,
     "Qwen3NextGatedDeltaNet": GATED_DELTA_NET,
@@ -169,12 +180,14 @@ def unreached_calls(cls: type) -> list[str]:
     kind = FAMILIES[cls.__name__]
     code = inspect.unwrap(cls.forward)
     loaded = {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"}
-    return [name for name in (kind.conv, kind.scan) if name not in loaded]
+    return [name for name in (kind.conv, kind.scan) if name and name not in loaded]
 
 
 def _install_dispatch(module: nn.Module, kind: MixerKind) -> None:
     file = sys.modules[type(module).__module__]
     for role, name in (("conv", kind.conv), ("scan", kind.scan)):
+        if name is None:
+            continue
         current = getattr(file, name, None)
         if current is None:
             raise ValueError(f"{type(module).__name__}: its file {file.__name__} has no "
@@ -202,7 +215,7 @@ def _sp_mixer_forward(module: nn.Module, *args, **kwargs):
         out = type(module).forward(module, *args, **kwargs)
     finally:
         _ACTIVE.reset(token)
-    if call.made != ["conv", "scan"]:
+    if call.made != sp.kind.calls:
         raise ValueError(f"{type(module).__name__}'s forward made {call.made or 'none'} of its "
                          f"sequence-mixing calls through sequence parallelism, not its "
                          f"convolution then its scan (another transformers release, or a "
@@ -215,7 +228,7 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attenti
                          "attention", "dense", "sparse", "moe")
 """``config.layer_types`` entries whose layers mix tokens only through attention the SP
 attention implements (global, sliding, Llama4's chunks) or not at all (MLP and MoE kinds)."""
-MIXER_LAYER_TYPES = ("linear_attention",)
+MIXER_LAYER_TYPES = ("linear_attention", "conv")
 """``config.layer_types`` entries whose layers hold a mixer of :data:`FAMILIES`."""
 
 
@@ -273,8 +286,9 @@ def check_mixers(model: nn.Module, mesh: DeviceMesh) -> None:
                              f"module, as the releases whose {type(m).__name__} runs under "
                              f"sequence parallelism do (5.24); upgrade transformers, or "
                              f"train it without sequence parallelism")
-        check_mixer_heads(type(m).__name__, getattr(m, kind.num_heads),
-                          getattr(m, kind.num_grouped), degree)
+        if kind.scan is not None:
+            check_mixer_heads(type(m).__name__, getattr(m, kind.num_heads),
+                              getattr(m, kind.num_grouped), degree)
 
 
 def install_mixers(model: nn.Module, mesh: DeviceMesh, batch: BatchState,
@@ -288,6 +302,7 @@ def install_mixers(model: nn.Module, mesh: DeviceMesh, batch: BatchState,
         replace_method(m, _sp_mixer_forward, bind=True)
 
 
-__all__ = ["ATTENTION_LAYER_TYPES", "FAMILIES", "GATED_DELTA_NET", "MIXER_LAYER_TYPES", "Dispatch",
+__all__ = ["ATTENTION_LAYER_TYPES", "FAMILIES", "GATED_DELTA_NET", "MIXER_LAYER_TYPES",
+           "SHORT_CONVOLUTION", "Dispatch",
            "MixerKind", "MixerSettings", "check_mixers", "check_token_mixers", "install_mixers",
            "token_mixers", "unreached_calls"]
