@@ -606,3 +606,41 @@ def test_plans_an_moe_with_its_experts(tmp_path):
         peaks[k] = est["device_peak_bytes"]
     # k=2 routes each token to two experts: at least one more [tokens, intermediate] buffer
     assert peaks[2] - peaks[1] >= 4096 * 512 * 2, peaks
+
+
+def _hybrid_config():
+    import transformers as tf
+
+    return tf.Qwen3_5TextConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                num_hidden_layers=12, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=32, linear_num_value_heads=4,
+                                linear_num_key_heads=2, linear_key_head_dim=16,
+                                linear_value_head_dim=16, tie_word_embeddings=False)
+
+
+def test_a_hybrid_is_traced_along_whole_periods_of_its_layers():
+    """Qwen3.5's layers repeat every 4 (three gated delta nets, an attention layer): its depth
+    line runs through 4 and 8 layers, a dense model's through 3 and 4."""
+    import transformers as tf
+
+    from arctic.plan.estimate import layer_period, trace_layers
+
+    assert layer_period(_hybrid_config()) == 4 and trace_layers(_hybrid_config()) == (4, 8)
+    assert trace_layers(tf.LlamaConfig()) == (3, 4)
+
+
+@pytest.mark.slow  # 100-200 s: the torch fallback's chunk loop, traced op by op
+def test_plans_a_hybrid_along_whole_periods_of_its_layers(tmp_path):
+    """A hybrid (tiny Qwen3.5, 12 layers): the peak read off the depth line through 4 and 8
+    layers equals a full trace's; the settings its classes lack (fused projections, the
+    tiled layer tail) are dropped from the default stack, with a note."""
+    config = _hybrid_config()
+    config.save_pretrained(tmp_path / "q")
+    args = ["--model", str(tmp_path / "q" / "config.json"), "--seq-len", "4K", "--gpus", "2",
+            "--quick"]
+    full = _plan(tmp_path, *args, "--full-trace", name="full.json")
+    fast = _plan(tmp_path, *args, name="fast.json")
+    assert fast["estimate"]["sp"]["fuse_projections"] is False
+    assert fast["estimate"]["sp"]["tiled_layer"] is False
+    a, b = fast["estimate"]["device_peak_bytes"], full["estimate"]["device_peak_bytes"]
+    assert abs(a / b - 1) < 0.01, (a, b)

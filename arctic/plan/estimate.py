@@ -263,16 +263,35 @@ class _Tracer:
 
     def depths(self) -> tuple[int, ...]:
         depth = text_config_of(self.config).num_hidden_layers
-        return (depth,) if depth <= TRACE_LAYERS[1] else TRACE_LAYERS
+        traced = trace_layers(self.config)
+        return (depth,) if depth <= traced[1] else traced
 
     def deep(self, seq_len: int, *, full: bool) -> dict[str, Peak]:
-        """The phases at the model's depth: traced whole, or along :data:`TRACE_LAYERS`."""
+        """The phases at the model's depth: traced whole, or along :func:`trace_layers`."""
         depth = text_config_of(self.config).num_hidden_layers
-        if full or depth <= TRACE_LAYERS[1]:
+        la, lb = trace_layers(self.config)
+        if full or depth <= lb:
             return self.at(seq_len, depth)
-        la, lb = TRACE_LAYERS
         a, b = self.at(seq_len, la), self.at(seq_len, lb)
         return {k: _along(a[k], b[k], la, lb, depth) for k in a}
+
+
+def layer_period(config) -> int:
+    """The period of a hybrid model's ``layer_types`` (Qwen3.5: 3 linear-attention layers,
+    then an attention layer: 4); 1 when every layer is of one kind."""
+    types = list(getattr(text_config_of(config), "layer_types", None) or ())
+    for p in range(1, len(types) + 1):
+        if all(t == types[i % p] for i, t in enumerate(types)):
+            return p
+    return 1
+
+
+def trace_layers(config) -> tuple[int, int]:
+    """The two depths whose line gives a deeper model's phases: :data:`TRACE_LAYERS`, or for
+    a hybrid model whose layers differ, one and two periods of its ``layer_types`` (each
+    period then adds the same bytes; the model's depth is read along whole periods)."""
+    p = layer_period(config)
+    return TRACE_LAYERS if p == 1 else (p, 2 * p)
 
 
 def _line_checked(tracer: _Tracer, anchors: tuple[int, int], check: int) -> float:
