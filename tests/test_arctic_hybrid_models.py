@@ -1,8 +1,8 @@
-"""Hybrid models under sequence parallelism: gated delta nets beside attention (Qwen3.5,
-Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid) and gated short convolutions (LFM2). The SP step's loss
-and every gradient equal the unmodified model's on one process (fp32), with and without
-packed documents whose boundaries fall inside the pieces (reference: each document run on
-its own).
+"""Hybrid models under sequence parallelism: gated delta nets (Qwen3.5, Qwen3.5-MoE,
+Qwen3-Next, OLMo-hybrid), Mamba2 layers (Nemotron-H, Bamba, GraniteMoeHybrid) and gated
+short convolutions (LFM2) beside attention. The SP step's loss and every gradient equal the
+unmodified model's on one process (fp32), with and without packed documents whose boundaries
+fall inside the pieces (reference: each document run on its own).
 
 Each check is seen to fail: with the mixers left on their local piece (the stock forward),
 and with their state crossing the documents (the mixers' documents hidden from them), the
@@ -33,6 +33,11 @@ MOE = dict(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
            shared_expert_intermediate_size=32)
 
 
+MAMBA = dict(mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=2, mamba_d_state=8,
+             mamba_chunk_size=16, mamba_expand=2)
+"""Mamba2 layers of 4 heads over 2 B/C groups, chunks of 16 (several per document)."""
+
+
 def _config(family: str):
     import transformers as tf
 
@@ -41,6 +46,18 @@ def _config(family: str):
         "qwen3_5_moe": lambda: tf.Qwen3_5MoeTextConfig(**SMALL, **LINEAR, **MOE),
         "qwen3_next": lambda: tf.Qwen3NextConfig(**SMALL, **LINEAR, **MOE),
         "olmo_hybrid": lambda: tf.OlmoHybridConfig(**SMALL, **LINEAR),
+        # a Mamba2 layer (4 heads over 2 B/C groups), an attention layer, an MLP layer
+        "nemotron_h": lambda: tf.NemotronHConfig(
+            **{k: v for k, v in SMALL.items() if k != "num_hidden_layers"},
+            layers_block_type=["mamba", "attention", "mlp"], mamba_num_heads=4,
+            mamba_head_dim=16, n_groups=2, ssm_state_size=8, chunk_size=16),
+        "bamba": lambda: tf.BambaConfig(
+            **{k: v for k, v in SMALL.items() if k != "head_dim"}, attn_layer_indices=[1],
+            **MAMBA),
+        "granitemoehybrid": lambda: tf.GraniteMoeHybridConfig(
+            **{k: v for k, v in SMALL.items() if k != "head_dim"},
+            layer_types=["mamba", "attention"], num_local_experts=4, num_experts_per_tok=2,
+            **MAMBA),
         # a gated short convolution (width 3), then an attention layer
         "lfm2": lambda: tf.Lfm2Config(**{k: v for k, v in SMALL.items() if k != "head_dim"},
                                       layer_types=["conv", "full_attention"]),
@@ -51,7 +68,10 @@ CLASSES = {"qwen3_5": ("qwen3_5", "Qwen3_5GatedDeltaNet"),
            "qwen3_5_moe": ("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"),
            "qwen3_next": ("qwen3_next", "Qwen3NextGatedDeltaNet"),
            "olmo_hybrid": ("olmo_hybrid", "OlmoHybridGatedDeltaNet"),
-           "lfm2": ("lfm2", "Lfm2ShortConv")}
+           "lfm2": ("lfm2", "Lfm2ShortConv"),
+           "nemotron_h": ("nemotron_h", "NemotronHMamba2Mixer"),
+           "bamba": ("bamba", "BambaMixer"),
+           "granitemoehybrid": ("granitemoehybrid", "GraniteMoeHybridMambaLayer")}
 
 
 def _skip_unless_supported(family: str) -> None:
@@ -176,7 +196,8 @@ def _check(results, ref):
 CASES = [("qwen3_5", 2, True), ("qwen3_5", 4, True), ("qwen3_5", 2, False),
          ("qwen3_5_moe", 2, True), ("qwen3_next", 2, True), ("olmo_hybrid", 2, True),
          ("qwen3_next", 4, True), ("olmo_hybrid", 4, False), ("lfm2", 2, True),
-         ("lfm2", 4, True)]
+         ("lfm2", 4, True), ("nemotron_h", 2, True), ("nemotron_h", 4, True),
+         ("bamba", 2, True), ("granitemoehybrid", 2, True)]
 
 
 @pytest.mark.parametrize("family,ulysses,documents", [
@@ -193,7 +214,8 @@ def test_hybrid_matches_unmodified_model(family, ulysses, documents):
 @pytest.mark.hf_facing
 @pytest.mark.parametrize("family,broken,documents", [
     ("qwen3_5", "local", False), ("qwen3_5", "crossing", True),
-    ("lfm2", "local", False), ("lfm2", "crossing", True)])
+    ("lfm2", "local", False), ("lfm2", "crossing", True),
+    ("nemotron_h", "local", False), ("nemotron_h", "crossing", True)])
 def test_each_check_fails_when_broken(family, broken, documents):
     """The mixers on their local piece, or their state (the convolution's window) crossing
     the documents, fail the parity check the working path passes, with gradients over 50

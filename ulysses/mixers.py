@@ -128,14 +128,18 @@ def _per_document(conv, ext: Tensor, h: int, lo: int, documents: Documents) -> T
 
 def head_scan(scan: Callable[..., Tensor], grouped: Mapping[str, Tensor],
               per_head: Mapping[str, Tensor], *, mesh: DeviceMesh,
-              documents: Documents = None) -> Tensor:
-    """``scan(**grouped, **per_head)`` over the whole sequence, head-sharded; returns this
-    rank's piece of its output ``[B, s, H, ...]``.
+              documents: Documents = None,
+              head_params: Mapping[str, Tensor] | None = None) -> Tensor:
+    """``scan(heads=..., **grouped, **per_head)`` over the whole sequence, head-sharded;
+    returns this rank's piece of its output ``[B, s, H, ...]``.
 
     ``per_head``: ``[B, s, H, ...]`` tensors of the ``H`` (value) heads, this rank's piece;
     ``grouped``: ``[B, s, K, ...]`` tensors of the ``K`` key heads, each shared by ``H / K``
-    consecutive value heads. ``scan`` takes them whole-sequence, this rank's heads, and
-    returns ``[B, S, h, ...]``; it runs once per document."""
+    consecutive value heads; ``head_params``: ``[H, ...]`` tensors (per-head parameters),
+    passed to ``scan`` as ``heads`` sliced to this rank's heads (their gradients reach only
+    those rows; the ranks' gradients add up to the whole). ``scan`` takes them
+    whole-sequence, this rank's heads, and returns ``[B, S, h, ...]``; it runs once per
+    document."""
     group = mesh["ulysses"].get_group()
     world = axis_size(mesh, "ulysses")
     H = next(iter(per_head.values())).shape[2]
@@ -148,14 +152,18 @@ def head_scan(scan: Callable[..., Tensor], grouped: Mapping[str, Tensor],
                             scatter_sizes=layout.kv_sizes) for n, t in grouped.items()}
     inputs.update({n: all_to_all(t, group, scatter_dim=2, gather_dim=1,
                                  scatter_sizes=layout.q_sizes) for n, t in per_head.items()})
+    rank = axis_rank(mesh, "ulysses")
+    first = sum(layout.q_sizes[:rank])
+    heads = {n: t[first:first + layout.q_sizes[rank]] for n, t in (head_params or {}).items()}
     if documents is None:
-        out = scan(**inputs)
+        out = scan(heads=heads, **inputs)
     else:
         S = next(iter(inputs.values())).shape[1]
         rows = []
         for b, starts in enumerate(documents):
             cuts = [*starts, S]
-            rows.append(torch.cat([scan(**{n: t[b:b + 1, x:y] for n, t in inputs.items()})
+            rows.append(torch.cat([scan(heads=heads,
+                                        **{n: t[b:b + 1, x:y] for n, t in inputs.items()})
                                    for x, y in zip(cuts, cuts[1:])], dim=1))
         out = torch.cat(rows, dim=0)
     return all_to_all(out, group, scatter_dim=1, gather_dim=2, gather_sizes=layout.q_sizes)

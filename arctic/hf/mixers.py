@@ -1,6 +1,6 @@
 """Sequence-parallel token mixers of HF hybrid models: the layers beside the attention layers
 that mix tokens otherwise (gated delta nets: Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid;
-gated short convolutions: LFM2).
+Mamba2: Nemotron-H, Bamba, GraniteMoeHybrid; gated short convolutions: LFM2).
 
 A mixer's forward is the model's own. Its per-token work (projections, gates, norms) runs on
 this rank's piece of the sequence; its calls that mix tokens along the sequence, the causal
@@ -41,28 +41,47 @@ from ulysses.patching import replace_method
 @dataclass(frozen=True, slots=True)
 class MixerKind:
     """What one family's mixer forward calls: the names, in its module, of its causal
-    convolution and of its scan; the scan's grouped (key-head) and per-head (value-head)
-    arguments, positional first; and where its head counts live on the module."""
+    convolution, of its scan and of a fused convolution + scan kernel it tries first; the
+    scan's positional parameters in order, and by role: grouped (key heads, or Mamba2's
+    B/C groups), per head (value heads), per-head parameters (``[H]`` vectors, sliced to
+    this rank's heads); whether the scan returns ``(out, state)``; and where the head counts
+    live on the module."""
 
     conv: str
     scan: str | None = None
     """None: the mixer is the convolution alone (LFM2's short convolutions)."""
+    positional: tuple[str, ...] = ()
     grouped: tuple[str, ...] = ()
     per_head: tuple[str, ...] = ()
+    head_params: tuple[str, ...] = ()
+    returns_state: bool = True
+    fused: str | None = None
+    """A kernel doing the convolution, scan, norm and projection at once, which the forward
+    calls first and falls back from when it returns None: under SP it returns None."""
     num_heads: str | None = None
     num_grouped: str | None = None
 
     @property
     def calls(self) -> list[str]:
-        """The roles of the calls one forward makes, in order."""
+        """The roles of the calls one forward makes, in order (the fused try aside)."""
         return ["conv"] + (["scan"] if self.scan else [])
 
 
 GATED_DELTA_NET = MixerKind(conv="causal_conv1d_fn", scan="torch_chunk_gated_delta_rule",
+                            positional=("query", "key", "value", "g", "beta"),
                             grouped=("query", "key"), per_head=("value", "g", "beta"),
                             num_heads="num_v_heads", num_grouped="num_k_heads")
 """transformers' gated delta rule: ``(query, key, value, g, beta, ...)``, q/k ``[B, S, K,
-dk]``, v ``[B, S, H, dv]``, g/beta ``[B, S, H]``."""
+dk]``, v ``[B, S, H, dv]``, g/beta ``[B, S, H]``; returns ``(out, state)``."""
+
+MAMBA2 = MixerKind(conv="causal_conv1d_fn", scan="mamba2_chunk_scan",
+                   positional=("hidden_states", "dt", "A", "B", "C"),
+                   grouped=("B", "C"), per_head=("hidden_states", "dt"),
+                   head_params=("A", "D", "dt_bias"), returns_state=False,
+                   fused="mamba2_split_conv1d_scan_combined", num_heads="num_heads",
+                   num_grouped="n_groups")
+"""transformers' Mamba2 chunked scan (SSD): ``(x [B, S, H, P], dt [B, S, H], A [H], B/C [B,
+S, G, N], chunk_size, D=[H], dt_bias=[H], ...)``; returns the output alone."""
 
 SHORT_CONVOLUTION = MixerKind(conv="causal_conv1d_fn")
 """LFM2's gated short convolution: ``B * x`` convolved along the sequence, gated by ``C``."""
@@ -73,11 +92,14 @@ FAMILIES: dict[str, MixerKind] = {
     "Qwen3_5MoeGatedDeltaNet": GATED_DELTA_NET,
     "Qwen3NextGatedDeltaNet": GATED_DELTA_NET,
     "OlmoHybridGatedDeltaNet": GATED_DELTA_NET,
+    "NemotronHMamba2Mixer": MAMBA2,
+    "BambaMixer": MAMBA2,
+    "GraniteMoeHybridMambaLayer": MAMBA2,
 }
 """Mixer class name -> what its forward calls. Other mixers are refused by name
-(:func:`arctic.hf.features.check_token_mixers`)."""
+(:func:`check_token_mixers`)."""
 
-SCAN_OPTIONS = ("use_qk_l2norm_in_kernel", "scale", "chunk_size")
+SCAN_OPTIONS = ("use_qk_l2norm_in_kernel", "scale", "chunk_size", "dt_softplus", "dt_limit")
 """Arguments of a scan that change what it computes per head, passed on as given."""
 
 
@@ -115,6 +137,8 @@ class Dispatch:
         call = _ACTIVE.get()
         if call is None:
             return self.original(*args, **kwargs)
+        if self.role == "fused":  # the forward falls back to its convolution and scan
+            return None
         call.made.append(self.role)
         run = _conv if self.role == "conv" else _scan
         return run(call, self.original, args, kwargs)
@@ -148,27 +172,36 @@ def _conv(call: _Call, original, args, kwargs):
 
 def _scan(call: _Call, original, args, kwargs):
     kind, kw = call.sp.kind, dict(kwargs)
-    names = kind.grouped + kind.per_head
-    values = dict(zip(names, args))
-    for n in names[len(args):]:
+    values = dict(zip(kind.positional, args))
+    for n in kind.positional[len(args):]:
         values[n] = kw.pop(n)
-    state, final = kw.pop("initial_state", None), kw.pop("output_final_state", False)
-    if state is not None or final:
+    states = {n: kw.pop(n) for n in ("initial_state", "initial_states", "output_final_state",
+                                      "return_final_states") if n in kw}
+    if any(v is not None and v is not False for v in states.values()):
         raise ValueError(f"{type(call.module).__name__}: a recurrent state in or out (a cache) "
                          f"is not supported under sequence parallelism; train with "
                          f"use_cache=False")
+    if kw.pop("z", None) is not None:
+        raise ValueError(f"{type(call.module).__name__}: a gate inside the scan (z) is not "
+                         f"implemented under sequence parallelism")
     kw.pop("cu_seqlens", None)  # the documents, as the batch state has them
     options = {n: kw.pop(n) for n in SCAN_OPTIONS if n in kw}
+    params = {n: kw.pop(n) for n in kind.head_params if n in kw}
+    params.update({n: values.pop(n) for n in kind.head_params if n in values})
     _check_extra(call, kw, "scan")
 
-    def scan(**inputs):
-        out, _ = original(*(inputs[n] for n in names), **options)
-        return out
+    def scan(*, heads: dict, **inputs):
+        given = {**inputs, **heads}
+        result = original(*(given[n] for n in kind.positional),
+                          **{n: v for n, v in given.items() if n not in kind.positional},
+                          **options)
+        return result[0] if kind.returns_state else result
 
     out = head_scan(scan, {n: values[n] for n in kind.grouped},
                     {n: values[n] for n in kind.per_head}, mesh=call.sp.mesh,
-                    documents=call.documents)
-    return out, None
+                    documents=call.documents,
+                    head_params={n: v for n, v in params.items() if v is not None})
+    return (out, None) if kind.returns_state else out
 
 
 def unreached_calls(cls: type) -> list[str]:
@@ -180,12 +213,12 @@ def unreached_calls(cls: type) -> list[str]:
     kind = FAMILIES[cls.__name__]
     code = inspect.unwrap(cls.forward)
     loaded = {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"}
-    return [name for name in (kind.conv, kind.scan) if name and name not in loaded]
+    return [name for name in (kind.conv, kind.scan, kind.fused) if name and name not in loaded]
 
 
 def _install_dispatch(module: nn.Module, kind: MixerKind) -> None:
     file = sys.modules[type(module).__module__]
-    for role, name in (("conv", kind.conv), ("scan", kind.scan)):
+    for role, name in (("conv", kind.conv), ("scan", kind.scan), ("fused", kind.fused)):
         if name is None:
             continue
         current = getattr(file, name, None)
@@ -225,7 +258,7 @@ def _sp_mixer_forward(module: nn.Module, *args, **kwargs):
 
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention",
-                         "attention", "dense", "sparse", "moe")
+                         "attention", "dense", "sparse", "moe", "mlp")
 """``config.layer_types`` entries whose layers mix tokens only through attention the SP
 attention implements (global, sliding, Llama4's chunks) or not at all (MLP and MoE kinds)."""
 MIXER_LAYER_TYPES = ("linear_attention", "conv")
@@ -303,6 +336,6 @@ def install_mixers(model: nn.Module, mesh: DeviceMesh, batch: BatchState,
 
 
 __all__ = ["ATTENTION_LAYER_TYPES", "FAMILIES", "GATED_DELTA_NET", "MIXER_LAYER_TYPES",
-           "SHORT_CONVOLUTION", "Dispatch",
+           "MAMBA2", "SHORT_CONVOLUTION", "Dispatch",
            "MixerKind", "MixerSettings", "check_mixers", "check_token_mixers", "install_mixers",
            "token_mixers", "unreached_calls"]
