@@ -379,7 +379,7 @@ REFUSED = {
     "attention_switched_back": ["LlamaAttention", "'sdpa'"],
     # token mixers outside attention that SP does not implement would see only this rank's
     # piece (gated delta nets are honoured: tests/test_arctic_hybrid_models.py)
-    "mamba_layers": ["JambaForCausalLM", "linear_attention", "outside attention"],
+    "mamba_layers": ["JambaForCausalLM", "outside attention"],
     "convolution_in_a_layer": ["LlamaForCausalLM", "layers.0.mixer (Conv1d)", "outside attention"],
 }
 """Each refusal -> words its message must hold (the model or module class, the feature)."""

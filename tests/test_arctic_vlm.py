@@ -236,6 +236,10 @@ SLOW = {"qwen3_vl-sp4", "qwen2_5_vl-sp4", "qwen3_5-sp4"}
                                   for c in CASES])
 def test_vlm_matches_single_device(case):
     family, sp, ring, length, masked, variant = CASES[case]
+    if family == "qwen3_5":  # its linear layers' forward must be the one SP reaches
+        from test_arctic_hybrid_models import _skip_unless_supported
+
+        _skip_unless_supported("qwen3_5")
     ref_loss, ref_grads = _reference(family, length, masked, variant)
     assert any("visual" in n or "vision" in n for n in ref_grads)
     images = _images(family, video=variant == "video")
