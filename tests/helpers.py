@@ -45,6 +45,19 @@ def assert_fp32_exact(got, plain, ref, *, what: str, ulps: float = 4) -> None:
     assert error <= bound, (f"{what}: {error:.3g} from fp64, more than twice the plain "
                             f"path's own distance plus {ulps} ulps ({bound:.3g})")
 
+def causal_lm_loss(model, ids, documents=None):
+    """HF's loss of ``model`` on ``ids`` (labels = ids), or, with ``documents`` (lengths
+    along the row), each document run on its own and the loss the mean over all their
+    targets: the reference of a packed batch whose documents do not see each other."""
+    if documents is None:
+        return model(input_ids=ids, labels=ids).loss
+    total, count = 0.0, 0
+    for part in ids.split(list(documents), dim=1):
+        total = total + model(input_ids=part, labels=part).loss * (part.shape[1] - 1)
+        count += part.shape[1] - 1
+    return total / count
+
+
 _MESHES: dict = {}
 
 

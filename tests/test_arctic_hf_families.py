@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import dist_pool
-from helpers import TOL, count_collectives, get_mesh
+from helpers import TOL, causal_lm_loss, count_collectives, get_mesh
 
 pytest.importorskip("transformers", reason="arctic needs transformers ([hf])")
 
@@ -119,15 +119,7 @@ def _grads(model):
 def _reference(family: str, feature_on: bool = True, documents: bool = False):
     """``(loss, grads)`` of the unmodified model on one process."""
     model = _model(family, feature_on)
-    ids = _tokens()
-    if not documents:
-        loss = model(input_ids=ids, labels=ids).loss
-    else:  # the documents run one by one; the loss is the mean over all their tokens
-        total, count = 0.0, 0
-        for part in ids.split(list(DOCS), dim=1):
-            total = total + model(input_ids=part, labels=part).loss * (part.shape[1] - 1)
-            count += part.shape[1] - 1
-        loss = total / count
+    loss = causal_lm_loss(model, _tokens(), DOCS if documents else None)
     loss.backward()
     return loss.item(), _grads(model)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 import dist_pool
-from helpers import TOL, get_mesh, value_error_of
+from helpers import TOL, causal_lm_loss, get_mesh, value_error_of
 
 pytest.importorskip("transformers", reason="arctic needs transformers ([hf])")
 
@@ -117,15 +117,7 @@ def _reference(family: str, documents: bool):
     """``(loss, grads)`` of the unmodified model on one process; with ``documents``, each
     document run on its own and the loss the mean over all their tokens."""
     model = _model(family)
-    ids = _tokens()
-    if not documents:
-        loss = model(input_ids=ids, labels=ids).loss
-    else:
-        total, count = 0.0, 0
-        for part in ids.split(list(DOCS), dim=1):
-            total = total + model(input_ids=part, labels=part).loss * (part.shape[1] - 1)
-            count += part.shape[1] - 1
-        loss = total / count
+    loss = causal_lm_loss(model, _tokens(), DOCS if documents else None)
     loss.backward()
     return loss.item(), _grads(model)
 
