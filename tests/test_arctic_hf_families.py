@@ -370,8 +370,9 @@ REFUSED = {
     "seq_idx": ["LlamaAttention", "seq_idx"],
     "attention_switched_back": ["LlamaAttention", "'sdpa'"],
     # token mixers outside attention that SP does not implement would see only this rank's
-    # piece (gated delta nets are honoured: tests/test_arctic_hybrid_models.py)
-    "mamba_layers": ["JambaForCausalLM", "outside attention"],
+    # piece (gated delta nets, Mamba1/2 are honoured: tests/test_arctic_hybrid_models.py;
+    # Zamba's mixer, which scans its heads one call each, is not)
+    "mamba_layers": ["ZambaForCausalLM", "outside attention"],
     "convolution_in_a_layer": ["LlamaForCausalLM", "layers.0.mixer (Conv1d)", "outside attention"],
 }
 """Each refusal -> words its message must hold (the model or module class, the feature)."""
@@ -379,7 +380,7 @@ REFUSED = {
 
 def _refused_calls():
     """name -> a call that must raise, on an SP=2 mesh (rank side)."""
-    from transformers import AutoModelForCausalLM, Gemma2Config, JambaConfig, LlamaConfig
+    from transformers import AutoModelForCausalLM, Gemma2Config, LlamaConfig, ZambaConfig
 
     from arctic.hf.attention import apply_sequence_parallel
 
@@ -416,9 +417,11 @@ def _refused_calls():
         "seq_idx": lambda: apply(_model("llama"))(input_ids=ids, position_ids=pos,
                                                   seq_idx=torch.zeros_like(ids, dtype=torch.int32)),
         "attention_switched_back": switched_back,
-        "mamba_layers": lambda: apply(build(JambaConfig(
-            **SMALL, attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-            num_experts=2, mamba_d_state=4, mamba_dt_rank=8, mamba_expand=1))),
+        "mamba_layers": lambda: apply(build(ZambaConfig(
+            **{k: v for k, v in SMALL.items() if k not in ("num_hidden_layers", "head_dim")},
+            num_hidden_layers=3, layer_types=["linear_attention", "hybrid", "hybrid"],
+            attention_head_dim=16, n_mamba_heads=2, mamba_d_state=4, mamba_dt_rank=8,
+            mamba_expand=2))),
         "convolution_in_a_layer": lambda: apply(with_conv(_model("llama"))),
     }
 

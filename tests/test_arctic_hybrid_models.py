@@ -1,6 +1,7 @@
 """Hybrid models under sequence parallelism: gated delta nets (Qwen3.5, Qwen3.5-MoE,
-Qwen3-Next, OLMo-hybrid), Mamba2 layers (Nemotron-H, Bamba, GraniteMoeHybrid) and gated
-short convolutions (LFM2) beside attention. The SP step's loss and every gradient equal the
+Qwen3-Next, OLMo-hybrid), Kimi Linear's KDA (beside latent attention), Mamba2 layers
+(Nemotron-H, Bamba, GraniteMoeHybrid, Falcon-H1, Zamba2), Mamba1 layers (Jamba, and
+FalconMamba alone) and gated short convolutions (LFM2) beside attention. The SP step's loss and every gradient equal the
 unmodified model's on one process (fp32), with and without packed documents whose boundaries
 fall inside the pieces (reference: each document run on its own).
 
@@ -59,6 +60,41 @@ def _config(family: str):
             layer_types=["mamba", "attention"], num_local_experts=4, num_experts_per_tok=2,
             **MAMBA),
         # a gated short convolution (width 3), then an attention layer
+        # KDA (4 heads of 8) then multi-head latent attention (q/k head dim 24, v 12)
+        "kimi_linear": lambda: tf.KimiLinearConfig(
+            **{k: v for k, v in SMALL.items() if k not in ("head_dim", "num_key_value_heads")},
+            num_key_value_heads=4, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+            v_head_dim=12, q_lora_rank=None, linear_head_dim=8, linear_num_heads=4,
+            linear_conv_kernel_dim=4, layer_types=["linear_attention", "full_attention"],
+            num_local_experts=4, num_experts_per_tok=2, moe_intermediate_size=32),
+        # attention and a Mamba2 mixer side by side in every layer
+        "falcon_h1": lambda: tf.FalconH1Config(
+            **{k: v for k, v in SMALL.items()}, mamba_n_heads=4, mamba_d_head=32,
+            mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=16, mamba_expand=2,
+            mamba_d_ssm=128),
+        # Mamba2 layers and hybrid layers (a Mamba2 layer after the shared attention block)
+        "zamba2": lambda: tf.Zamba2Config(
+            **{k: v for k, v in SMALL.items() if k not in ("head_dim", "num_hidden_layers",
+                                                           "intermediate_size")},
+            num_hidden_layers=4, mamba_headdim=16, n_mamba_heads=8, mamba_ngroups=2,
+            mamba_d_state=8, chunk_size=16, layers_block_type=["mamba", "hybrid"] * 2),
+        # Mamba1: every channel its own recurrence, one B/C shared by all
+        "jamba": lambda: tf.JambaConfig(
+            **{k: v for k, v in SMALL.items() if k != "head_dim"}, attn_layer_period=2,
+            attn_layer_offset=1, expert_layer_period=2, num_experts=2, mamba_d_state=4,
+            mamba_dt_rank=8, mamba_expand=1),
+        "falcon_mamba": lambda: tf.FalconMambaConfig(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=4, expand=1,
+            time_step_rank=8, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2),
+        "mamba2": lambda: tf.Mamba2Config(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, num_heads=4, head_dim=32,
+            n_groups=2, state_size=8, chunk_size=16, expand=2, tie_word_embeddings=False,
+            pad_token_id=0, bos_token_id=1, eos_token_id=2),
+        "lfm2_moe": lambda: tf.Lfm2MoeConfig(
+            **{k: v for k, v in SMALL.items() if k != "head_dim"}, moe_intermediate_size=32,
+            num_experts=4, num_experts_per_tok=2, num_dense_layers=1,
+            layer_types=["conv", "full_attention"]),
         "lfm2": lambda: tf.Lfm2Config(**{k: v for k, v in SMALL.items() if k != "head_dim"},
                                       layer_types=["conv", "full_attention"]),
     }[family]()
@@ -68,7 +104,14 @@ CLASSES = {"qwen3_5": ("qwen3_5", "Qwen3_5GatedDeltaNet"),
            "qwen3_5_moe": ("qwen3_5_moe", "Qwen3_5MoeGatedDeltaNet"),
            "qwen3_next": ("qwen3_next", "Qwen3NextGatedDeltaNet"),
            "olmo_hybrid": ("olmo_hybrid", "OlmoHybridGatedDeltaNet"),
+           "kimi_linear": ("kimi_linear", "KimiLinearDeltaAttention"),
+           "falcon_h1": ("falcon_h1", "FalconH1Mixer"),
+           "zamba2": ("zamba2", "Zamba2MambaMixer"),
+           "jamba": ("jamba", "JambaMambaMixer"),
+           "falcon_mamba": ("falcon_mamba", "FalconMambaMixer"),
            "lfm2": ("lfm2", "Lfm2ShortConv"),
+           "lfm2_moe": ("lfm2_moe", "Lfm2MoeShortConv"),
+           "mamba2": ("mamba2", "Mamba2Mixer"),
            "nemotron_h": ("nemotron_h", "NemotronHMamba2Mixer"),
            "bamba": ("bamba", "BambaMixer"),
            "granitemoehybrid": ("granitemoehybrid", "GraniteMoeHybridMambaLayer")}
@@ -97,11 +140,21 @@ def _model(family: str):
 
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config(family), attn_implementation="eager")
-    if family == "lfm2":  # taps large enough that a window crossing a boundary shows
+    if family in ("lfm2", "lfm2_moe"):  # taps large enough that a crossing window shows
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("conv.conv.weight"):
                     p.mul_(100)
+    if family == "falcon_h1":  # B, C and x large enough that the state matters
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("mamba.in_proj.weight"):
+                    p.mul_(10)
+    if family in ("jamba", "falcon_mamba", "falcon_h1"):  # states that last (decays 0.01-0.05)
+        with torch.no_grad():
+            for name, p in model.named_parameters():
+                if name.endswith("A_log"):
+                    p.copy_(torch.linspace(0.01, 0.05, p.shape[-1]).log().expand_as(p))
     return model
 
 
@@ -189,7 +242,11 @@ CASES = [("qwen3_5", 2, True), ("qwen3_5", 4, True), ("qwen3_5", 2, False),
          ("qwen3_5_moe", 2, True), ("qwen3_next", 2, True), ("olmo_hybrid", 2, True),
          ("qwen3_next", 4, True), ("olmo_hybrid", 4, False), ("lfm2", 2, True),
          ("lfm2", 4, True), ("nemotron_h", 2, True), ("nemotron_h", 4, True),
-         ("bamba", 2, True), ("granitemoehybrid", 2, True)]
+         ("bamba", 2, True), ("granitemoehybrid", 2, True), ("kimi_linear", 2, True),
+         ("kimi_linear", 4, True), ("kimi_linear", 2, False), ("falcon_h1", 2, True),
+         ("falcon_h1", 4, True), ("zamba2", 2, True), ("zamba2", 4, False),
+         ("jamba", 2, True), ("jamba", 4, True), ("falcon_mamba", 2, True),
+         ("falcon_mamba", 2, False), ("mamba2", 2, True), ("lfm2_moe", 2, True)]
 
 
 @pytest.mark.parametrize("family,ulysses,documents", [
@@ -207,7 +264,10 @@ def test_hybrid_matches_unmodified_model(family, ulysses, documents):
 @pytest.mark.parametrize("family,broken,documents", [
     ("qwen3_5", "local", False), ("qwen3_5", "crossing", True),
     ("lfm2", "local", False), ("lfm2", "crossing", True),
-    ("nemotron_h", "local", False), ("nemotron_h", "crossing", True)])
+    ("nemotron_h", "local", False), ("nemotron_h", "crossing", True),
+    ("kimi_linear", "local", False), ("kimi_linear", "crossing", True),
+    ("jamba", "local", False), ("jamba", "crossing", True),
+    ("zamba2", "crossing", True), ("falcon_h1", "local", False)])
 def test_each_check_fails_when_broken(family, broken, documents):
     """The mixers on their local piece, or their state (the convolution's window) crossing
     the documents, fail the parity check the working path passes, with gradients over 50
@@ -254,19 +314,21 @@ def test_refused_before_any_collective(ulysses, ring, what, expected):
 
 
 def test_other_token_mixers_are_still_refused():
-    """A state-space hybrid (Jamba: Mamba layers) is refused by name."""
+    """A state-space hybrid whose mixer is not one of FAMILIES (Zamba's, which scans its
+    heads one call each) is refused by name."""
     import transformers as tf
     from transformers import AutoModelForCausalLM
 
     from arctic.hf.mixers import check_token_mixers
 
-    config = tf.JambaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                            num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                            attn_layer_period=2, attn_layer_offset=1, expert_layer_period=2,
-                            num_experts=2, mamba_d_state=4, mamba_dt_rank=8, mamba_expand=1)
+    config = tf.ZambaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                            layer_types=["linear_attention", "hybrid", "hybrid"],
+                            attention_head_dim=16, n_mamba_heads=2, mamba_d_state=4,
+                            mamba_dt_rank=8, mamba_expand=2)
     model = AutoModelForCausalLM.from_config(config)
     message = value_error_of(lambda: check_token_mixers(model))
-    assert message.startswith("JambaForCausalLM: ") and "supported:" in message, message
+    assert message.startswith("ZambaForCausalLM: ") and "supported:" in message, message
 
 
 def _rank_recipe(length: int):

@@ -22,8 +22,8 @@ from ulysses.buffer_pool import BufferPool
 from ulysses.head_chunking import (DEFAULT_CHUNK_BUDGET_BYTES, head_chunked_attention,
                                    resolve_chunk_size)
 from ulysses.hybrid import check_hybrid, inner_attention
-from ulysses.kernels import (LocalAttention, attention_with_lse, check_qkv, default_scale,
-                             select_backend)
+from ulysses.kernels import (LocalAttention, attention_with_lse, check_qkv, common_head_dim,
+                             default_scale, select_backend)
 from ulysses.mesh import axis_group, axis_rank, axis_size, check_mesh, mesh_dims
 from ulysses.segments import check_segments
 from ulysses.self_check import verify, verify_call
@@ -39,7 +39,8 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
     """Single-rank attention with autograd, shaped like ``flash_attn_func``.
 
     Args:
-        q: ``[B, S, H, D]``; k, v: ``[B, S, K, D]`` with ``H % K == 0``.
+        q: ``[B, S, H, D]``; k, v: ``[B, S, K, D]`` with ``H % K == 0``; v may have a head
+            dim of its own (multi-head latent attention): the output then has it.
         causal: mask future keys.
         softmax_scale: defaults to ``1 / sqrt(D)``.
         backend: a name from :data:`BACKENDS`, or ``None`` to choose by device and dtype.
@@ -51,12 +52,14 @@ def local_attention(q: Tensor, k: Tensor, v: Tensor, *, causal: bool,
         ``out_BSHD``, or ``(out_BSHD, lse_BHS)`` when ``return_lse``.
     """
     check_qkv(q, k, v, causal=causal)
+    scale = default_scale(q.shape[-1], softmax_scale)
+    q, k, v, value_dim = common_head_dim(q, k, v)
     backend = select_backend(q.device, q.dtype, q.shape[-1], backend)
     if self_check:
         verify(backend, q, causal=causal)
-    attn = LocalAttention(causal=causal, scale=default_scale(q.shape[-1], softmax_scale),
-                          backend=backend)
+    attn = LocalAttention(causal=causal, scale=scale, backend=backend)
     out, lse = attention_with_lse(q, k, v, attn)
+    out = out[..., :value_dim]
     return (out, lse) if return_lse else out
 
 
@@ -76,7 +79,8 @@ def _validate(q: Tensor, k: Tensor, v: Tensor, mesh: DeviceMesh, causal: bool,
                          f"(the padded full sequence length)")
     check_hybrid(q.shape[1], mesh)
     layout = head_layout(q.shape[2], k.shape[2], degree)
-    return layout, select_backend(q.device, q.dtype, q.shape[-1], backend)
+    head_dim = max(q.shape[-1], v.shape[-1])  # the one the kernel runs (common_head_dim)
+    return layout, select_backend(q.device, q.dtype, head_dim, backend)
 
 
 def between_exchanges(mesh: DeviceMesh, *, batch: int, local_len: int, causal: bool,
@@ -143,7 +147,11 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
         q: ``q_BsHD``, this rank's sequence piece (from :func:`shard_sequence`).
         k, v: ``k_BsKD``, ``v_BsKD``; GQA/MQA when ``K < H``. kv heads travel unrepeated;
             when ``K < U`` each kv head is replicated to the ranks that need it and the
-            replicas' gradients are summed.
+            replicas' gradients are summed. v may have a head dim ``Dv`` of its own
+            (multi-head latent attention): the kernels run at the larger of the two with the
+            other zero-padded (exact; :func:`ulysses.kernels.common_head_dim`), and the output
+            has ``Dv``. Plain Ulysses exchanges v and the output at ``Dv``; head chunks
+            exchange the padded v.
         mesh: from :meth:`SequenceParallelDims.build_mesh`; it carries the sequence layout
             (zigzag or contiguous over the ring) that ``shard_sequence`` cut the inputs in.
         causal: causal mask over the full sequence.
@@ -204,7 +212,7 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
             block within one document of ``segments``.
 
     Returns:
-        ``out_BsHD``, sharded like ``q``.
+        ``out_BsHD`` (``Dv`` wide), sharded like ``q``.
 
     Heads are split as in :func:`ulysses.sharding.head_layout`; head counts that do not
     divide ``U`` give uneven splits. Every ``ValueError`` is raised before any collective.
@@ -218,6 +226,10 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     group = axis_group(mesh, "ulysses")
     rank = axis_rank(mesh, "ulysses")
     scale = default_scale(q.shape[-1], softmax_scale)
+    value_dim = v.shape[-1]
+    if value_dim > q.shape[-1] or head_chunk_size is not None or len(layout.q_sizes) == 1:
+        # one head dim from here on; the plain exchange below pads v only after it travels
+        q, k, v, _ = common_head_dim(q, k, v)
     attn = between_exchanges(mesh, batch=q.shape[0], local_len=q.shape[1], causal=causal,
                              scale=scale, backend=backend, unpadded_len=unpadded_len,
                              segments=segments, window=window,
@@ -236,13 +248,14 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
             layout.q_sizes), q.shape[3], q.dtype, chunk_budget_bytes)
         blocks = resolve_seq_chunk(seq_chunk, layout, c, q.shape[0], q.shape[1], q.shape[3],
                                    q.dtype, chunk_budget_bytes)
-        return head_chunked_attention(q, k, v, group=group, rank=rank, layout=layout,
-                                      head_chunk_size=c, attn=attn, pool=buffer_pool,
-                                      overlap=chunk_overlap is not False, sinks=sinks,
-                                      comm_dtype=comm_dtype, seq_chunk=blocks)
+        out = head_chunked_attention(q, k, v, group=group, rank=rank, layout=layout,
+                                     head_chunk_size=c, attn=attn, pool=buffer_pool,
+                                     overlap=chunk_overlap is not False, sinks=sinks,
+                                     comm_dtype=comm_dtype, seq_chunk=blocks)
+        return out[..., :value_dim]
     if len(layout.q_sizes) == 1:  # U = 1: nothing to exchange (pure ring, or one rank)
         out, _ = attention_with_lse(q, k, v, attn, sinks)
-        return out
+        return out[..., :value_dim]
     # Casts to the comm dtype and back are no-ops without one; autograd casts the gradients
     # the same way, so the backward's exchanges (and the replicas' sum) run in it too.
     dtype, comm = q.dtype, q.dtype if comm_dtype is None else comm_dtype
@@ -259,7 +272,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     k_BSkD = all_to_all(k, group, scatter_dim=2, gather_dim=1, scatter_sizes=layout.kv_sizes)
     v_BSkD = all_to_all(v, group, scatter_dim=2, gather_dim=1, scatter_sizes=layout.kv_sizes)
     q_BShD, k_BSkD, v_BSkD = q_BShD.to(dtype), k_BSkD.to(dtype), v_BSkD.to(dtype)
+    # v travelled at its own head dim; the kernel takes q's (zero columns, sliced off again)
+    q_BShD, k_BSkD, v_BSkD, _ = common_head_dim(q_BShD, k_BSkD, v_BSkD)
     out_BShD, _ = attention_with_lse(q_BShD, k_BSkD, v_BSkD, attn, sinks)
-    # [B, S, h, D] -> [B, s, H, D]
-    return all_to_all(out_BShD.to(comm), group, scatter_dim=1, gather_dim=2,
+    # [B, S, h, Dv] -> [B, s, H, Dv]
+    return all_to_all(out_BShD[..., :value_dim].to(comm), group, scatter_dim=1, gather_dim=2,
                       gather_sizes=layout.q_sizes).to(dtype)

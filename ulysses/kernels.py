@@ -159,6 +159,24 @@ _FORWARD = {"cpu_flash": _cpu_flash_forward, **cuda_kernels.FORWARD, "math": _ma
 _BACKWARD = {"cpu_flash": _cpu_flash_backward, **cuda_kernels.BACKWARD, "math": _math_backward}
 
 
+def common_head_dim(q: Tensor, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor, Tensor, int]:
+    """q, k and v at one head dim, and v's own: ``(q, k, v, value_dim)``.
+
+    Multi-head latent attention (DeepSeek-V2/V3, Kimi) gives v a head dim of its own (128
+    against q/k's 192). The kernels here take one head dim, so the narrower side is padded
+    with zeros: zero columns of v give zero output columns (sliced off by the caller: ``out[...,
+    :value_dim]``), and zero columns of q and k add nothing to the scores. Both are exact,
+    forward and backward (the pad's gradient is the slice). The softmax scale must come from
+    q's own head dim, taken before this call. Unchanged tensors (no copy) when the dims agree.
+    """
+    D, Dv = q.shape[-1], v.shape[-1]
+    if Dv < D:
+        v = torch.nn.functional.pad(v, (0, D - Dv))
+    elif Dv > D:
+        q, k = (torch.nn.functional.pad(t, (0, Dv - D)) for t in (q, k))
+    return q, k, v, Dv
+
+
 def default_scale(head_dim: int, softmax_scale: float | None) -> float:
     return 1.0 / math.sqrt(head_dim) if softmax_scale is None else float(softmax_scale)
 
@@ -278,14 +296,15 @@ def attention_with_lse(q: Tensor, k: Tensor, v: Tensor, attn,
 
 
 def check_qkv(q: Tensor, k: Tensor, v: Tensor, *, causal: bool = False) -> None:
-    """Raise ``ValueError`` unless q, k, v are [B, S, H|K, D] tensors that fit together."""
+    """Raise ``ValueError`` unless q, k, v are [B, S, H|K, D] tensors that fit together (v's
+    head dim may differ: multi-head latent attention, see :func:`common_head_dim`)."""
     for name, t in (("q", q), ("k", k), ("v", v)):
         if t.dim() != 4:
             raise ValueError(f"{name} must be [batch, seq, heads, head_dim], got shape "
                              f"{tuple(t.shape)}")
-    if k.shape != v.shape:
-        raise ValueError(f"k and v must have the same shape, got {tuple(k.shape)} and "
-                         f"{tuple(v.shape)}")
+    if k.shape[:3] != v.shape[:3]:
+        raise ValueError(f"k and v must agree on batch, sequence and heads, got "
+                         f"{tuple(k.shape)} and {tuple(v.shape)}")
     if q.shape[0] != k.shape[0] or q.shape[3] != k.shape[3]:
         raise ValueError(f"q {tuple(q.shape)} and k {tuple(k.shape)} must agree on batch and "
                          f"head_dim")

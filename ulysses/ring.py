@@ -47,7 +47,8 @@ from ulysses import trace_shortcuts
 from ulysses.all_to_all import check_comm_dtype
 from ulysses.band import (Piece, acc_dtype, check_window, document_pieces, mask_pieces,
                           merge_into, piece_backward, piece_forward, runs_within)
-from ulysses.kernels import attention_with_lse, check_qkv, default_scale, select_backend
+from ulysses.kernels import (attention_with_lse, check_qkv, common_head_dim, default_scale,
+                             select_backend)
 from ulysses.segments import check_segments
 from ulysses.self_check import verify_call
 from ulysses.sharding import ring_runs, rows_of
@@ -330,8 +331,10 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup,
     if per_document and (starts is None or not zigzag):
         raise ValueError("per_document=True needs segments (the documents the rows were cut "
                          "by) and zigzag=True")
+    scale = default_scale(q.shape[-1], softmax_scale)
+    q, k, v, value_dim = common_head_dim(q, k, v)  # MLA's v head dim: padded, sliced off
     attn = RingAttention(group=group, rank=dist.get_rank(group), size=size, causal=causal,
-                         scale=default_scale(q.shape[-1], softmax_scale),
+                         scale=scale,
                          backend=select_backend(q.device, q.dtype, q.shape[-1], backend),
                          zigzag=zigzag, window=window, comm_dtype=comm_dtype, softcap=softcap,
                          starts=starts, layout=starts if per_document and size > 1 else None)
@@ -339,4 +342,4 @@ def ring_attention(q: Tensor, k: Tensor, v: Tensor, *, group: dist.ProcessGroup,
         verify_call(attn.backend, q, causal=causal, window=window, sinks=False, ring=size > 1,
                     softcap=softcap)
     out, _ = attention_with_lse(q, k, v, attn)
-    return out
+    return out[..., :value_dim]

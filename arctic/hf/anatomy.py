@@ -14,9 +14,10 @@ from torch import nn
 
 NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
 """The per-token norms of a HF decoder layer that see ``[B, S, E]`` (Llama, Mistral, Qwen2/3)."""
-MIXER_NAMES = ("self_attn", "linear_attn", "conv")
+MIXER_NAMES = ("self_attn", "linear_attn", "conv", "mamba")
 """What a HF decoder layer calls its token mixer: its attention, or a hybrid model's
-linear-attention layer (Qwen3.5, Qwen3-Next, OLMo-hybrid) or short convolution (LFM2)."""
+linear-attention layer (Qwen3.5, Qwen3-Next, OLMo-hybrid), short convolution (LFM2) or
+state-space layer (Jamba, Falcon-H1)."""
 RECURRENT_NAMES = ("Mamba", "DeltaNet", "LinearAttention", "DeltaAttention", "Lightning",
                    "RecurrentBlock", "RGLRU", "SSM", "xLSTM", "Mixer", "ShortConv")
 """Class-name parts of token mixers other than attention: state-space (Mamba), gated delta
@@ -74,18 +75,48 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
             any(isinstance(getattr(m, n, None), nn.Module) for n in MIXER_NAMES)]
 
 
+
+
+LATENT_NAMES = ("kv_a_proj_with_mqa", "kv_b_proj")
+"""The projections of multi-head latent attention (DeepSeek-V2/V3, Kimi, GLM-4.7-Flash,
+MiniCPM3, ...): keys and values come from one compressed latent, not from k/v projections."""
+
+
+def is_latent_attention(module: nn.Module) -> bool:
+    """Whether ``module`` is multi-head latent attention (:data:`LATENT_NAMES`)."""
+    return all(isinstance(getattr(module, n, None), nn.Module) for n in LATENT_NAMES)
+
+
 def is_recurrent(module: nn.Module) -> bool:
     """Whether ``module``'s class names a token mixer other than attention
-    (:data:`RECURRENT_NAMES`)."""
-    return any(part in type(module).__name__ for part in RECURRENT_NAMES)
+    (:data:`RECURRENT_NAMES`). A norm is per token whatever its name (``MambaRMSNorm``), and
+    latent attention is attention (Kimi Linear's is ``KimiLinearAttention``)."""
+    name = type(module).__name__
+    return (any(part in name for part in RECURRENT_NAMES) and "Norm" not in name and
+            not is_latent_attention(module))
+
+
+def attention_heads(module: nn.Module, config) -> tuple[int, int, int, int]:
+    """``(query heads, kv heads, q/k head dim, v head dim)`` that ``module`` hands the
+    attention function. Latent attention expands its latent to one key and value per query
+    head, with q/k and v head dims of their own (``qk_head_dim``, ``v_head_dim``); every
+    other attention takes the text config's head counts and ``head_dim``."""
+    if is_latent_attention(module):
+        return module.num_heads, module.num_heads, module.qk_head_dim, module.v_head_dim
+    H = config.num_attention_heads
+    K = getattr(config, "num_key_value_heads", None) or H
+    D = getattr(config, "head_dim", None) or config.hidden_size // H
+    return H, K, D, D
 
 
 def attention_modules(model: nn.Module) -> list[nn.Module]:
     """The self-attention modules of a HF decoder (of a VLM's language model): they hold
-    q/k/v projections and know their ``layer_idx``, and are not a linear-attention layer
-    (OLMo-hybrid's gated delta nets have q/k/v projections too)."""
+    q/k/v projections (or latent attention's, :func:`is_latent_attention`) and know their
+    ``layer_idx``, and are not a linear-attention layer (OLMo-hybrid's gated delta nets have
+    q/k/v projections too)."""
     return [m for m in language_model(model).modules()
-            if all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj")) and
+            if (all(hasattr(m, p) for p in ("q_proj", "k_proj", "v_proj")) or
+                is_latent_attention(m)) and
             hasattr(m, "layer_idx") and not is_recurrent(m)]
 
 
@@ -109,6 +140,7 @@ def hf_checkpointing(model: nn.Module) -> bool:
     return False
 
 
-__all__ = ["MIXER_NAMES", "MLP_NAMES", "NORM_NAMES", "RECURRENT_NAMES", "attention_modules",
-           "decoder_layers", "hf_checkpointing", "is_recurrent", "language_model", "layer_mlp",
-           "text_config", "text_config_of", "token_norms"]
+__all__ = ["LATENT_NAMES", "MIXER_NAMES", "MLP_NAMES", "NORM_NAMES", "RECURRENT_NAMES",
+           "attention_heads", "attention_modules", "decoder_layers", "hf_checkpointing",
+           "is_latent_attention", "is_recurrent", "language_model", "layer_mlp", "text_config",
+           "text_config_of", "token_norms"]

@@ -25,7 +25,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from transformers import AttentionInterface
 
-from arctic.hf.anatomy import attention_modules, language_model, text_config
+from arctic.hf.anatomy import attention_heads, attention_modules, language_model, text_config
 from arctic.hf.batch import (
     BatchState,
     chunk_starts,
@@ -42,7 +42,8 @@ from arctic.hf.features import (
     tunes_temperature,
 )
 from arctic.hf.fused import check_fusable, fuse, unfuse
-from arctic.hf.mixers import check_mixers, check_token_mixers, install_mixers
+from arctic.hf.mixers import (FAMILIES, check_mixers, check_token_mixers, install_mixers,
+                              token_mixers)
 from arctic.hf.vlm import image_block_key, install_vision, is_vlm, vision_inputs
 from arctic.loss.token import install_sp_causal_lm_loss
 from arctic.order import record_apply
@@ -225,17 +226,19 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
                          f"{attn_implementation!r}")
     config = text_config(model)
     modules = attention_modules(model)
-    if not modules:
+    if not modules and not token_mixers(model):
         raise ValueError(f"{type(model).__name__} has no attention module with q/k/v "
-                         f"projections to make sequence-parallel")
+                         f"projections (or latent attention's) and no token mixer of "
+                         f"{sorted(FAMILIES)} to make sequence-parallel")
     check_token_mixers(model)
     check_model_features(model, modules)
     vlm = is_vlm(model)
     vision = vision_inputs(model) if vlm else None  # ValueError for an unsupported family
     chunks = {m: attention_chunk(config, m) for m in modules}
-    H = config.num_attention_heads
-    K = getattr(config, "num_key_value_heads", None) or H
-    layout = head_layout(H, K, axis_size(mesh, "ulysses"))  # ValueError names valid degrees
+    heads = {m: attention_heads(m, config) for m in modules}
+    layouts = {}
+    for H, K, _, _ in set(heads.values()):  # ValueError names the valid degrees
+        layouts[H, K] = head_layout(H, K, axis_size(mesh, "ulysses"))
     check_mixers(model, mesh)
     backend = IMPLEMENTATIONS[attn_implementation]
     if attention_backend is not None:
@@ -245,12 +248,13 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
         backend = attention_backend
     if backend is not None:
         param = next(model.parameters())
-        head_dim = getattr(config, "head_dim", None) or config.hidden_size // H
         fp32_cuda = param.device.type == "cuda" and param.dtype == torch.float32
         dtype = torch.bfloat16 if fp32_cuda else param.dtype
-        check_supported(backend, param.device, dtype, head_dim)
+        for head_dim in {max(d, dv) for _, _, d, dv in heads.values()}:  # common_head_dim's
+            check_supported(backend, param.device, dtype, head_dim)
     if head_chunk_size is not None and head_chunk_size != "auto":
-        resolve_chunk_size(head_chunk_size, layout, 1, 1, 1, torch.float32)
+        for layout in layouts.values():
+            resolve_chunk_size(head_chunk_size, layout, 1, 1, 1, torch.float32)
     check_comm_dtype(communication_dtype)
     check_seq_chunk(seq_chunk, head_chunk_size=head_chunk_size, local_len=None)
     if not isinstance(fuse_projections, bool):
@@ -260,7 +264,8 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
             raise ValueError("fuse_projections=True needs head_chunk_size (an int or 'auto'): "
                              "the projections are fused into the head-chunk loop")
         for m in modules:
-            check_fusable(m, num_heads=H, num_kv_heads=K, hidden_size=config.hidden_size)
+            check_fusable(m, num_heads=heads[m][0], num_kv_heads=heads[m][1],
+                          hidden_size=config.hidden_size)
     # Shared by the layers, but emptied after each attention forward/backward: between calls
     # the MLP, the loss and checkpoint recomputes run, and held chunk buffers would only add
     # to their peak (benchmarks/memory.py measured +6.5% on the full stack).
@@ -270,7 +275,8 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
     passed_over = loss_arguments(model)
     for m in modules:
         m.sp_attention = SPAttentionSettings(
-            mesh=mesh, num_heads=H, num_kv_heads=K, head_chunk_size=head_chunk_size,
+            mesh=mesh, num_heads=heads[m][0], num_kv_heads=heads[m][1],
+            head_chunk_size=head_chunk_size,
             backend=backend, pool=pool, batch=batch, fuse_projections=fuse_projections,
             communication_dtype=communication_dtype, seq_chunk=seq_chunk,
             chunk_size=chunks[m], loss_arguments=passed_over)
@@ -283,7 +289,8 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
         m._sp_ran_hooks = (m.register_forward_pre_hook(_before_attention, with_kwargs=True),
                            m.register_forward_hook(_after_attention))
     # A VLM's vision tower keeps its own attention: only the language model is switched.
-    (language_model(model) if vlm else model).set_attn_implementation(REGISTERED)
+    if modules:  # a state-space model (FalconMamba) has no attention to switch
+        (language_model(model) if vlm else model).set_attn_implementation(REGISTERED)
     install_batch_hook(model, batch)
     install_mixers(model, mesh, batch, passed_over)
     if vlm:

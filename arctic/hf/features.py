@@ -258,6 +258,12 @@ def check_model_features(model: nn.Module, modules: list[nn.Module]) -> None:
                          f"attention cannot match it; use a model with "
                          f"use_bidirectional_attention ({list(BIDIRECTIONAL)})")
     for m in modules:
+        if isinstance(getattr(m, "indexer", None), nn.Module):
+            raise ValueError(f"{name}: {type(m).__name__} is DeepSeek Sparse Attention (its "
+                             f"indexer picks the top-k keys of each query from the whole "
+                             f"sequence and masks the rest), which the sequence-parallel "
+                             f"attention does not implement; train it without sequence "
+                             f"parallelism")
         if getattr(m, "is_causal", True) is False and not is_bidirectional(model):
             raise ValueError(f"{name}: {type(m).__name__} is not causal (is_causal=False); "
                              f"sequence parallelism here trains causal decoders only")

@@ -1,6 +1,7 @@
 """Sequence-parallel token mixers of HF hybrid models: the layers beside the attention layers
 that mix tokens otherwise (gated delta nets: Qwen3.5, Qwen3.5-MoE, Qwen3-Next, OLMo-hybrid;
-Mamba2: Nemotron-H, Bamba, GraniteMoeHybrid; gated short convolutions: LFM2).
+Kimi Linear's KDA; Mamba2: Nemotron-H, Bamba, GraniteMoeHybrid; gated short convolutions:
+LFM2).
 
 A mixer's forward is the model's own. Its per-token work (projections, gates, norms) runs on
 this rank's piece of the sequence; its calls that mix tokens along the sequence, the causal
@@ -60,6 +61,13 @@ class MixerKind:
     calls first and falls back from when it returns None: under SP it returns None."""
     num_heads: str | None = None
     num_grouped: str | None = None
+    """The module attribute with the grouped count; None: one group (Mamba1's B/C)."""
+    gate: str | None = None
+    """A keyword input of the scan that is per head too (Mamba1's gate ``z``, applied inside
+    the scan); None: a gate inside the scan is refused."""
+    channels_first: bool = False
+    """Mamba1's layout: per-head inputs ``[B, C, S]`` (every channel its own head), grouped
+    ones ``[B, N, S]`` (one group, shared by all channels), the output ``[B, C, S]``."""
 
     @property
     def calls(self) -> list[str]:
@@ -83,11 +91,30 @@ MAMBA2 = MixerKind(conv="causal_conv1d_fn", scan="mamba2_chunk_scan",
 """transformers' Mamba2 chunked scan (SSD): ``(x [B, S, H, P], dt [B, S, H], A [H], B/C [B,
 S, G, N], chunk_size, D=[H], dt_bias=[H], ...)``; returns the output alone."""
 
+MAMBA1 = MixerKind(conv="causal_conv1d_fn", scan="mamba_selective_scan",
+                   positional=("hidden_states", "dt", "A", "B", "C"),
+                   grouped=("B", "C"), per_head=("hidden_states", "dt"),
+                   head_params=("A", "D", "delta_bias"), returns_state=False,
+                   fused="mamba_inner_fn", num_heads="intermediate_size", gate="z",
+                   channels_first=True)
+"""transformers' Mamba1 selective scan: ``(x [B, C, S], dt [B, C, S], A [C, N], B/C [B, N,
+S], D=[C], z=[B, C, S], delta_bias=[C], ...)``, each of the ``C`` channels its own
+recurrence; returns the output alone (``return_last_state`` refused)."""
+
+KIMI_DELTA_ATTENTION = MixerKind(conv="causal_conv1d_fn", scan="chunk_kimi_delta_attention",
+                                 positional=("query", "key", "value", "g", "beta"),
+                                 per_head=("query", "key", "value", "g", "beta"),
+                                 num_heads="num_heads", num_grouped="num_heads")
+"""Kimi Linear's KDA: a gated delta rule whose decay ``g`` is per channel, ``(query, key,
+value, g [B, S, H, dk], beta [B, S, H], ...)``, every input per head (no grouped heads);
+returns ``(out, state)``."""
+
 SHORT_CONVOLUTION = MixerKind(conv="causal_conv1d_fn")
 """LFM2's gated short convolution: ``B * x`` convolved along the sequence, gated by ``C``."""
 
 FAMILIES: dict[str, MixerKind] = {
     "Lfm2ShortConv": SHORT_CONVOLUTION,
+    "Lfm2MoeShortConv": SHORT_CONVOLUTION,
     "Qwen3_5GatedDeltaNet": GATED_DELTA_NET,
     "Qwen3_5MoeGatedDeltaNet": GATED_DELTA_NET,
     "Qwen3NextGatedDeltaNet": GATED_DELTA_NET,
@@ -95,12 +122,26 @@ FAMILIES: dict[str, MixerKind] = {
     "NemotronHMamba2Mixer": MAMBA2,
     "BambaMixer": MAMBA2,
     "GraniteMoeHybridMambaLayer": MAMBA2,
+    "Mamba2Mixer": MAMBA2,
+    "FalconH1Mixer": MAMBA2,
+    "Zamba2MambaMixer": MAMBA2,
+    "KimiLinearDeltaAttention": KIMI_DELTA_ATTENTION,
+    "MambaMixer": MAMBA1,
+    "FalconMambaMixer": MAMBA1,
+    "JambaMambaMixer": MAMBA1,
 }
 """Mixer class name -> what its forward calls. Other mixers are refused by name
 (:func:`check_token_mixers`)."""
 
-SCAN_OPTIONS = ("use_qk_l2norm_in_kernel", "scale", "chunk_size", "dt_softplus", "dt_limit")
+SCAN_OPTIONS = ("use_qk_l2norm_in_kernel", "scale", "chunk_size", "dt_softplus", "dt_limit",
+                "delta_softplus", "use_mambapy", "use_associative_scan")
 """Arguments of a scan that change what it computes per head, passed on as given."""
+
+
+MIXER_INERT = ("position_embeddings",)
+"""Arguments a forward passes on to its mixing calls that they do not read: RoPE's cos/sin
+(Zamba2's hybrid layers hand them to their Mamba2 mixer, whose ``**kwargs`` reach the
+convolution; transformers' torch convolution swallows them, and so does ours)."""
 
 
 @dataclass(slots=True)
@@ -150,6 +191,8 @@ def _check_extra(call: _Call, kwargs: dict, where: str) -> None:
     state reads), inert, the loss's; refused when they ask for something, or unknown."""
     unknown = []
     for name, value in kwargs.items():
+        if name in MIXER_INERT:
+            continue
         kind = classify(name, call.sp.loss_arguments)
         if kind == "refused" and value is not None and value is not False:
             raise ValueError(f"{type(call.module).__name__}: {name}={value!r} reaches its "
@@ -176,11 +219,15 @@ def _scan(call: _Call, original, args, kwargs):
     for n in kind.positional[len(args):]:
         values[n] = kw.pop(n)
     states = {n: kw.pop(n) for n in ("initial_state", "initial_states", "output_final_state",
-                                      "return_final_states") if n in kw}
+                                      "return_final_states", "return_last_state") if n in kw}
     if any(v is not None and v is not False for v in states.values()):
         raise ValueError(f"{type(call.module).__name__}: a recurrent state in or out (a cache) "
                          f"is not supported under sequence parallelism; train with "
                          f"use_cache=False")
+    per_head = {n: values[n] for n in kind.per_head}
+    gate = kw.pop(kind.gate, None) if kind.gate else None
+    if gate is not None:
+        per_head[kind.gate] = gate
     if kw.pop("z", None) is not None:
         raise ValueError(f"{type(call.module).__name__}: a gate inside the scan (z) is not "
                          f"implemented under sequence parallelism")
@@ -190,17 +237,26 @@ def _scan(call: _Call, original, args, kwargs):
     params.update({n: values.pop(n) for n in kind.head_params if n in values})
     _check_extra(call, kw, "scan")
 
+    grouped = {n: values[n] for n in kind.grouped}
+    if kind.channels_first:  # [B, C, s] -> [B, s, C, 1]; [B, N, s] -> [B, s, 1, N]
+        per_head = {n: t.transpose(1, 2).unsqueeze(-1) for n, t in per_head.items()}
+        grouped = {n: t.transpose(1, 2).unsqueeze(2) for n, t in grouped.items()}
+
     def scan(*, heads: dict, **inputs):
+        if kind.channels_first:  # back to the scan's own layout, this rank's channels
+            inputs = {n: t.squeeze(2 if n in kind.grouped else -1).transpose(1, 2)
+                      for n, t in inputs.items()}
         given = {**inputs, **heads}
         result = original(*(given[n] for n in kind.positional),
                           **{n: v for n, v in given.items() if n not in kind.positional},
                           **options)
-        return result[0] if kind.returns_state else result
+        result = result[0] if kind.returns_state else result
+        return result.transpose(1, 2).unsqueeze(-1) if kind.channels_first else result
 
-    out = head_scan(scan, {n: values[n] for n in kind.grouped},
-                    {n: values[n] for n in kind.per_head}, mesh=call.sp.mesh,
-                    documents=call.documents,
+    out = head_scan(scan, grouped, per_head, mesh=call.sp.mesh, documents=call.documents,
                     head_params={n: v for n, v in params.items() if v is not None})
+    if kind.channels_first:
+        out = out.squeeze(-1).transpose(1, 2)
     return (out, None) if kind.returns_state else out
 
 
@@ -213,7 +269,7 @@ def unreached_calls(cls: type) -> list[str]:
     kind = FAMILIES[cls.__name__]
     code = inspect.unwrap(cls.forward)
     loaded = {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"}
-    return [name for name in (kind.conv, kind.scan, kind.fused) if name and name not in loaded]
+    return [name for name in (kind.conv, kind.scan) if name and name not in loaded]
 
 
 def _install_dispatch(module: nn.Module, kind: MixerKind) -> None:
@@ -222,6 +278,8 @@ def _install_dispatch(module: nn.Module, kind: MixerKind) -> None:
         if name is None:
             continue
         current = getattr(file, name, None)
+        if current is None and role == "fused":
+            continue  # no fused kernel in this file: nothing to pass over
         if current is None:
             raise ValueError(f"{type(module).__name__}: its file {file.__name__} has no "
                              f"{name!r} (transformers changed it); sequence parallelism "
@@ -261,7 +319,7 @@ ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attenti
                          "attention", "dense", "sparse", "moe", "mlp")
 """``config.layer_types`` entries whose layers mix tokens only through attention the SP
 attention implements (global, sliding, Llama4's chunks) or not at all (MLP and MoE kinds)."""
-MIXER_LAYER_TYPES = ("linear_attention", "conv")
+MIXER_LAYER_TYPES = ("linear_attention", "conv", "mamba", "hybrid")
 """``config.layer_types`` entries whose layers hold a mixer of :data:`FAMILIES`."""
 
 
@@ -284,8 +342,8 @@ def check_token_mixers(model: nn.Module) -> None:
     named = list(language_model(model).named_modules())
     held = [path for path, m in named if id(m) in inside and type(m).__name__ in FAMILIES]
     for path, m in named:
-        if id(m) in inside or any(h.startswith(path + ".") for h in held if path):
-            continue  # a supported mixer, a part of one, or a layer that holds one
+        if id(m) in inside or any(h.startswith(path + ".") or not path for h in held):
+            continue  # a supported mixer, a part of one, or a layer (a model) that holds one
         if isinstance(m, nn.Conv1d) or is_recurrent(m):
             raise ValueError(f"{name}: {path} ({type(m).__name__}) mixes tokens along the "
                              f"sequence outside attention (a state-space, linear-attention or "
@@ -321,7 +379,7 @@ def check_mixers(model: nn.Module, mesh: DeviceMesh) -> None:
                              f"train it without sequence parallelism")
         if kind.scan is not None:
             check_mixer_heads(type(m).__name__, getattr(m, kind.num_heads),
-                              getattr(m, kind.num_grouped), degree)
+                              getattr(m, kind.num_grouped) if kind.num_grouped else 1, degree)
 
 
 def install_mixers(model: nn.Module, mesh: DeviceMesh, batch: BatchState,
@@ -335,7 +393,8 @@ def install_mixers(model: nn.Module, mesh: DeviceMesh, batch: BatchState,
         replace_method(m, _sp_mixer_forward, bind=True)
 
 
-__all__ = ["ATTENTION_LAYER_TYPES", "FAMILIES", "GATED_DELTA_NET", "MIXER_LAYER_TYPES",
+__all__ = ["ATTENTION_LAYER_TYPES", "FAMILIES", "GATED_DELTA_NET", "KIMI_DELTA_ATTENTION",
+           "MIXER_LAYER_TYPES",
            "MAMBA2", "SHORT_CONVOLUTION", "Dispatch",
            "MixerKind", "MixerSettings", "check_mixers", "check_token_mixers", "install_mixers",
            "token_mixers", "unreached_calls"]
