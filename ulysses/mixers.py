@@ -169,4 +169,58 @@ def head_scan(scan: Callable[..., Tensor], grouped: Mapping[str, Tensor],
     return all_to_all(out, group, scatter_dim=1, gather_dim=2, gather_sizes=layout.q_sizes)
 
 
-__all__ = ["causal_conv", "check_mixer_heads", "check_mixer_mesh", "head_scan"]
+KERNEL_CHUNK = 64
+"""The chunk length of the chunked scan kernels (flash-linear-attention's gated delta rule
+and KDA, mamba_ssm's SSD scan): :func:`traced_scan` holds one state per chunk."""
+
+
+class _TracedScan(torch.autograd.Function):
+    """What a chunked scan kernel allocates, on the planner's fake tensors (shapes only)."""
+
+    @staticmethod
+    def forward(ctx, shapes, *inputs):
+        out_shape, out_dtype, states_shape, block_shape = shapes
+        first = inputs[0]
+        states = first.new_empty(states_shape, dtype=torch.float32)  # per chunk, transient
+        block = first.new_empty(block_shape, dtype=torch.float32)    # kept for backward
+        out = first.new_empty(out_shape, dtype=out_dtype)
+        del states
+        ctx.save_for_backward(*inputs, block)
+        ctx.states_shape = states_shape
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        *inputs, _ = ctx.saved_tensors
+        states = grad.new_empty(ctx.states_shape, dtype=torch.float32)
+        grads = tuple(t.new_empty(t.shape) if need else None
+                      for t, need in zip(inputs, ctx.needs_input_grad[1:]))
+        del states
+        return (None, *grads)
+
+
+def traced_scan(inputs: Mapping[str, Tensor], *, out: str, key: str, heads: int,
+                out_dtype: torch.dtype | None = None) -> Tensor:
+    """A chunked scan's allocations in the memory planner's trace, in place of the scan.
+
+    The planner (:mod:`arctic.plan`) traces a step on fake tensors. The model's torch
+    fallback for a chunked scan loops over every chunk in Python (slow to trace at long
+    lengths) and holds blocks a GPU kernel never does, so the trace models the kernel that
+    runs on a GPU (flash-linear-attention's chunked gated delta rule and KDA, mamba_ssm's SSD
+    and selective scans): its inputs and one ``[B, S, h, 64]`` float32 block matrix kept for
+    the backward, the output (shaped like ``inputs[out]``, last dim included), and one float32
+    state ``[dk, dv]`` per chunk and head, transient, in the forward and again in the
+    backward, which gives every input a gradient. ``inputs``: ``[B, S, h|k, X]`` (the layout
+    of :func:`head_scan`); ``key``: the input whose last dim is the state's ``dk``; ``heads``:
+    ``h``.
+    """
+    like = inputs[out]
+    B, S = like.shape[:2]
+    dk, dv = inputs[key].shape[-1], like.shape[-1]
+    shapes = (tuple(like.shape), out_dtype or like.dtype,
+              (B, -(-S // KERNEL_CHUNK), heads, dk, dv), (B, S, heads, KERNEL_CHUNK))
+    return _TracedScan.apply(shapes, *inputs.values())
+
+
+__all__ = ["KERNEL_CHUNK", "causal_conv", "check_mixer_heads", "check_mixer_mesh", "head_scan",
+           "traced_scan"]

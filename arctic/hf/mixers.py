@@ -35,7 +35,9 @@ from arctic.hf.batch import BatchState
 from arctic.hf.binding import of_module
 from arctic.hf.features import classify, unknown_arguments_error
 from ulysses.mesh import axis_size
-from ulysses.mixers import causal_conv, check_mixer_heads, check_mixer_mesh, head_scan
+from ulysses.mixers import (causal_conv, check_mixer_heads, check_mixer_mesh, head_scan,
+                            traced_scan)
+from ulysses.trace_shortcuts import is_traced
 from ulysses.patching import replace_method
 
 
@@ -65,6 +67,11 @@ class MixerKind:
     gate: str | None = None
     """A keyword input of the scan that is per head too (Mamba1's gate ``z``, applied inside
     the scan); None: a gate inside the scan is refused."""
+    output: str = ""
+    """The per-head input the scan's output is shaped like (the values); the planner's trace
+    reads it (:func:`ulysses.mixers.traced_scan`)."""
+    state_key: str = ""
+    """The input whose last dim is the recurrent state's first (keys, or Mamba's ``C``)."""
     channels_first: bool = False
     """Mamba1's layout: per-head inputs ``[B, C, S]`` (every channel its own head), grouped
     ones ``[B, N, S]`` (one group, shared by all channels), the output ``[B, C, S]``."""
@@ -78,7 +85,8 @@ class MixerKind:
 GATED_DELTA_NET = MixerKind(conv="causal_conv1d_fn", scan="torch_chunk_gated_delta_rule",
                             positional=("query", "key", "value", "g", "beta"),
                             grouped=("query", "key"), per_head=("value", "g", "beta"),
-                            num_heads="num_v_heads", num_grouped="num_k_heads")
+                            num_heads="num_v_heads", num_grouped="num_k_heads", output="value",
+                            state_key="key")
 """transformers' gated delta rule: ``(query, key, value, g, beta, ...)``, q/k ``[B, S, K,
 dk]``, v ``[B, S, H, dv]``, g/beta ``[B, S, H]``; returns ``(out, state)``."""
 
@@ -87,7 +95,7 @@ MAMBA2 = MixerKind(conv="causal_conv1d_fn", scan="mamba2_chunk_scan",
                    grouped=("B", "C"), per_head=("hidden_states", "dt"),
                    head_params=("A", "D", "dt_bias"), returns_state=False,
                    fused="mamba2_split_conv1d_scan_combined", num_heads="num_heads",
-                   num_grouped="n_groups")
+                   num_grouped="n_groups", output="hidden_states", state_key="C")
 """transformers' Mamba2 chunked scan (SSD): ``(x [B, S, H, P], dt [B, S, H], A [H], B/C [B,
 S, G, N], chunk_size, D=[H], dt_bias=[H], ...)``; returns the output alone."""
 
@@ -96,7 +104,7 @@ MAMBA1 = MixerKind(conv="causal_conv1d_fn", scan="mamba_selective_scan",
                    grouped=("B", "C"), per_head=("hidden_states", "dt"),
                    head_params=("A", "D", "delta_bias"), returns_state=False,
                    fused="mamba_inner_fn", num_heads="intermediate_size", gate="z",
-                   channels_first=True)
+                   output="hidden_states", state_key="C", channels_first=True)
 """transformers' Mamba1 selective scan: ``(x [B, C, S], dt [B, C, S], A [C, N], B/C [B, N,
 S], D=[C], z=[B, C, S], delta_bias=[C], ...)``, each of the ``C`` channels its own
 recurrence; returns the output alone (``return_last_state`` refused)."""
@@ -104,7 +112,8 @@ recurrence; returns the output alone (``return_last_state`` refused)."""
 KIMI_DELTA_ATTENTION = MixerKind(conv="causal_conv1d_fn", scan="chunk_kimi_delta_attention",
                                  positional=("query", "key", "value", "g", "beta"),
                                  per_head=("query", "key", "value", "g", "beta"),
-                                 num_heads="num_heads", num_grouped="num_heads")
+                                 num_heads="num_heads", num_grouped="num_heads", output="value",
+                                 state_key="key")
 """Kimi Linear's KDA: a gated delta rule whose decay ``g`` is per channel, ``(query, key,
 value, g [B, S, H, dk], beta [B, S, H], ...)``, every input per head (no grouped heads);
 returns ``(out, state)``."""
@@ -243,6 +252,10 @@ def _scan(call: _Call, original, args, kwargs):
         grouped = {n: t.transpose(1, 2).unsqueeze(2) for n, t in grouped.items()}
 
     def scan(*, heads: dict, **inputs):
+        first = next(iter(inputs.values()))
+        if is_traced(first):  # the planner's trace: the GPU kernel's allocations
+            return traced_scan({**inputs, **heads}, out=kind.output, key=kind.state_key,
+                               heads=inputs[kind.output].shape[2])
         if kind.channels_first:  # back to the scan's own layout, this rank's channels
             inputs = {n: t.squeeze(2 if n in kind.grouped else -1).transpose(1, 2)
                       for n, t in inputs.items()}

@@ -30,6 +30,22 @@ MODELS: dict[str, tuple[str, dict]] = {
         vocab_size=128256, hidden_size=8192, intermediate_size=28672, num_hidden_layers=80,
         num_attention_heads=64, num_key_value_heads=8, rope_theta=500000.0,
         rms_norm_eps=1e-5, tie_word_embeddings=False)),
+    # hybrid: 3 gated delta net layers to 1 attention layer (32 value heads over 16 key
+    # heads of 128; attention 16 heads over 4 kv heads of 256, a quarter rotary)
+    "qwen3.5-9b": ("Qwen3_5TextConfig", dict(
+        vocab_size=248320, hidden_size=4096, intermediate_size=12288, num_hidden_layers=32,
+        num_attention_heads=16, num_key_value_heads=4, head_dim=256,
+        linear_num_value_heads=32, linear_num_key_heads=16, linear_key_head_dim=128,
+        linear_value_head_dim=128, linear_conv_kernel_dim=4, full_attention_interval=4,
+        partial_rotary_factor=0.25, rms_norm_eps=1e-6, tie_word_embeddings=False)),
+    # multi-head latent attention (q/k head dim 192, v 128, a latent of 512) and 64 routed
+    # experts (6 per token, 2 shared) after one dense layer
+    "deepseek-v2-lite": ("DeepseekV2Config", dict(
+        vocab_size=102400, hidden_size=2048, intermediate_size=10944, num_hidden_layers=27,
+        num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
+        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, moe_intermediate_size=1408,
+        n_routed_experts=64, n_shared_experts=2, num_experts_per_tok=6, first_k_dense_replace=1,
+        rms_norm_eps=1e-6, tie_word_embeddings=False)),
     # examples/train.py's CPU demo model
     "tiny-llama": ("LlamaConfig", dict(
         vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=2,
