@@ -40,7 +40,7 @@ SEQ_CHUNK, SPILL_HOST_GIB = 4, 0.25
 """The host-blocks run: 4 sequence blocks, and a host limit under one layer's input (0.5 GiB
 at 64K tokens), so the layer inputs spill to the disk tier."""
 CAP_S = dict(install=120, grid=150, test_file=240, offload_disk=120, plan=150, scale=150,
-             step=300)
+             hybrid=180, step=300)
 """Each kind of step's own timeout; the budget left cuts it further."""
 
 
@@ -82,6 +82,45 @@ def scale_cmd(tokens: str, out: Path, *extra: str) -> list[str]:
     return [sys.executable, "benchmarks/scale_gpu.py", "--model", MODEL, "--layers", str(LAYERS),
             "--world", str(WORLD), "--tokens-per-rank", tokens, "--stack", "ours", *extra,
             "--out", str(out)]
+
+
+HYBRID_SHAPE = dict(seq=32768, hidden=2048, v_heads=32, k_heads=16, head_dim=128, documents=3)
+"""The hybrid run: one gated delta net layer of Qwen3.5-9B's shapes at 32K tokens, in three
+packed documents (each runs alone in the reference)."""
+HYBRID_TOL = 2e-2
+"""bf16: the SP layer's output and input gradient against the unmodified layer's, relative
+to the largest value."""
+
+
+def hybrid_cmd(out: Path) -> list[str]:
+    shape = [a for k, v in HYBRID_SHAPE.items() for a in (f"--{k.replace('_', '-')}", str(v))]
+    return [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "1",
+            "benchmarks/hybrid_layer.py", *shape, "--iters", "3", "--out", str(out)]
+
+
+def hybrid_rows(ctx: Context) -> list[Row]:
+    """hybrid_layer.py on the GPU: the SP layer (its dispatch to the model file's kernels:
+    flash-linear-attention's and causal-conv1d's where installed) against the unmodified
+    layer, time and peak memory; fails when the values differ, or when flash-linear-attention
+    is importable but the torch fallback ran."""
+    out, name = ctx.tmp / "hybrid_layer.json", "hybrid_layer.py (gated delta net), 32K"
+    ran = ctx.runner.run(hybrid_cmd(out), CAP_S["hybrid"])
+    early = ran.early_row("hybrid", name)
+    if early or ran.rc != 0 or not out.exists():
+        return [early or ran.failed_row("hybrid", name, f"rc {ran.rc}")]
+    r = json.loads(out.read_text())
+    diff = max(r["max_rel_diff"].values())
+    problems = [f"max rel diff {diff:.2e} > {HYBRID_TOL}"] if diff > HYBRID_TOL else []
+    if r["kernels"]["fla_importable"] and not r["kernels"]["fla"]:
+        problems.append("flash-linear-attention is importable, but the torch fallback ran")
+    return [Row(group="hybrid", name=name, status="failed" if problems else "passed",
+                reason="; ".join(problems), seconds=ran.seconds, command=ran.command,
+                figures={"kernels": ", ".join(f"{k}={v}" for k, v in r["kernels"].items()),
+                         "single s": round(r["median_s"]["single"], 3),
+                         "sp s": round(r["median_s"]["sp"], 3),
+                         "single GiB": round(r["peak_bytes"]["single"] / GiB, 2),
+                         "sp GiB": round(r["peak_bytes"]["sp"] / GiB, 2),
+                         "max rel diff": f"{diff:.2e}"})]
 
 
 def offload_disk_cmd(out: Path) -> list[str]:

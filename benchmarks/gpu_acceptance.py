@@ -26,6 +26,11 @@ In order:
 - ``fits``: the planner's peak at ``--fits-tokens`` (``python -m arctic.plan``), then
   ``scale_gpu.py --cap-gib`` at the smallest cap the planner says fits (the step must run) and
   at 0.9 x the predicted peak (the planner says no; the step must run out of memory);
+- ``hybrid``: ``benchmarks/hybrid_layer.py`` on one GPU: a gated delta net layer of
+  Qwen3.5-9B's shapes, 32K tokens in three packed documents, made sequence-parallel (world 1:
+  the dispatch to the model file's kernels, flash-linear-attention's where the carried
+  ``fla-core`` wheel is installed, each document alone) against the unmodified layer run
+  document by document; time, peak memory, and the values within bf16's tolerance;
 - ``step``: ``benchmarks/step_gpu.py``'s step time and MFU per stack (alst, ours,
   ours-keep-attention; alst is built from our code, no deepspeed) at each ``--step-tokens``
   length, the first also timing each kernel alone. Last, since it is a measurement, not a check.
@@ -67,18 +72,23 @@ import torch
 from _acceptance_checks import (CAP_S, DTYPES, GRID_SHAPE, HEAD_DIMS, LENGTHS, SEQ_CHUNK,
                                 SPILL_HOST_GIB, WINDOW_CASE, GiB, backend_rows, cuda_test_files,
                                 disk_rows, fits_rows, grid_backends, grid_cases, grid_cmd,
-                                offload_disk_cmd, plan_cmd, pytest_cmd, pytest_file_rows,
-                                run_grid_worker, scale_cmd, step_cmd, step_rows)
+                                hybrid_cmd, hybrid_rows, offload_disk_cmd, plan_cmd, pytest_cmd,
+                                pytest_file_rows, run_grid_worker, scale_cmd, step_cmd,
+                                step_rows)
 from _acceptance_runner import (REPO, Budget, Context, Row, Runner, markdown, slug,
                                 write_report)
 from ulysses.kernels import check_supported
 
 RESULTS = REPO / "benchmarks" / "results"
-GROUPS = ("backends", "tests", "disk", "fits", "step")
-WHEELS = ("deepspeed", "hjson", "pydantic", "pydantic_core", "annotated_types",
-          "typing_inspection", "typing_extensions")
-"""What the GPU image lacks (deepspeed's and pydantic's needs the image does not hold), pinned
-by constraints.txt; typing_extensions because pydantic needs a newer one than the image's."""
+GROUPS = ("backends", "tests", "disk", "fits", "hybrid", "step")
+WHEELS = {"deepspeed": "deepspeed", "hjson": "hjson", "pydantic": "pydantic",
+          "pydantic_core": "pydantic_core", "annotated_types": "annotated_types",
+          "typing_inspection": "typing_inspection", "typing_extensions": "typing_extensions",
+          "fla-core": "fla", "einops": "einops"}
+"""Distribution -> the module it gives: what the GPU image lacks (deepspeed's and pydantic's
+needs the image does not hold, flash-linear-attention's kernels for the ``hybrid`` group:
+pure Python on Triton, with einops), pinned by constraints.txt; typing_extensions because
+pydantic needs a newer one than the image's."""
 
 
 # --- wheels -----------------------------------------------------------------------------------
@@ -132,7 +142,7 @@ def make_wheels(where: Path, python_version: str) -> int:
 
 def install_rows(ctx: Context, where: Path) -> list[Row]:
     """Installs the carried wheels into a ``--target`` on the children's PYTHONPATH."""
-    missing = [m for m in WHEELS if importlib.util.find_spec(m) is None]
+    missing = [m for m in WHEELS.values() if importlib.util.find_spec(m) is None]
     wheels = sorted(where.glob("*.whl")) if where.is_dir() else []
     name = f"install wheels from {where}"
     if not wheels:
@@ -148,7 +158,7 @@ def install_rows(ctx: Context, where: Path) -> list[Row]:
     ctx.runner.env["PYTHONPATH"] = os.pathsep.join([str(site), ctx.runner.env["PYTHONPATH"]])
     sys.path.insert(0, str(site))
     importlib.invalidate_caches()
-    still = [m for m in WHEELS if importlib.util.find_spec(m) is None]
+    still = [m for m in WHEELS.values() if importlib.util.find_spec(m) is None]
     return [Row(group="install", name=name, status="passed", seconds=ran.seconds,
                 command=ran.command,
                 figures={"missing before": ", ".join(missing) or "none",
@@ -193,6 +203,7 @@ def steps(args: argparse.Namespace,
         "tests": [partial(pytest_file_rows, path=p) for p in cuda_test_files()],
         "disk": [disk_rows],
         "fits": [fits_rows],
+        "hybrid": [hybrid_rows],
         "step": [partial(step_rows, tokens=t, kernels=i == 0)
                  for i, t in enumerate(args.step_tokens)],
     }
@@ -247,10 +258,11 @@ def dry_run(args: argparse.Namespace, groups: list[str]) -> str:
     """What a run would do, command by command; nothing runs and nothing is written."""
     tmp = Path("$TMP")
     wheels = sorted(args.install_wheels.glob("*.whl")) if args.install_wheels.is_dir() else []
+    missing = [m for m in WHEELS.values() if importlib.util.find_spec(m) is None]
     lines = [f"dry run: one GPU, {args.budget_s:g} s budget; step timeouts {CAP_S} s, cut to "
              f"what is left; $TMP is a temporary directory", "",
              f"== install: {len(wheels)} wheel(s) in {args.install_wheels}; missing here: "
-             f"{', '.join(m for m in WHEELS if importlib.util.find_spec(m) is None) or 'none'}",
+             f"{', '.join(missing) or 'none'}",
              "  " + shlex.join(install_cmd(wheels, tmp / "site")) if wheels else
              f"  skipped: none there (--make-wheels {args.install_wheels})"]
     cases = grid_cases()
@@ -277,6 +289,7 @@ def dry_run(args: argparse.Namespace, groups: list[str]) -> str:
                                              "--cap-gib", "CAP")),
                  "  FIT_GIB: predicted peak x card / planner budget, up to 0.25 GiB (must run); "
                  "OOM_GIB: 0.9 x predicted peak, down to 0.25 GiB (must run out of memory)"],
+        "hybrid": [f"  {shlex.join(hybrid_cmd(tmp / 'hybrid_layer.json'))}"],
         "step": [f"  {shlex.join(step_cmd(t, i == 0, args.step_iters, tmp / f'step_{t}.json'))}"
                  for i, t in enumerate(args.step_tokens)],
     }

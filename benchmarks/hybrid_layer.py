@@ -7,9 +7,11 @@ Every rank builds the same layer (``Qwen3_5GatedDeltaNet``, from ``--config``'s 
 random weights, fp32 on CPU, bf16 on a GPU) and the same input ``[1, S, E]``. Alternating, in
 the same run:
 
-- ``single``: rank 0 runs the stock layer on the whole sequence (the other ranks wait);
+- ``single``: rank 0 runs the stock layer on the whole sequence (the other ranks wait), or
+  with ``--documents N`` on each of N packed documents alone;
 - ``sp``: every rank runs the layer made sequence-parallel (``arctic.hf.mixers``) on its piece
-  ``S / W`` (convolution with the previous rank's tail, delta rule head-sharded).
+  ``S / W`` (convolution with the previous rank's tail, delta rule head-sharded; state and
+  window restarting at each document).
 
 The model file's kernels run (transformers' torch fallback where flash-linear-attention and
 causal-conv1d are not installed, theirs where they are: the run records which). Memory: the
@@ -37,7 +39,6 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from arctic.hf.batch import BatchState  # noqa: E402
 from arctic.hf.mixers import check_mixers, install_mixers  # noqa: E402
 from ulysses import SequenceParallelDims, gather_sequence, shard_sequence  # noqa: E402
 from ulysses.torch_internals import mem_tracker  # noqa: E402
@@ -60,37 +61,55 @@ def build(args, device, dtype):
 
 
 def kernels() -> dict:
-    from transformers.models.qwen3_5 import modeling_qwen3_5 as m
+    """Which kernels the model file runs: transformers resolves them when the file is imported
+    (flash-linear-attention's and causal-conv1d's on a GPU where installed, else its torch
+    fallback)."""
+    import importlib.util
 
-    def origin(fn):
-        fn = getattr(fn, "original", fn)
-        return f"{fn.__module__}.{fn.__qualname__}"
+    from transformers.utils import import_utils as iu
 
-    return {"conv": origin(m.causal_conv1d_fn), "scan": origin(m.torch_chunk_gated_delta_rule)}
+    return {"fla": iu.is_flash_linear_attention_available(),
+            "causal_conv1d": iu.is_causal_conv1d_available(),
+            "fla_importable": importlib.util.find_spec("fla") is not None}
 
 
-def step(layer, x):
+def documents_of(seq: int, count: int) -> tuple[int, ...] | None:
+    """``count`` documents of near-equal lengths (None for one): their starts."""
+    if count <= 1:
+        return None
+    return tuple(i * seq // count for i in range(count))
+
+
+def step(layer, x, starts=None):
+    """Forward and backward; with ``starts`` (the unmodified layer: one instance per document,
+    sharing its parameters, since MemTracker follows one call of a module per step), each
+    document alone."""
     x = x.detach().requires_grad_(True)
-    out = layer(x)
+    if starts is None:
+        out = layer(x)
+    else:
+        cuts = [*starts, x.shape[1]]
+        out = torch.cat([m(x[:, a:b]) for m, a, b in zip(layer, cuts, cuts[1:])], dim=1)
     out.backward(torch.ones_like(out))
     return out.detach(), x.grad
 
 
-def measure(layer, x, device):
-    layer.zero_grad(set_to_none=True)
+def measure(layer, x, device, starts=None):
+    for m in layer if starts is not None else [layer]:
+        m.zero_grad(set_to_none=True)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
         torch.cuda.reset_peak_memory_stats(device)
         base = torch.cuda.memory_allocated(device)
         t = time.perf_counter()
-        out, dx = step(layer, x)
+        out, dx = step(layer, x, starts)
         torch.cuda.synchronize(device)
         return time.perf_counter() - t, torch.cuda.max_memory_allocated(device) - base, out, dx
     mt = MemTracker()
-    mt.track_external(*layer.parameters(), x)
+    mt.track_external(*(layer[0] if starts is not None else layer).parameters(), x)
     with mt:
         t = time.perf_counter()
-        out, dx = step(layer, x)
+        out, dx = step(layer, x, starts)
         elapsed = time.perf_counter() - t
     peak = mt.get_tracker_snapshot("peak")[device]["Total"]
     return elapsed, peak, out, dx
@@ -103,6 +122,8 @@ def main() -> None:
     p.add_argument("--v-heads", type=int, default=8)
     p.add_argument("--k-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--documents", type=int, default=1,
+                   help="packed documents of near-equal lengths (the reference runs each alone)")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -122,14 +143,23 @@ def main() -> None:
     sp, _ = build(args, device, dtype)
     holder = _Holder(torch.nn.ModuleList([sp]))  # where the anatomy finds it in a model
     check_mixers(holder, mesh)
-    install_mixers(holder, mesh, BatchState(holder, mesh), frozenset())
+    starts = documents_of(args.seq, args.documents)
+    install_mixers(holder, mesh, _Documents(starts), frozenset())
     x = torch.randn(1, args.seq, args.hidden, generator=torch.Generator().manual_seed(1))
     x = x.to(device, dtype)
     piece = shard_sequence(x, mesh).contiguous()
 
+    reference = single
+    if starts is not None:  # one instance per document, the same parameter tensors
+        reference = torch.nn.ModuleList([single])
+        for _ in starts[1:]:
+            other, _ = build(args, device, dtype)
+            other.load_state_dict(single.state_dict(), assign=True)
+            reference.append(other)
+
     def run_single():
         if rank == 0:
-            return measure(single, x, device)
+            return measure(reference, x, device, starts)
         return 0.0, 0, None, None
 
     def run_sp():
@@ -160,6 +190,7 @@ def main() -> None:
         "torch": torch.__version__, "world": world, "dtype": str(dtype),
         "shape": {"seq": args.seq, "hidden": args.hidden, "v_heads": args.v_heads,
                   "k_heads": args.k_heads, "head_dim": args.head_dim},
+        "documents": list(starts or (0,)),
         "kernels": kernels(),
         "median_s": {k: statistics.median(v) for k, v in times.items()},
         "peak_bytes": peaks,
@@ -182,6 +213,17 @@ def main() -> None:
     out_path.write_text(json.dumps(result, indent=2) + "\n")
     print(f"wrote {out_path}")
     dist.destroy_process_group()
+
+
+class _Documents:
+    """The batch state the mixers read their documents from: fixed starts (the same on every
+    rank and every call), or None for one document."""
+
+    def __init__(self, starts):
+        self.starts = starts
+
+    def segments(self):
+        return None if self.starts is None else [self.starts]
 
 
 class _Holder(torch.nn.Module):
