@@ -6,13 +6,16 @@ calls it and then shards the parameters.
 
 from __future__ import annotations
 
+from dataclasses import fields
+
 from torch import nn
 
 from arctic.config import SequenceParallelConfig
+from arctic.hf.anatomy import attention_modules
 from arctic.loss.head import apply_sp_loss
 from arctic.memory.checkpointing import apply_activation_checkpointing
 from arctic.tiling.layer import apply_tiled_layers
-from arctic.tiling.mlp import apply_tiled_mlp
+from arctic.tiling.mlp import apply_tiled_mlp, mlps_to_tile
 from arctic.tiling.norms import apply_tiled_norms
 from ulysses import flat_mesh, mesh_dims
 
@@ -32,7 +35,13 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
     (DeepSpeed given an SP ``mpu``); None follows the reduction found on the model when the
     loss runs (:mod:`arctic.loss.reduction`), and a value given is checked against it.
     ``host_memory_limit`` (bytes per rank) caps the offload pool; default: 80% of the host's
-    available memory per local rank, agreed over all ranks. Returns ``model``."""
+    available memory per local rank, agreed over all ranks. Returns ``model``.
+
+    A model without attention (Mamba, Mamba2, FalconMamba) is refused the settings that act
+    on attention only (:func:`check_attention_settings`), and one without an MLP (the same)
+    ``tiled_mlp``, before the model changes. Decoder layers include blocks of one sublayer
+    (:func:`arctic.hf.anatomy.decoder_layers`): each is checkpointed, and Nemotron-H's MLP and
+    MoE blocks are the MLPs tiled."""
     from arctic.hf.attention import apply_sequence_parallel
 
     if mesh_dims(mesh).kernel_self_check != config.kernel_self_check:
@@ -40,6 +49,10 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
                          f"{mesh_dims(mesh).kernel_self_check} on the mesh, which every "
                          f"attention on it reads; build the mesh from the config: "
                          f"config.dims(world_size).build_mesh(device_type)")
+    # Settings that would have no effect on this model are refused before it changes.
+    check_attention_settings(model, config)
+    if config.tiled_mlp is not None:
+        mlps_to_tile(model)
     apply_sequence_parallel(model, mesh=mesh, head_chunk_size=config.head_chunk_size,
                             seq_chunk=config.seq_chunk,
                             attn_implementation=config.attn_implementation,
@@ -66,3 +79,28 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
                                        recompute_attention=config.recompute_attention,
                                        group=flat_mesh(mesh, "dp_sp").get_group())
     return model
+
+
+ATTENTION_SETTINGS = ("head_chunk_size", "attn_implementation", "attention_backend",
+                      "recompute_attention")
+"""The settings that act on attention only: the head chunks (and, through them, seq_chunk and
+fuse_projections, which the config refuses without head chunks), the kernel, and keeping the
+attention results under checkpointing. The token mixers run the model's own kernels on the
+whole sequence of their heads and keep nothing."""
+
+
+def check_attention_settings(model: nn.Module, config: SequenceParallelConfig) -> None:
+    """``ValueError`` naming the :data:`ATTENTION_SETTINGS` that ``config`` sets away from
+    their defaults, where ``model`` has no attention module (a state-space model), so that
+    they would have no effect. A hybrid (Nemotron-H) has attention, where they act."""
+    if attention_modules(model):
+        return
+    defaults = {f.name: f.default for f in fields(SequenceParallelConfig)}
+    asked = {name: getattr(config, name) for name in ATTENTION_SETTINGS
+             if getattr(config, name) != defaults[name]}
+    if asked:
+        given = ", ".join(f"{name}={value!r}" for name, value in asked.items())
+        reset = ", ".join(f"{name}={defaults[name]!r}" for name in asked)
+        raise ValueError(f"{type(model).__name__} has no attention module, so {given} would "
+                         f"have no effect (its token mixers run all their heads at once with "
+                         f"the model's own kernels); leave them at their defaults: {reset}")

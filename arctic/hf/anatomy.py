@@ -25,6 +25,16 @@ and linear-attention layers, recurrent blocks, short convolutions."""
 MLP_NAMES = ("mlp", "feed_forward")
 """What a HF decoder layer calls its MLP (or MoE block): ``mlp``, or ``feed_forward``
 (Llama4)."""
+BLOCK_MIXER = "mixer"
+"""What a block of one sublayer calls it: the blocks of Mamba, Mamba2, FalconMamba (a
+state-space mixer each) and Nemotron-H (a Mamba2 mixer, an attention, an MLP or an MoE,
+one per ``config.layers_block_type``), which hold that sublayer and a ``norm``, no MLP."""
+MLP_CLASS_PARTS = ("MLP", "MoE", "Moe", "FeedForward")
+"""Class-name parts by which a block's sublayer is an MLP or MoE block (``NemotronHMLP``,
+``NemotronHMoE``): a per-token function that tiles along the sequence."""
+FINAL_NORM_NAMES = ("norm", "norm_f")
+"""What a HF decoder calls its final norm: ``norm``, or ``norm_f`` (Mamba, Mamba2,
+FalconMamba, Nemotron-H)."""
 
 def base_model(model: nn.Module) -> nn.Module:
     """The decoder under a causal LM's head: HF's ``base_model``, or ``model.model`` where that
@@ -58,23 +68,53 @@ def text_config(model: nn.Module):
     return text_config_of(model.config)
 
 
+def is_block(module: nn.Module) -> bool:
+    """Whether ``module`` is a block of one sublayer (:data:`BLOCK_MIXER`) with no MLP beside
+    it."""
+    return (isinstance(getattr(module, BLOCK_MIXER, None), nn.Module) and
+            not any(isinstance(getattr(module, n, None), nn.Module) for n in MLP_NAMES))
+
+
+def is_mlp(module: nn.Module) -> bool:
+    """Whether a block's sublayer is an MLP or MoE block (:data:`MLP_CLASS_PARTS`), not a
+    token mixer or attention: only then does it act on each token alone."""
+    name = type(module).__name__
+    return (any(part in name for part in MLP_CLASS_PARTS) and not is_recurrent(module) and
+            not hasattr(module, "q_proj") and not is_latent_attention(module))
+
+
 def layer_mlp(layer: nn.Module) -> nn.Module | None:
-    """The MLP (or MoE block) of a decoder layer: its first of :data:`MLP_NAMES`."""
+    """The MLP (or MoE block) of a decoder layer: its first of :data:`MLP_NAMES`, or a block's
+    sublayer where that is an MLP (:func:`is_mlp`: Nemotron-H's ``"mlp"`` and ``"moe"``
+    blocks). None for a block whose sublayer mixes tokens (a state-space mixer, attention)."""
     for name in MLP_NAMES:
         mlp = getattr(layer, name, None)
         if isinstance(mlp, nn.Module):
             return mlp
+    if is_block(layer) and is_mlp(getattr(layer, BLOCK_MIXER)):
+        return getattr(layer, BLOCK_MIXER)
     return None
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
-    """The decoder layers of a HF causal LM (of a VLM's language model): modules with both a
-    token mixer (:data:`MIXER_NAMES`) and an MLP (:func:`layer_mlp`)."""
-    return [m for m in language_model(model).modules()
-            if layer_mlp(m) is not None and
-            any(isinstance(getattr(m, n, None), nn.Module) for n in MIXER_NAMES)]
+    """The decoder layers of a HF causal LM (of a VLM's language model), in module order:
+    modules with both a token mixer (:data:`MIXER_NAMES`) and an MLP (the Llama shape), and
+    the elements of the decoder's layer lists that are blocks of one sublayer
+    (:func:`is_block`: Mamba, Mamba2, FalconMamba, Nemotron-H). A block is found only as an
+    element of a ``ModuleList``, as the decoder runs it, never inside another module's
+    forward."""
+    decoder = language_model(model)
+    listed = {m for lst in decoder.modules() if isinstance(lst, nn.ModuleList) for m in lst}
+    return [m for m in decoder.modules()
+            if (layer_mlp(m) is not None and
+                any(isinstance(getattr(m, n, None), nn.Module) for n in MIXER_NAMES)) or
+            (m in listed and is_block(m))]
 
 
+def layer_norms(layer: nn.Module) -> list[nn.Module]:
+    """A decoder layer's per-token norms: its :data:`NORM_NAMES`, or a block's ``norm``."""
+    names = ("norm",) if is_block(layer) else NORM_NAMES
+    return [getattr(layer, n) for n in names if isinstance(getattr(layer, n, None), nn.Module)]
 
 
 LATENT_NAMES = ("kv_a_proj_with_mqa", "kv_b_proj")
@@ -122,12 +162,14 @@ def attention_modules(model: nn.Module) -> list[nn.Module]:
 
 def token_norms(model: nn.Module) -> list[nn.Module]:
     """The norms applied to every token's hidden state: each decoder layer's
-    :data:`NORM_NAMES` that it has, then the base model's final ``norm`` if there is one."""
-    norms = [getattr(layer, n) for layer in decoder_layers(model)
-             for n in NORM_NAMES if isinstance(getattr(layer, n, None), nn.Module)]
-    final = getattr(language_model(model), "norm", None)
-    if isinstance(final, nn.Module):
-        norms.append(final)
+    (:func:`layer_norms`), then the base model's final norm (:data:`FINAL_NORM_NAMES`) if
+    there is one."""
+    norms = [norm for layer in decoder_layers(model) for norm in layer_norms(layer)]
+    for name in FINAL_NORM_NAMES:
+        final = getattr(language_model(model), name, None)
+        if isinstance(final, nn.Module):
+            norms.append(final)
+            break
     return norms
 
 
@@ -140,7 +182,8 @@ def hf_checkpointing(model: nn.Module) -> bool:
     return False
 
 
-__all__ = ["LATENT_NAMES", "MIXER_NAMES", "MLP_NAMES", "NORM_NAMES", "RECURRENT_NAMES",
-           "attention_heads", "attention_modules", "decoder_layers", "hf_checkpointing",
-           "is_latent_attention", "is_recurrent", "language_model", "layer_mlp", "text_config",
+__all__ = ["BLOCK_MIXER", "FINAL_NORM_NAMES", "LATENT_NAMES", "MIXER_NAMES", "MLP_CLASS_PARTS",
+           "MLP_NAMES", "NORM_NAMES", "RECURRENT_NAMES", "attention_heads", "attention_modules",
+           "decoder_layers", "hf_checkpointing", "is_block", "is_latent_attention", "is_mlp",
+           "is_recurrent", "language_model", "layer_mlp", "layer_norms", "text_config",
            "text_config_of", "token_norms"]

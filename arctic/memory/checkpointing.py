@@ -71,8 +71,9 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
     """
     layers = decoder_layers(model) if layers is None else list(layers)
     if not layers:
-        raise ValueError(f"{type(model).__name__} has no decoder layer (a module with self_attn "
-                         f"and mlp) to checkpoint; pass layers=[...]")
+        raise ValueError(f"{type(model).__name__} has no decoder layer (a module with a token "
+                         f"mixer and an mlp, or a block of one mixer) to checkpoint; pass "
+                         f"layers=[...]")
     if hf_checkpointing(model):
         raise ValueError("HF gradient checkpointing is already enabled on this model; call "
                          "model.gradient_checkpointing_disable() first (checkpointing twice "

@@ -9,9 +9,9 @@ The tiled logits + loss is a loss: :mod:`arctic.loss.tiled`.
 """
 
 from arctic.tiling.layer import apply_tiled_layers
-from arctic.tiling.mlp import TiledMLP, apply_tiled_mlp
+from arctic.tiling.mlp import TiledMLP, apply_tiled_mlp, mlps_to_tile
 from arctic.tiling.norms import apply_tiled_norms
 from arctic.tiling.tiles import DEFAULT_TILE_BUDGET_BYTES, resolve_tiles
 
 __all__ = ["DEFAULT_TILE_BUDGET_BYTES", "TiledMLP", "apply_tiled_layers", "apply_tiled_mlp",
-           "apply_tiled_norms", "resolve_tiles"]
+           "apply_tiled_norms", "mlps_to_tile", "resolve_tiles"]

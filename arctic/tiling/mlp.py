@@ -56,8 +56,11 @@ class TiledMLP(nn.Module):
 def apply_tiled_mlp(model: nn.Module, *, tiles: int | str = "auto",
                     budget_bytes: int = DEFAULT_TILE_BUDGET_BYTES,
                     group: dist.ProcessGroup | None = None) -> nn.Module:
-    """Tile the ``mlp`` (Llama4: ``feed_forward``) of every decoder layer of a HF model in
-    place.
+    """Tile the MLP of every decoder layer of a HF model in place: its ``mlp`` (Llama4:
+    ``feed_forward``), or the block's sublayer where that is an MLP or MoE block (Nemotron-H's
+    ``"mlp"`` and ``"moe"`` blocks: :func:`arctic.hf.anatomy.layer_mlp`). A block whose
+    sublayer mixes tokens (a Mamba mixer, attention) has no MLP and is left as it is: a
+    sequence tile of it would not see the tokens before the tile.
 
     Each mlp keeps its class, parameters and state_dict keys (checkpoints stay loadable); only
     the instance's ``forward`` is replaced by the tiled run of the original. The per-tile
@@ -69,13 +72,23 @@ def apply_tiled_mlp(model: nn.Module, *, tiles: int | str = "auto",
     told that only the last tile completes a gradient (``ds_grad_is_ready``). Gradients equal
     single-device ones under ZeRO 0-3 (``tests/test_arctic_engine.py``) and FSDP2
     (``tests/test_arctic_fsdp.py``). Apply after :func:`arctic.apply_sequence_parallel` and before
-    activation checkpointing. Returns ``model``; ``ValueError`` if it has no decoder layer
-    with an ``mlp``.
+    activation checkpointing. Returns ``model``; ``ValueError`` if no decoder layer has an MLP
+    (a state-space model: Mamba, Mamba2, FalconMamba), where tiling would have no effect.
     """
     intermediate = getattr(text_config(model), "intermediate_size", None)
-    layers = decoder_layers(model)
-    if not layers:
-        raise ValueError(f"{type(model).__name__} has no decoder layer with an mlp to tile")
-    tile_forwards(model, [layer_mlp(layer) for layer in layers], tiles, intermediate,
-                   budget_bytes, group)
+    tile_forwards(model, mlps_to_tile(model), tiles, intermediate, budget_bytes, group)
     return model
+
+
+def mlps_to_tile(model: nn.Module) -> list[nn.Module]:
+    """The MLPs :func:`apply_tiled_mlp` tiles, one per decoder layer that has one
+    (:func:`arctic.hf.anatomy.layer_mlp`). ``ValueError`` naming ``tiled_mlp`` when there is
+    none: the recipe asks this before it changes the model."""
+    layers = decoder_layers(model)
+    mlps = [mlp for mlp in map(layer_mlp, layers) if mlp is not None]
+    if not mlps:
+        found = sorted({type(layer).__name__ for layer in layers}) or "none"
+        raise ValueError(f"{type(model).__name__} has no decoder layer with an MLP to tile "
+                         f"(decoder layers: {found}), so tiled_mlp would have no effect; "
+                         f"leave it null")
+    return mlps
