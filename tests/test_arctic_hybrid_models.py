@@ -191,7 +191,8 @@ class _NoDocuments:
         return None
 
 
-def _rank_step(family: str, ulysses: int, documents: bool, broken: str | None = None):
+def _rank_step(family: str, ulysses: int, documents: bool, broken: str | None = None,
+               chunk=None, seq_chunk=None):
     """One SP step: the loss and the gradients averaged over the ranks (as DDP would).
     ``broken``: ``"local"`` (the mixers' stock forward, on this rank's piece) or
     ``"crossing"`` (the mixers do not see the documents)."""
@@ -205,7 +206,8 @@ def _rank_step(family: str, ulysses: int, documents: bool, broken: str | None = 
     from ulysses.patching import restore_method
 
     mesh = get_mesh(ulysses, ulysses)
-    model = apply_sequence_parallel(_model(family), mesh=mesh)
+    model = apply_sequence_parallel(_model(family), mesh=mesh, head_chunk_size=chunk,
+                                    seq_chunk=seq_chunk)
     apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group())
     for m in token_mixers(model):
         if broken == "local":
@@ -258,6 +260,14 @@ def test_hybrid_matches_unmodified_model(family, ulysses, documents):
     _skip_unless_supported(family)
     ref = _cached_reference(family, documents)
     _check(dist_pool.run(_rank_step, family, ulysses, documents, world_size=ulysses), ref)
+
+
+def test_attention_chunks_beside_the_mixers():
+    """Head chunks of 1 and two sequence blocks per piece on the attention layers; the
+    mixers beside them unchanged."""
+    _skip_unless_supported("qwen3_5")
+    _check(dist_pool.run(_rank_step, "qwen3_5", 2, False, None, 1, 2, world_size=2),
+           _cached_reference("qwen3_5", False))
 
 
 @pytest.mark.hf_facing

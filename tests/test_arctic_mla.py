@@ -84,7 +84,8 @@ def _reference(family: str, documents: bool):
     return _REFS[key]
 
 
-def _rank_step(family: str, ulysses: int, documents: bool, chunk=None, hide_documents=False):
+def _rank_step(family: str, ulysses: int, documents: bool, chunk=None, hide_documents=False,
+               ring=1, seq_chunk=None):
     import torch.distributed as dist
 
     from arctic.data.batch import prepare_sp_batch
@@ -92,8 +93,9 @@ def _rank_step(family: str, ulysses: int, documents: bool, chunk=None, hide_docu
     from arctic.loss.head import apply_sp_loss
     from ulysses import flat_mesh
 
-    mesh = get_mesh(ulysses, ulysses)
-    model = apply_sequence_parallel(_model(family), mesh=mesh, head_chunk_size=chunk)
+    mesh = get_mesh(ulysses * ring, ulysses, ring)
+    model = apply_sequence_parallel(_model(family), mesh=mesh, head_chunk_size=chunk,
+                                    seq_chunk=seq_chunk)
     apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group())
     raw = {"input_ids": _tokens(), "labels": _tokens()}
     if documents:
@@ -106,7 +108,7 @@ def _rank_step(family: str, ulysses: int, documents: bool, chunk=None, hide_docu
     for p in model.parameters():
         if p.grad is not None:
             dist.all_reduce(p.grad)
-            p.grad /= ulysses
+            p.grad /= ulysses * ring
     return loss.item(), _grads(model)
 
 
@@ -135,6 +137,18 @@ def test_latent_attention_matches_unmodified_model(family, ulysses, documents, c
     _skip_unless_available(family)
     _check(dist_pool.run(_rank_step, family, ulysses, documents, chunk, world_size=ulysses),
            _reference(family, documents))
+
+
+@pytest.mark.parametrize("ring,chunk,seq_chunk", [(2, 1, None), (1, 1, 2)],
+                         ids=["ulysses2_x_ring2-chunk1", "chunk1-seq_chunk2"])
+def test_latent_attention_on_a_ring_and_in_sequence_blocks(ring, chunk, seq_chunk):
+    """Ulysses x Ring (zigzag) with packed documents, and sequence blocks inside head chunks:
+    the padded v through the ring's hops and the blocks' host buffers."""
+    _skip_unless_available("deepseek_v3")
+    documents = ring > 1
+    results = dist_pool.run(_rank_step, "deepseek_v3", 2, documents, chunk, False, ring,
+                            seq_chunk, world_size=2 * ring)
+    _check(results, _reference("deepseek_v3", documents))
 
 
 def test_attention_across_documents_fails_the_check():
