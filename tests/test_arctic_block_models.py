@@ -46,6 +46,17 @@ def _config(family: str, blocks: str = "mlp"):
     if family == "mamba2":
         return tf.Mamba2Config(**IDS, hidden_size=64, num_hidden_layers=2, num_heads=4,
                                head_dim=32, n_groups=2, state_size=8, chunk_size=16, expand=2)
+    if family == "zamba2":  # Mamba2 layers and hybrid layers (the shared attention block)
+        return tf.Zamba2Config(**IDS, hidden_size=64, num_hidden_layers=4, num_attention_heads=4,
+                               num_key_value_heads=4, mamba_headdim=16, n_mamba_heads=8,
+                               mamba_ngroups=2, mamba_d_state=8, chunk_size=16,
+                               layers_block_type=["mamba", "hybrid"] * 2)
+    if family == "granitemoehybrid":  # its MLP: an MoE beside a shared MLP
+        return tf.GraniteMoeHybridConfig(
+            **IDS, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+            num_attention_heads=4, num_key_value_heads=2, layer_types=["mamba", "attention"],
+            num_local_experts=4, num_experts_per_tok=2, mamba_n_heads=4, mamba_d_head=32,
+            mamba_n_groups=2, mamba_d_state=8, mamba_chunk_size=16, mamba_expand=2)
     return tf.FalconMambaConfig(**IDS, hidden_size=64, num_hidden_layers=2, state_size=4,
                                 expand=1, time_step_rank=8)
 
@@ -137,6 +148,17 @@ def test_nemotron_h_through_the_recipe_matches_unmodified_model(blocks):
            _reference("nemotron_h", blocks))
 
 
+@pytest.mark.parametrize("family", ["zamba2", "granitemoehybrid"])
+def test_layers_of_the_decoder_list_through_the_recipe(family):
+    """Zamba2 (a hybrid layer runs the shared attention block, then a Mamba2 layer) and
+    GraniteMoeHybrid (an MoE beside a shared MLP): the decoder's layer list is what the
+    recipe checkpoints (every element, its input offloaded); head chunks of 1, the loss in 2
+    tiles. Their MLPs are not found, so tiled_mlp is refused (below)."""
+    settings = dict(head_chunk_size=1, **{k: v for k, v in RECIPE.items() if k != "tiled_mlp"})
+    _check(dist_pool.run(_rank_recipe, family, "mlp", settings, world_size=SP),
+           _reference(family))
+
+
 @pytest.mark.parametrize("family", ["mamba2", "falcon_mamba"])
 def test_state_space_model_through_the_recipe_matches_unmodified_model(family):
     """No attention and no MLP: every block checkpointed with its input offloaded, the loss
@@ -187,6 +209,7 @@ def _recipe_refusal(family: str, settings: dict):
      "recompute_attention=False would have no effect"),
     ("mamba2", dict(tiled_mlp=2), "tiled_mlp would have no effect"),
     ("falcon_mamba", dict(tiled_mlp="auto"), "tiled_mlp would have no effect"),
+    ("granitemoehybrid", dict(tiled_mlp=2), "tiled_mlp would have no effect"),
 ])
 def test_settings_without_effect_are_refused(family, settings, expected):
     """On every rank, by name, before the model changes: head chunks, the attention kernel

@@ -104,11 +104,23 @@ def decoder_layers(model: nn.Module) -> list[nn.Module]:
     element of a ``ModuleList``, as the decoder runs it, never inside another module's
     forward."""
     decoder = language_model(model)
+    stack = getattr(decoder, "layers", None)
+    if isinstance(stack, nn.ModuleList) and len(stack) and all(_mixes(m) for m in stack):
+        return list(stack)  # the decoder's own list, each element mixing tokens (Zamba2's
+        # hybrid layers hold a shared attention block and a Mamba2 layer; GraniteMoeHybrid's
+        # MLP is its block_sparse_moe beside a shared_mlp)
     listed = {m for lst in decoder.modules() if isinstance(lst, nn.ModuleList) for m in lst}
     return [m for m in decoder.modules()
             if (layer_mlp(m) is not None and
                 any(isinstance(getattr(m, n, None), nn.Module) for n in MIXER_NAMES)) or
             (m in listed and is_block(m))]
+
+
+def _mixes(layer: nn.Module) -> bool:
+    """Whether a decoder layer holds a token mixer (:data:`MIXER_NAMES`, or a block's), at
+    any depth."""
+    return any(isinstance(getattr(m, n, None), nn.Module)
+               for m in layer.modules() for n in (*MIXER_NAMES, BLOCK_MIXER))
 
 
 def layer_norms(layer: nn.Module) -> list[nn.Module]:
