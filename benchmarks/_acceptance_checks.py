@@ -84,7 +84,7 @@ def scale_cmd(tokens: str, out: Path, *extra: str) -> list[str]:
             "--out", str(out)]
 
 
-HYBRID_SHAPE = dict(seq=32768, hidden=2048, v_heads=32, k_heads=16, head_dim=128, documents=3)
+HYBRID_SHAPE = dict(seq=32768, hidden=4096, v_heads=32, k_heads=16, head_dim=128, documents=3)
 """The hybrid run: one gated delta net layer of Qwen3.5-9B's shapes at 32K tokens, in three
 packed documents (each runs alone in the reference)."""
 HYBRID_TOL = 2e-2
