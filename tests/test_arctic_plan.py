@@ -644,3 +644,22 @@ def test_plans_a_hybrid_along_whole_periods_of_its_layers(tmp_path):
     assert fast["estimate"]["sp"]["tiled_layer"] is False
     a, b = fast["estimate"]["device_peak_bytes"], full["estimate"]["device_peak_bytes"]
     assert abs(a / b - 1) < 0.01, (a, b)
+
+
+def test_plans_a_state_space_model_without_its_attention_settings(tmp_path):
+    """Mamba2 (no attention, no MLP): the default stack's head chunks, sequence blocks and
+    tiled MLP are set aside, with a note each (the recipe would refuse them by name); the
+    config has no position bound to raise."""
+    import transformers as tf
+
+    tf.Mamba2Config(vocab_size=256, hidden_size=64, num_hidden_layers=2, num_heads=4,
+                    head_dim=32, n_groups=2, state_size=8, chunk_size=16, expand=2,
+                    tie_word_embeddings=False).save_pretrained(tmp_path / "m")
+    proc = _run("-m", "arctic.plan", "--model", str(tmp_path / "m" / "config.json"),
+                "--seq-len", "8K", "--gpus", "2", "--quick", "--json", str(tmp_path / "p.json"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    for note in ("note: head_chunk_size=None: Mamba2ForCausalLM has no attention",
+                 "note: tiled_mlp=None: Mamba2ForCausalLM's decoder layers hold no MLP"):
+        assert note in proc.stdout, proc.stdout
+    sp = json.loads((tmp_path / "p.json").read_text())["estimate"]["sp"]
+    assert sp["head_chunk_size"] is None and sp["tiled_mlp"] is None

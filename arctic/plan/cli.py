@@ -268,6 +268,15 @@ def _placement(args: argparse.Namespace) -> Placement:
     return Placement()
 
 
+UNSUPPORTED_OFF = {"fuse_projections": (False, "fuse_projections"),
+                   "tiled_layer": (False, "tiled_layer"),
+                   "head_chunk_size": (None, "head_chunk"), "seq_chunk": (None, "seq_chunk"),
+                   "tiled_mlp": (None, "tiled_mlp")}
+"""A setting the model does not support (:func:`unsupported_settings`) -> what a named stack
+takes instead, and the command-line argument that, given, keeps the user's value (the
+recipe then refuses it by name)."""
+
+
 def _main(args: argparse.Namespace) -> int:
     if args.seq_len is None and not args.find_max:
         raise SystemExit("give --seq-len, or --find-max")
@@ -284,9 +293,10 @@ def _main(args: argparse.Namespace) -> int:
     config = model_config(args.model, layers=args.layers)  # an unknown model fails here
     if args.ds_config is None:  # a named stack: off what the model does not support
         for key, why in unsupported_settings(config).items():
-            if fields.get(key) and getattr(args, key) is None:
-                fields[key] = False
-                print(f"note: {key}=False: {why}")
+            off, arg = UNSUPPORTED_OFF[key]
+            if fields.get(key) not in (None, False) and getattr(args, arg, None) is None:
+                fields[key] = off
+                print(f"note: {key}={off}: {why}")
     world = args.gpus * args.nodes
     common = dict(gpus=args.gpus, nodes=args.nodes, gpu_memory=args.gpu_memory,
                   host_memory=args.host_memory, reserve=args.reserve,

@@ -225,7 +225,8 @@ class _Tracer:
     def __init__(self, config, sp, world: int, *, shard: bool) -> None:
         self.config, self.sp, self.world, self.shard = config, sp, world, shard
         self.fields = {k: getattr(sp, k) for k in PLANNED_FIELDS}
-        self.positions = text_config_of(config).max_position_embeddings  # the model's own
+        # the model's own; None: no positions to bound (a state-space model: Mamba2)
+        self.positions = getattr(text_config_of(config), "max_position_embeddings", None)
 
     def _shaped(self, seq_len: int, layers: int):
         """A copy of the config with ``layers`` layers and room for ``seq_len`` positions
@@ -234,7 +235,8 @@ class _Tracer:
         the cache keys of every later trace in this process."""
         config = copy.deepcopy(self.config)
         text_config_of(config).num_hidden_layers = layers
-        text_config_of(config).max_position_embeddings = max(self.positions, seq_len)
+        if self.positions is not None:
+            text_config_of(config).max_position_embeddings = max(self.positions, seq_len)
         return config
 
     def _key(self, seq_len: int, layers: int) -> str:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from arctic.hf.anatomy import attention_modules, decoder_layers, text_config_of
+from arctic.hf.anatomy import attention_modules, decoder_layers, layer_mlp, text_config_of
 from arctic.hf.fused import FUSABLE
 from arctic.tiling.layer import TILABLE
 
@@ -56,7 +56,9 @@ MODELS: dict[str, tuple[str, dict]] = {
 def unsupported_settings(config) -> dict[str, str]:
     """The stack settings the model of ``config`` does not support, each with why: its
     attention classes outside :data:`arctic.hf.fused.FUSABLE` (``fuse_projections``), its
-    decoder layers outside :data:`arctic.tiling.layer.TILABLE` (``tiled_layer``). Read off
+    decoder layers outside :data:`arctic.tiling.layer.TILABLE` (``tiled_layer``), the
+    attention's settings on a model without attention (Mamba, Mamba2), the tiled MLP where no
+    decoder layer holds an MLP it finds. Read off
     the model built on the meta device (no memory, no initial values)."""
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
@@ -65,9 +67,15 @@ def unsupported_settings(config) -> dict[str, str]:
     with torch.device("meta"):
         model = auto.from_config(config)
     out = {}
-    attention = sorted({type(m).__name__ for m in attention_modules(model)} - set(FUSABLE))
+    modules = attention_modules(model)
+    attention = sorted({type(m).__name__ for m in modules} - set(FUSABLE))
     if attention:
         out["fuse_projections"] = f"the fused projections do not support {attention}"
+    if not modules:
+        for key in ("head_chunk_size", "seq_chunk", "fuse_projections"):
+            out[key] = f"{type(model).__name__} has no attention"
+    if not any(layer_mlp(layer) is not None for layer in decoder_layers(model)):
+        out["tiled_mlp"] = f"{type(model).__name__}'s decoder layers hold no MLP it finds"
     layers = sorted({type(m).__name__ for m in decoder_layers(model)} - set(TILABLE))
     if layers:
         out["tiled_layer"] = f"the tiled layer tail does not support {layers}"
@@ -95,7 +103,8 @@ def model_config(name: str, *, layers: int | None = None, max_positions: int | N
             raise ValueError(f"layers must be >= 1, got {layers}")
         text.num_hidden_layers = layers
     if max_positions is not None:
-        text.max_position_embeddings = max(text.max_position_embeddings, max_positions)
+        if hasattr(text, "max_position_embeddings"):
+            text.max_position_embeddings = max(text.max_position_embeddings, max_positions)
     config.use_cache = text.use_cache = False
     return config
 
