@@ -248,7 +248,9 @@ CASES = [("qwen3_5", 2, True), ("qwen3_5", 4, True), ("qwen3_5", 2, False),
          ("kimi_linear", 4, True), ("kimi_linear", 2, False), ("falcon_h1", 2, True),
          ("falcon_h1", 4, True), ("zamba2", 2, True), ("zamba2", 4, False),
          ("jamba", 2, True), ("jamba", 4, True), ("falcon_mamba", 2, True),
-         ("falcon_mamba", 2, False), ("mamba2", 2, True), ("lfm2_moe", 2, True)]
+         ("falcon_mamba", 2, False), ("mamba2", 2, True), ("lfm2_moe", 2, True),
+         ("qwen3_5_moe", 4, True), ("bamba", 4, True), ("granitemoehybrid", 4, True),
+         ("falcon_mamba", 4, True), ("mamba2", 4, True), ("lfm2_moe", 4, True)]
 
 
 @pytest.mark.parametrize("family,ulysses,documents", [
