@@ -263,3 +263,27 @@ def test_tiled_norms_match_untiled_and_cut_the_norm_backward_peak():
     print(f"\nRMSNorm fwd+bwd peak: untiled {plain / 2**20:.2f} MiB, {tiles} tiles "
           f"{tiled / 2**20:.2f} MiB")
     assert plain - tiled >= 2 * fp32_full
+
+
+@pytest.mark.parametrize("tiles", [1, 4])
+def test_loss_head_matmuls_run_in_the_activation_dtype(tiles):
+    """bf16 activations and weight: the head's gradients come from bf16 GEMMs (each tile's
+    weight gradient rounded once, summed over tiles in float32). Against the float64
+    gradients of the same bf16 inputs, the weight gradient stays within a few bf16 roundings
+    of its largest value per tile, and the hidden gradient within one of bf16 itself."""
+    from arctic.loss.tiled import tiled_logits_loss
+
+    g = torch.Generator().manual_seed(0)
+    N, E, V = 96, 64, 200
+    h = torch.randn(1, N, E, generator=g).to(torch.bfloat16)
+    w = (torch.randn(V, E, generator=g) / E ** 0.5).to(torch.bfloat16)
+    y = torch.randint(0, V, (1, N), generator=g)
+    h16, w16 = h.clone().requires_grad_(), w.clone().requires_grad_()
+    tiled_logits_loss(h16, w16, y, tiles=tiles)[0].backward()
+    h64, w64 = h.double().requires_grad_(), w.double().requires_grad_()
+    torch.nn.functional.cross_entropy(h64[0] @ w64.t(), y[0], reduction="sum").backward()
+    eps = 2.0 ** -8
+    for got, want, rounds in ((w16.grad, w64.grad, 2 * tiles), (h16.grad, h64.grad, 2)):
+        assert got.dtype == torch.bfloat16
+        error = (got.double() - want).abs().max().item()
+        assert error <= rounds * eps * want.abs().max().item(), (error, want.abs().max().item())

@@ -89,8 +89,13 @@ class _TiledLossFn(torch.autograd.Function):
                 g.mul_(c.div_(softcap).square_().neg_().add_(1.0))
             del c
             g *= upstream
-            dh[start:start + n] = (g.to(h_NE.dtype) @ weight_VE)
-            dw.addmm_(g.t(), h_t.float())
+            g = g.to(h_NE.dtype)  # the matmuls run in the activations' dtype
+            dh[start:start + n] = g @ weight_VE
+            # The tile's weight gradient: a GEMM in the activations' dtype (it accumulates in
+            # float32 and rounds its result once), summed over the tiles in float32. An fp32
+            # GEMM here (g in fp32, h upcast) would run bf16 training's largest matmul on the
+            # GPU's fp32 cores.
+            dw += g.t() @ h_t
             del g
         return dh, dw.to(weight_VE.dtype), None, None, None, None
 
