@@ -16,7 +16,7 @@ from arctic.hf.anatomy import text_config_of
 from arctic.memory.placement import MODES, Placement, placement_from_ds_config
 from arctic.plan.estimate import ALLOCATOR_HEADROOM, Estimate, plan, start_workers
 from arctic.plan.launch import command_lines, ulysses_block, write_config
-from arctic.plan.models import MODELS, model_config, unsupported_settings
+from arctic.plan.models import MODELS, model_config, token_mixer_heads, unsupported_settings
 from arctic.plan.search import find_max, search
 from arctic.plan.step import PLANNED_FIELDS, STACKS
 from arctic.plan.units import GiB, format_gib, parse_bytes, parse_tokens
@@ -268,6 +268,13 @@ def _placement(args: argparse.Namespace) -> Placement:
     return Placement()
 
 
+def _attention_heads(config) -> tuple[int | None, int | None]:
+    """The text config's query and kv heads; ``(None, None)`` without attention (Mamba2)."""
+    text = text_config_of(config)
+    heads = getattr(text, "num_attention_heads", None)
+    return heads, getattr(text, "num_key_value_heads", None) or heads
+
+
 UNSUPPORTED_OFF = {"fuse_projections": (False, "fuse_projections"),
                    "tiled_layer": (False, "tiled_layer"),
                    "head_chunk_size": (None, "head_chunk"), "seq_chunk": (None, "seq_chunk"),
@@ -327,8 +334,8 @@ def _main(args: argparse.Namespace) -> int:
             print(f"searching the settings ({args.model}, {world} GPUs, SP {sp}):")
             winner, candidates = search(
                 lambda n, f: plan_at(n, f), base=fields, sp_size=sp, granule=1024 * sp,
-                heads=(text_config_of(config).num_attention_heads,
-                       text_config_of(config).num_key_value_heads), start=start)
+                heads=_attention_heads(config), start=start,
+                mixers=token_mixer_heads(config))
             print(search_table(candidates, winner))
             best, chosen = winner.best, winner.fields
             estimates += [e for c in candidates for e in c.tried]

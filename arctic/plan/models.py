@@ -58,14 +58,9 @@ def unsupported_settings(config) -> dict[str, str]:
     attention classes outside :data:`arctic.hf.fused.FUSABLE` (``fuse_projections``), its
     decoder layers outside :data:`arctic.tiling.layer.TILABLE` (``tiled_layer``), the
     attention's settings on a model without attention (Mamba, Mamba2), the tiled MLP where no
-    decoder layer holds an MLP it finds. Read off
-    the model built on the meta device (no memory, no initial values)."""
-    import torch
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-
-    auto = AutoModelForImageTextToText if is_vlm_config(config) else AutoModelForCausalLM
-    with torch.device("meta"):
-        model = auto.from_config(config)
+    decoder layer holds an MLP it finds. Read off the model built on the meta device (no
+    memory, no initial values)."""
+    model = _meta_model(config)
     out = {}
     modules = attention_modules(model)
     attention = sorted({type(m).__name__ for m in modules} - set(FUSABLE))
@@ -80,6 +75,31 @@ def unsupported_settings(config) -> dict[str, str]:
     if layers:
         out["tiled_layer"] = f"the tiled layer tail does not support {layers}"
     return out
+
+
+def token_mixer_heads(config) -> list[tuple[str, int, int]]:
+    """The token mixers of the model of ``config`` (:data:`arctic.hf.mixers.FAMILIES`) as
+    ``(class, heads, grouped heads)``, one per class: they run under Ulysses only, over the
+    degrees their heads split over. Read off the model built on the meta device."""
+    from arctic.hf.mixers import FAMILIES, token_mixers
+
+    out = {}
+    for m in token_mixers(_meta_model(config)):
+        kind = FAMILIES[type(m).__name__]
+        heads = getattr(m, kind.num_heads) if kind.num_heads else 1
+        grouped = getattr(m, kind.num_grouped) if kind.num_grouped else 1
+        out[type(m).__name__] = (type(m).__name__, int(heads), int(grouped))
+    return list(out.values())
+
+
+def _meta_model(config):
+    """The model of ``config`` on the meta device (no memory, no initial values)."""
+    import torch
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+
+    auto = AutoModelForImageTextToText if is_vlm_config(config) else AutoModelForCausalLM
+    with torch.device("meta"):
+        return auto.from_config(config)
 
 
 def model_config(name: str, *, layers: int | None = None, max_positions: int | None = None):

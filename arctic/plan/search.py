@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import dataclasses
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from arctic.config import SequenceParallelConfig
 from arctic.plan.estimate import Estimate
 from arctic.plan.units import format_gib
-from ulysses.sharding import head_layout
+from ulysses.sharding import head_layout, valid_degrees
 
 
 def find_max(plan_at, *, start: int, granule: int, log=print,
@@ -116,24 +117,39 @@ class Candidate:
         return min(misfits, key=lambda e: e.seq_len).limit() if misfits else "-"
 
 
-def factorizations(sp_size: int, num_heads: int, num_kv_heads: int) -> list[Candidate]:
+def factorizations(sp_size: int, num_heads: int | None, num_kv_heads: int | None,
+                   mixers: Sequence[tuple[str, int, int]] = ()) -> list[Candidate]:
     """Every ring x Ulysses split of ``sp_size``, with the model's reason to skip it, if any:
     :func:`ulysses.sharding.head_layout` refuses Ulysses degrees the heads cannot split over
     (more ranks than query heads; kv heads that neither divide nor are divided by the degree).
+    ``mixers``: the model's token mixers as ``(class, heads, grouped heads)``
+    (:func:`arctic.plan.models.token_mixer_heads`); they run under Ulysses only, over degrees
+    their heads split over.
     """
     out = []
     for ring in (r for r in range(1, sp_size + 1) if sp_size % r == 0):
         c = Candidate(ring=ring, ulysses=sp_size // ring, fields={})
         try:
-            head_layout(num_heads, num_kv_heads, c.ulysses)
+            if num_heads is not None:  # None: no attention (Mamba2)
+                head_layout(num_heads, num_kv_heads, c.ulysses)
         except ValueError as e:
             c.pruned = str(e).split(";")[0]
+        for name, heads, grouped in mixers:
+            if c.pruned:
+                break
+            if ring > 1:
+                c.pruned = f"{name} runs under Ulysses only (no ring)"
+            elif c.ulysses not in valid_degrees(heads, grouped):
+                c.pruned = (f"{name}'s {heads} heads over {grouped} grouped heads do not split "
+                            f"over {c.ulysses}")
         out.append(c)
     return out
 
 
-def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int, int], start: int,
-           granule: int, log=print) -> tuple[Candidate, list[Candidate]]:
+def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int | None, int | None],
+           start: int,
+           granule: int, log=print,
+           mixers: Sequence[tuple[str, int, int]] = ()) -> tuple[Candidate, list[Candidate]]:
     """The longest length over the ring x Ulysses factorizations of ``sp_size``, each with the
     other settings of ``base``; ``plan_with(n, fields)`` plans ``n`` tokens with ``fields``.
     Returns the winner (ties: the smaller ring degree, fewer ring hops) and every candidate,
@@ -150,7 +166,7 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int, int], start
     sequence chunks (``seq_chunk="auto"``, which trade device bytes for host bytes and
     exchanges; :func:`_try_seq_chunks`).
     """
-    candidates = factorizations(sp_size, *heads)
+    candidates = factorizations(sp_size, *heads, mixers=mixers)
     for c in candidates:
         c.fields = dict(base, sequence_parallel_size=sp_size, ring_degree=c.ring)
         if c.pruned:
@@ -163,8 +179,9 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int, int], start
         log(f"  ({len(c.tried)} plans, {time.perf_counter() - began:.1f} s)")
     traced = [c for c in candidates if not c.pruned]
     if not traced:
-        raise ValueError(f"no ring x Ulysses factorization of {sp_size} suits the model's "
-                         f"{heads[0]} query / {heads[1]} kv heads")
+        raise ValueError(f"no ring x Ulysses factorization of {sp_size} suits the model: "
+                         + "; ".join(f"ring {c.ring} x ulysses {c.ulysses}: {c.pruned}"
+                                     for c in candidates))
     winner = max(traced, key=lambda c: (c.best, -c.ring))
     host_bound = "host" in winner.limit()
     defaults = {f.name: f.default for f in dataclasses.fields(SequenceParallelConfig)}
