@@ -38,6 +38,9 @@ def test_every_shipped_config_loads():
     assert big.activation_checkpointing and big.offload_activations
     hybrid = SequenceParallelConfig.from_ds_config(CONFIGS / "hybrid_2node.json")
     assert (hybrid.ulysses_degree, hybrid.ring_degree) == (8, 2)
+    for shipped in (big, hybrid):  # the kernel chosen by device, dtype and head dim
+        assert shipped.attn_implementation == "ulysses_sdpa"
+        assert shipped.attention_backend is None
 
 
 def test_deepspeed_keys_are_read():
