@@ -10,6 +10,7 @@ from pathlib import Path
 
 from arctic.hf.anatomy import attention_modules, decoder_layers, layer_mlp, text_config_of
 from arctic.hf.fused import FUSABLE
+from arctic.hf.mixers import FAMILIES, token_mixers
 from arctic.tiling.layer import TILABLE
 
 MODELS: dict[str, tuple[str, dict]] = {
@@ -81,8 +82,6 @@ def token_mixer_heads(config) -> list[tuple[str, int, int]]:
     """The token mixers of the model of ``config`` (:data:`arctic.hf.mixers.FAMILIES`) as
     ``(class, heads, grouped heads)``, one per class: they run under Ulysses only, over the
     degrees their heads split over. Read off the model built on the meta device."""
-    from arctic.hf.mixers import FAMILIES, token_mixers
-
     out = {}
     for m in token_mixers(_meta_model(config)):
         kind = FAMILIES[type(m).__name__]
