@@ -145,3 +145,31 @@ def launch_path_sources() -> dict[str, str]:
             "SequenceParallelTrainer": inspect.getsource(
                 arctic.train.trainer.SequenceParallelTrainer.__init__),
             "train_fsdp.py": (repo / "examples" / "train_fsdp.py").read_text()}
+
+
+def grads_of(model) -> dict:
+    """Every parameter's gradient, by name (those that have one), copied."""
+    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+
+
+def averaged_grads(model, world: int) -> dict:
+    """:func:`grads_of` after averaging each gradient over the world, as DDP would."""
+    import torch.distributed as dist
+
+    for p in model.parameters():
+        if p.grad is not None:
+            dist.all_reduce(p.grad)
+            p.grad /= world
+    return grads_of(model)
+
+
+def assert_step_matches(results, ref) -> None:
+    """Every rank's ``(loss, grads)`` equals the reference's: the loss within 1e-5 relative,
+    the same parameters with gradients, each within ``TOL[float32]``."""
+    loss, grads = ref
+    for got_loss, got in results:
+        assert abs(got_loss - loss) <= 1e-5 * abs(loss), (got_loss, loss)
+        assert set(got) == set(grads)
+        for n, g in got.items():
+            torch.testing.assert_close(g, grads[n], **TOL[torch.float32],
+                                       msg=lambda m: f"{n}: {m}")

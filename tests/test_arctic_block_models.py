@@ -17,7 +17,7 @@ import pytest
 import torch
 
 import dist_pool
-from helpers import TOL, value_error_of
+from helpers import assert_step_matches, averaged_grads, grads_of, value_error_of
 
 pytest.importorskip("transformers", reason="arctic needs transformers ([hf])")
 
@@ -79,9 +79,6 @@ def _tokens():
     return torch.randint(3, VOCAB, (1, LENGTH), generator=torch.Generator().manual_seed(1))
 
 
-def _grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
 
 def _reference(family: str, blocks: str = "mlp"):
     """``(loss, grads)`` of the unmodified model on one process, on the whole row."""
@@ -89,25 +86,14 @@ def _reference(family: str, blocks: str = "mlp"):
     ids = _tokens()
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    return loss.item(), _grads(model)
+    return loss.item(), grads_of(model)
 
-
-def _check(results, ref):
-    loss, grads = ref
-    for got_loss, got in results:
-        assert abs(got_loss - loss) <= 1e-5 * abs(loss), (got_loss, loss)
-        assert set(got) == set(grads)
-        for n, g in got.items():
-            torch.testing.assert_close(g, grads[n], **TOL[torch.float32],
-                                       msg=lambda m: f"{n}: {m}")
 
 
 def _rank_recipe(family: str, blocks: str, settings: dict):
     """The model through apply_sp_recipe at SP=2 with ``settings``, one step: the loss and the
     gradients averaged over the ranks (as DDP would). Checks, before the step, that every
     block is checkpointed and which modules are tiled."""
-    import torch.distributed as dist
-
     from arctic.config import SequenceParallelConfig
     from arctic.data.batch import prepare_sp_batch
     from arctic.hf.anatomy import base_model, is_mlp
@@ -132,11 +118,7 @@ def _rank_recipe(family: str, blocks: str, settings: dict):
     ids = _tokens()
     loss = model(**prepare_sp_batch({"input_ids": ids, "labels": ids}, mesh))
     loss.backward()
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad /= SP
-    return loss.item(), _grads(model)
+    return loss.item(), averaged_grads(model, SP)
 
 
 @pytest.mark.parametrize("blocks", ["mlp", "moe"])
@@ -144,7 +126,7 @@ def test_nemotron_h_through_the_recipe_matches_unmodified_model(blocks):
     """Head chunks of 1 in the attention block, the MLP (or MoE) block tiled in 2, the norms
     tiled, the loss in 2 tiles, every block checkpointed with its input offloaded."""
     settings = dict(head_chunk_size=1, **RECIPE)
-    _check(dist_pool.run(_rank_recipe, "nemotron_h", blocks, settings, world_size=SP),
+    assert_step_matches(dist_pool.run(_rank_recipe, "nemotron_h", blocks, settings, world_size=SP),
            _reference("nemotron_h", blocks))
 
 
@@ -155,7 +137,7 @@ def test_layers_of_the_decoder_list_through_the_recipe(family):
     recipe checkpoints (every element, its input offloaded); head chunks of 1, the loss in 2
     tiles. Their MLPs are not found, so tiled_mlp is refused (below)."""
     settings = dict(head_chunk_size=1, **{k: v for k, v in RECIPE.items() if k != "tiled_mlp"})
-    _check(dist_pool.run(_rank_recipe, family, "mlp", settings, world_size=SP),
+    assert_step_matches(dist_pool.run(_rank_recipe, family, "mlp", settings, world_size=SP),
            _reference(family))
 
 
@@ -164,7 +146,7 @@ def test_state_space_model_through_the_recipe_matches_unmodified_model(family):
     """No attention and no MLP: every block checkpointed with its input offloaded, the loss
     in 2 tiles (head_chunk_size and tiled_mlp would have no effect and are refused, below)."""
     settings = {k: v for k, v in RECIPE.items() if k != "tiled_mlp"}
-    _check(dist_pool.run(_rank_recipe, family, "mlp", settings, world_size=SP),
+    assert_step_matches(dist_pool.run(_rank_recipe, family, "mlp", settings, world_size=SP),
            _reference(family))
 
 

@@ -16,7 +16,8 @@ import pytest
 import torch
 
 import dist_pool
-from helpers import TOL, causal_lm_loss, get_mesh, value_error_of
+from helpers import (TOL, assert_step_matches, averaged_grads, causal_lm_loss,
+                     get_mesh, grads_of, value_error_of)
 
 pytest.importorskip("transformers", reason="arctic needs transformers ([hf])")
 
@@ -162,9 +163,6 @@ def _tokens():
     return torch.randint(3, VOCAB, (1, S), generator=torch.Generator().manual_seed(1))
 
 
-def _grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
 
 def _reference(family: str, documents: bool):
     """``(loss, grads)`` of the unmodified model on one process; with ``documents``, each
@@ -172,7 +170,7 @@ def _reference(family: str, documents: bool):
     model = _model(family)
     loss = causal_lm_loss(model, _tokens(), DOCS if documents else None)
     loss.backward()
-    return loss.item(), _grads(model)
+    return loss.item(), grads_of(model)
 
 
 _REFS: dict = {}
@@ -196,8 +194,6 @@ def _rank_step(family: str, ulysses: int, documents: bool, broken: str | None = 
     """One SP step: the loss and the gradients averaged over the ranks (as DDP would).
     ``broken``: ``"local"`` (the mixers' stock forward, on this rank's piece) or
     ``"crossing"`` (the mixers do not see the documents)."""
-    import torch.distributed as dist
-
     from arctic.data.batch import prepare_sp_batch
     from arctic.hf.attention import apply_sequence_parallel
     from arctic.hf.mixers import token_mixers
@@ -219,25 +215,12 @@ def _rank_step(family: str, ulysses: int, documents: bool, broken: str | None = 
         raw["position_ids"] = torch.cat([torch.arange(n) for n in DOCS])[None]
     loss = model(**prepare_sp_batch(raw, mesh))
     loss.backward()
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad /= ulysses
-    return loss.item(), _grads(model)
+    return loss.item(), averaged_grads(model, ulysses)
 
 
 def _worst(got, ref) -> float:
     return max((got[n] - ref[n]).abs().max().item() for n in ref)
 
-
-def _check(results, ref):
-    loss, grads = ref
-    for got_loss, got in results:
-        assert abs(got_loss - loss) <= 1e-5 * abs(loss), (got_loss, loss)
-        assert set(got) == set(grads)
-        for n, g in got.items():
-            torch.testing.assert_close(g, grads[n], **TOL[torch.float32],
-                                       msg=lambda m: f"{n}: {m}")
 
 
 CASES = [("qwen3_5", 2, True), ("qwen3_5", 4, True), ("qwen3_5", 2, False),
@@ -261,14 +244,14 @@ CASES = [("qwen3_5", 2, True), ("qwen3_5", 4, True), ("qwen3_5", 2, False),
 def test_hybrid_matches_unmodified_model(family, ulysses, documents):
     _skip_unless_supported(family)
     ref = _cached_reference(family, documents)
-    _check(dist_pool.run(_rank_step, family, ulysses, documents, world_size=ulysses), ref)
+    assert_step_matches(dist_pool.run(_rank_step, family, ulysses, documents, world_size=ulysses), ref)
 
 
 def test_attention_chunks_beside_the_mixers():
     """Head chunks of 1 and two sequence blocks per piece on the attention layers; the
     mixers beside them unchanged."""
     _skip_unless_supported("qwen3_5")
-    _check(dist_pool.run(_rank_step, "qwen3_5", 2, False, None, 1, 2, world_size=2),
+    assert_step_matches(dist_pool.run(_rank_step, "qwen3_5", 2, False, None, 1, 2, world_size=2),
            _cached_reference("qwen3_5", False))
 
 
@@ -288,7 +271,7 @@ def test_each_check_fails_when_broken(family, broken, documents):
     ref = _cached_reference(family, documents)
     results = dist_pool.run(_rank_step, family, 2, documents, broken, world_size=2)
     with pytest.raises(AssertionError):
-        _check(results, ref)
+        assert_step_matches(results, ref)
     assert _worst(results[0][1], ref[1]) > 50 * TOL[torch.float32]["atol"]
 
 
@@ -346,8 +329,6 @@ def test_other_token_mixers_are_still_refused():
 def _rank_recipe(length: int):
     """Qwen3.5 through apply_sp_recipe at SP=4: head chunks of 1, tiled MLP and norms, the
     tiled loss, checkpointing with the layer inputs offloaded, the cut's padding."""
-    import torch.distributed as dist
-
     from arctic.config import SequenceParallelConfig
     from arctic.data.batch import prepare_sp_batch
     from arctic.recipe import apply_sp_recipe
@@ -365,11 +346,7 @@ def _rank_recipe(length: int):
     ids = _tokens()[:, :length]
     loss = model(**prepare_sp_batch({"input_ids": ids, "labels": ids}, mesh))
     loss.backward()
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad /= 4
-    return loss.item(), _grads(model)
+    return loss.item(), averaged_grads(model, 4)
 
 
 def test_qwen3_5_through_the_recipe_matches_unmodified_model():
@@ -379,7 +356,7 @@ def test_qwen3_5_through_the_recipe_matches_unmodified_model():
     ids = _tokens()[:, :S - 3]
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    _check(dist_pool.run(_rank_recipe, S - 3, world_size=4), (loss.item(), _grads(model)))
+    assert_step_matches(dist_pool.run(_rank_recipe, S - 3, world_size=4), (loss.item(), grads_of(model)))
 
 
 def _rank_removed():

@@ -12,7 +12,8 @@ import pytest
 import torch
 
 import dist_pool
-from helpers import TOL, causal_lm_loss, get_mesh, value_error_of
+from helpers import (assert_step_matches, averaged_grads, causal_lm_loss, get_mesh,
+                     grads_of, value_error_of)
 
 pytest.importorskip("transformers", reason="arctic needs transformers ([hf])")
 
@@ -65,9 +66,6 @@ def _tokens():
     return torch.randint(3, VOCAB, (1, S), generator=torch.Generator().manual_seed(1))
 
 
-def _grads(model):
-    return {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
-
 
 _REFS: dict = {}
 
@@ -80,14 +78,12 @@ def _reference(family: str, documents: bool):
         model = _model(family)
         loss = causal_lm_loss(model, _tokens(), DOCS if documents else None)
         loss.backward()
-        _REFS[key] = loss.item(), _grads(model)
+        _REFS[key] = loss.item(), grads_of(model)
     return _REFS[key]
 
 
 def _rank_step(family: str, ulysses: int, documents: bool, chunk=None, hide_documents=False,
                ring=1, seq_chunk=None):
-    import torch.distributed as dist
-
     from arctic.data.batch import prepare_sp_batch
     from arctic.hf.attention import apply_sequence_parallel
     from arctic.loss.head import apply_sp_loss
@@ -105,21 +101,8 @@ def _rank_step(family: str, ulysses: int, documents: bool, chunk=None, hide_docu
         model.model.layers[0].self_attn.sp_attention.batch.segments = lambda: None
     loss = model(**batch)
     loss.backward()
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad /= ulysses * ring
-    return loss.item(), _grads(model)
+    return loss.item(), averaged_grads(model, ulysses * ring)
 
-
-def _check(results, ref):
-    loss, grads = ref
-    for got_loss, got in results:
-        assert abs(got_loss - loss) <= 1e-5 * abs(loss), (got_loss, loss)
-        assert set(got) == set(grads)
-        for n, g in got.items():
-            torch.testing.assert_close(g, grads[n], **TOL[torch.float32],
-                                       msg=lambda m: f"{n}: {m}")
 
 
 CASES = [("deepseek_v2", 2, True, None), ("deepseek_v3", 2, True, None),
@@ -135,7 +118,7 @@ CASES = [("deepseek_v2", 2, True, None), ("deepseek_v3", 2, True, None),
     for c in CASES])
 def test_latent_attention_matches_unmodified_model(family, ulysses, documents, chunk):
     _skip_unless_available(family)
-    _check(dist_pool.run(_rank_step, family, ulysses, documents, chunk, world_size=ulysses),
+    assert_step_matches(dist_pool.run(_rank_step, family, ulysses, documents, chunk, world_size=ulysses),
            _reference(family, documents))
 
 
@@ -148,22 +131,20 @@ def test_latent_attention_on_a_ring_and_in_sequence_blocks(ring, chunk, seq_chun
     documents = ring > 1
     results = dist_pool.run(_rank_step, "deepseek_v3", 2, documents, chunk, False, ring,
                             seq_chunk, world_size=2 * ring)
-    _check(results, _reference("deepseek_v3", documents))
+    assert_step_matches(results, _reference("deepseek_v3", documents))
 
 
-def test_attention_across_documents_fails_the_check():
+def test_attention_across_documents_fails_theassert_step_matches():
     """The same check fails when the attention does not see the documents."""
     _skip_unless_available("deepseek_v3")
     results = dist_pool.run(_rank_step, "deepseek_v3", 2, True, None, True, world_size=2)
     with pytest.raises(AssertionError):
-        _check(results, _reference("deepseek_v3", True))
+        assert_step_matches(results, _reference("deepseek_v3", True))
 
 
 def _rank_recipe():
     """DeepSeek-V3 through apply_sp_recipe at SP=2: head chunks of 1, tiled MLP and norms, the
     tiled loss, checkpointing with the layer inputs offloaded, the cut's padding."""
-    import torch.distributed as dist
-
     from arctic.config import SequenceParallelConfig
     from arctic.data.batch import prepare_sp_batch
     from arctic.recipe import apply_sp_recipe
@@ -180,11 +161,7 @@ def _rank_recipe():
     ids = _tokens()[:, :S - 3]
     loss = model(**prepare_sp_batch({"input_ids": ids, "labels": ids}, mesh))
     loss.backward()
-    for p in model.parameters():
-        if p.grad is not None:
-            dist.all_reduce(p.grad)
-            p.grad /= 2
-    return loss.item(), _grads(model)
+    return loss.item(), averaged_grads(model, 2)
 
 
 def test_deepseek_v3_through_the_recipe_matches_unmodified_model():
@@ -193,7 +170,7 @@ def test_deepseek_v3_through_the_recipe_matches_unmodified_model():
     ids = _tokens()[:, :S - 3]
     loss = model(input_ids=ids, labels=ids).loss
     loss.backward()
-    _check(dist_pool.run(_rank_recipe, world_size=2), (loss.item(), _grads(model)))
+    assert_step_matches(dist_pool.run(_rank_recipe, world_size=2), (loss.item(), grads_of(model)))
 
 
 def test_fused_projections_refused_by_name():
