@@ -1,6 +1,7 @@
-"""The item groups of ``gpu_acceptance.py``: the commands each step runs (the run and the dry
+"""The check groups of ``gpu_acceptance.py``: the commands each step runs (the run and the dry
 run build them alike), the CUDA test files, and the rows each step's output becomes (backend
-grid, test files, disk tier and host blocks, the planner's fits, step time and MFU)."""
+grid, test files, disk tier and host blocks, the planner's fits, the hybrid layer). The
+``step`` group, a measurement with verdicts, is ``_acceptance_step.py``."""
 
 from __future__ import annotations
 
@@ -19,9 +20,8 @@ from ulysses.kernels import BACKENDS, check_supported
 
 GiB = 1 << 30
 MODEL, LAYERS, WORLD = "llama3-8b", 2, 8
-"""The model shape of the step, fits and host-blocks runs: one rank of 8, as in the tables of
+"""The model shape of the fits and host-blocks runs: one rank of 8, as in the tables of
 docs/benchmarks.md."""
-STEP_STACKS = ("alst", "ours", "ours-keep-attention")
 DTYPES = {"bf16": torch.bfloat16, "fp16": torch.float16}
 HEAD_DIMS = (64, 128)
 LENGTHS = (45, 301, 1000)
@@ -40,7 +40,7 @@ SEQ_CHUNK, SPILL_HOST_GIB = 4, 0.25
 """The host-blocks run: 4 sequence blocks, and a host limit under one layer's input (0.5 GiB
 at 64K tokens), so the layer inputs spill to the disk tier."""
 CAP_S = dict(install=120, grid=150, test_file=240, offload_disk=120, plan=150, scale=150,
-             hybrid=180, step=300)
+             hybrid=180)
 """Each kind of step's own timeout; the budget left cuts it further."""
 
 
@@ -62,13 +62,6 @@ def pytest_cmd(path: Path, slow: bool) -> list[str]:
 
 def grid_cmd(jsonl: Path) -> list[str]:
     return [sys.executable, "benchmarks/gpu_acceptance.py", "--grid-worker", str(jsonl)]
-
-
-def step_cmd(tokens: str, kernels: bool, iters: int, out: Path) -> list[str]:
-    stacks = [a for s in STEP_STACKS for a in ("--stack", s)]
-    return [sys.executable, "benchmarks/step_gpu.py", "--model", MODEL, "--layers", str(LAYERS),
-            "--world", str(WORLD), "--tokens-per-rank", tokens, *stacks, "--backend", "auto",
-            *(["--kernels"] if kernels else []), "--iters", str(iters), "--out", str(out)]
 
 
 def plan_cmd(tokens: str, gpu_memory: str, out: Path) -> list[str]:
@@ -248,43 +241,6 @@ def backend_rows(ctx: Context) -> list[Row]:
     results = [json.loads(line) for line in jsonl.read_text().splitlines()] \
         if jsonl.exists() else []
     rows = grid_rows(results, ran)
-    rows[0].command = ran.command
-    return rows
-
-
-def step_record_rows(record: dict, tokens: str) -> list[Row]:
-    """step_gpu.py's JSON as rows: MFU per (stack, kernel), and each kernel alone."""
-    def pct(x):
-        return "-" if x is None else f"{100 * x:.1f}%"
-
-    rows = [Row(group="step", name=f"{r['stack']}, {r['backend']} ({r['kernel']}), {tokens}/rank",
-                status="passed", seconds=round(r["step_s"], 3),
-                figures={"MFU": pct(r.get("mfu")), "MFU executed": pct(r.get("mfu_executed")),
-                         "step s": round(r["step_s"], 3),
-                         "tok/s/rank": round(r["tokens_per_s_per_rank"]),
-                         "max alloc GiB": round(r.get("max_memory_allocated", 0) / GiB, 2)})
-            for r in record["runs"]]
-    for k in record.get("kernels", []):
-        name = f"kernel {k['backend']} alone, S={k['seq_len'] // 1024}K causal fwd+bwd"
-        if "skipped" in k:
-            rows.append(Row(group="step", name=name, status="skipped", reason=k["skipped"]))
-        else:
-            rows.append(Row(group="step", name=name, status="passed",
-                            seconds=round(k["seconds"], 3),
-                            figures={"TFLOP/s": round(k["tflops"], 1)}))
-    return rows
-
-
-def step_rows(ctx: Context, tokens: str, kernels: bool) -> list[Row]:
-    out = ctx.tmp / f"step_{tokens}.json"
-    ran = ctx.runner.run(step_cmd(tokens, kernels, ctx.args.step_iters, out), CAP_S["step"])
-    name = f"step_gpu.py {tokens}/rank"
-    early = ran.early_row("step", name)
-    if early:
-        return [early]
-    if ran.rc != 0 or not out.exists():
-        return [ran.failed_row("step", name, f"rc {ran.rc}")]
-    rows = step_record_rows(json.loads(out.read_text()), tokens)
     rows[0].command = ran.command
     return rows
 

@@ -113,7 +113,7 @@ class Runner:
             try:
                 rc = proc.wait(timeout=limit)
             except subprocess.TimeoutExpired:
-                _kill_group(proc)
+                kill_group(proc)
                 rc = None
             seconds = round(time.monotonic() - start, 1)
             out.seek(0)
@@ -123,7 +123,7 @@ class Runner:
         return Ran(command=text, rc=rc, seconds=seconds, output=output, limit_s=limit)
 
 
-def _kill_group(proc: subprocess.Popen) -> None:
+def kill_group(proc: subprocess.Popen) -> None:
     """SIGTERM to the process group this runner started, SIGKILL if it lingers."""
     os.killpg(proc.pid, signal.SIGTERM)
     try:
@@ -142,6 +142,8 @@ class Context:
     tmp: Path
     gpu_memory: int
     """The card's memory in bytes (the planner's --gpu-memory)."""
+    planners: object = None
+    """The step group's planner runs, started before the checks (``_acceptance_step``)."""
 
 
 # --- pytest output ----------------------------------------------------------------------------

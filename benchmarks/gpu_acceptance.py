@@ -8,11 +8,20 @@ In order:
 - ``install``: the carried wheels (``--install-wheels``, default ``.whl``) go into a
   temporary ``--target`` directory on the children's ``PYTHONPATH`` (the GPU image has torch,
   transformers and accelerate, but not deepspeed, hjson or pydantic); the repository itself
-  goes on ``PYTHONPATH`` too, so nothing is installed into the image;
+  goes on ``PYTHONPATH`` too, so nothing is installed into the image. Then, when the ``step``
+  group is chosen, its planner runs start in the background (CPU; they overlap the GPU work);
 - ``backends``: every CUDA attention backend against the float64 reference
   (``ulysses.self_check.compare_with_reference``): bf16 and fp16, head dims 64 and 128, odd
   lengths 45, 301 and 1000, causal and not, plus a sliding window with sinks; a backend that
   ``check_supported`` refuses is "skipped" with its reason (e.g. fa3 not installed);
+- ``step``: the real-model verdict (``_acceptance_step.py``): the planner's pick for
+  Llama-3-8B on 8 GPUs at 128K, 64K, 16K, 8K and 4K tokens per rank, timed by
+  ``benchmarks/step_gpu.py`` on this GPU (one rank of 8 on torch's fake process group) at 1
+  and 2 layers and extended to 32, beside ALST's stack (64K, 128K) and plain Ulysses (4K to
+  16K), FlashAttention-4 where it imports; verdict rows: ours' 32-layer MFU at 128K >= 40%,
+  ours at least as fast as ALST and as plain Ulysses. It comes before the long checks since
+  its verdict is what one call must give; it takes at most 400 s, the most important
+  lengths first (what the budget leaves out is "not run");
 - ``tests``: each test file with CUDA-only tests (found at run time: a
   ``skipif(not torch.cuda.is_available(), ...)`` marker), one pytest run per file, so that a
   timeout costs one file. The
@@ -30,15 +39,16 @@ In order:
   Qwen3.5-9B's shapes, 32K tokens in three packed documents, made sequence-parallel (world 1:
   the dispatch to the model file's kernels, flash-linear-attention's where the carried
   ``fla-core`` wheel is installed, each document alone) against the unmodified layer run
-  document by document; time, peak memory, and the values within bf16's tolerance;
-- ``step``: ``benchmarks/step_gpu.py``'s step time and MFU per stack (alst, ours,
-  ours-keep-attention; alst is built from our code, no deepspeed) at each ``--step-tokens``
-  length, the first also timing each kernel alone. Last, since it is a measurement, not a check.
+  document by document; time, peak memory, and the values within bf16's tolerance.
+
+One 540 s call holds install, backends, step and the first test files; the checks it leaves
+"not run" go in a second call (``--only tests disk fits hybrid``).
 
 Writes ``benchmarks/results/gpu_acceptance_<gpu>.json`` (``--out``), a markdown table with the
 same stem and the subprocesses' full output (``.log``); with ``$OUT`` set (the device tool),
-copies of the three go there. ``--dry-run`` prints every command and the backend grid and
-runs nothing. Exits 1 if a step failed or timed out, 2 without a CUDA device.
+copies of the three go there. ``--dry-run`` prints every command, the step group's schedule
+and the backend grid, and runs nothing. Exits 1 if a step failed or timed out, 2 without a
+CUDA device.
 
 The wheels, once, where pip reaches PyPI (``.whl/`` is ignored by git)::
 
@@ -73,22 +83,33 @@ from _acceptance_checks import (CAP_S, DTYPES, GRID_SHAPE, HEAD_DIMS, LENGTHS, S
                                 SPILL_HOST_GIB, WINDOW_CASE, GiB, backend_rows, cuda_test_files,
                                 disk_rows, fits_rows, grid_backends, grid_cases, grid_cmd,
                                 hybrid_cmd, hybrid_rows, offload_disk_cmd, plan_cmd, pytest_cmd,
-                                pytest_file_rows, run_grid_worker, scale_cmd, step_cmd,
-                                step_rows)
+                                pytest_file_rows, run_grid_worker, scale_cmd)
 from _acceptance_runner import (REPO, Budget, Context, Row, Runner, markdown, slug,
                                 write_report)
+from _acceptance_step import (STEP_CAP_S, PlannerQueue, plan_jobs, rates_of, schedule,
+                              step_cmd, step_rows)
 from ulysses.kernels import check_supported
 
 RESULTS = REPO / "benchmarks" / "results"
-GROUPS = ("backends", "tests", "disk", "fits", "hybrid", "step")
+GROUPS = ("backends", "step", "tests", "disk", "fits", "hybrid")
 WHEELS = {"deepspeed": "deepspeed", "hjson": "hjson", "pydantic": "pydantic",
           "pydantic_core": "pydantic_core", "annotated_types": "annotated_types",
           "typing_inspection": "typing_inspection", "typing_extensions": "typing_extensions",
-          "fla-core": "fla", "einops": "einops"}
+          "fla-core": "fla", "einops": "einops", "flash-attn-4": "flash_attn.cute",
+          "quack-kernels": "quack", "apache-tvm-ffi": "tvm_ffi",
+          "torch-c-dlpack-ext": "torch_c_dlpack_ext"}
 """Distribution -> the module it gives: what the GPU image lacks (deepspeed's and pydantic's
 needs the image does not hold, flash-linear-attention's kernels for the ``hybrid`` group:
-pure Python on Triton, with einops), pinned by constraints.txt; typing_extensions because
-pydantic needs a newer one than the image's."""
+pure Python on Triton, with einops; FlashAttention-4 for the ``step`` group's fa4 runs, pure
+Python, and its small needs), pinned by constraints.txt; typing_extensions because pydantic
+needs a newer one than the image's."""
+NOT_CARRIED = {"nvidia-cutlass-dsl": "cutlass", "cuda-bindings": "cuda.bindings"}
+"""FlashAttention-4's other needs, which no carry can hold: CUTLASS's DSL ships its compiled
+MLIR library as a wheel of 92 MiB for CUDA 12 or 13 (4.6 on; 58 to 74 MiB in one wheel
+before, too old for flash-attn-4). Where the image lacks them, fa4 is skipped: it does not
+import."""
+CARRY_MIB = 64
+"""What the device tool carries with the working tree, in all."""
 
 
 # --- wheels -----------------------------------------------------------------------------------
@@ -100,6 +121,31 @@ def install_cmd(wheels: list[Path], target: Path) -> list[str]:
 
 def _norm(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
+
+
+def importable(module: str) -> bool:
+    """Whether ``module`` (dotted: its parent is imported to look) can be found."""
+    try:
+        return importlib.util.find_spec(module) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def carry_problem(wheel_bytes: int, tree_bytes: int, limit_mib: float = CARRY_MIB) -> str:
+    """Why the wheels and the working tree cannot travel together ("" if they can)."""
+    total = (wheel_bytes + tree_bytes) / (1 << 20)
+    if total <= limit_mib:
+        return ""
+    return (f"the wheels ({wheel_bytes / (1 << 20):.1f} MiB) and the tree "
+            f"({tree_bytes / (1 << 20):.1f} MiB) make {total:.1f} MiB, over the "
+            f"{limit_mib:g} MiB the device tool carries")
+
+
+def tree_bytes() -> int:
+    """The size of the tracked files (what the device tool copies besides the carried paths)."""
+    names = subprocess.run(["git", "ls-files", "-z"], cwd=REPO, capture_output=True,
+                           text=True).stdout.split("\0")
+    return sum((REPO / n).stat().st_size for n in names if n and (REPO / n).is_file())
 
 
 def constraint_pins(path: Path = REPO / "constraints.txt") -> dict[str, str]:
@@ -134,15 +180,20 @@ def make_wheels(where: Path, python_version: str) -> int:
         if rc:
             return rc
     wheels = sorted(where.glob("*.whl"))
-    size = sum(p.stat().st_size for p in wheels) / (1 << 20)
-    print("\n".join(p.name for p in wheels) + f"\n{size:.1f} MiB (the device tool carries 64 "
-          f"MiB with the tree): carry {where.name!r}")
+    size, tree = sum(p.stat().st_size for p in wheels), tree_bytes()
+    print("\n".join(f"{p.stat().st_size / (1 << 20):7.2f} MiB  {p.name}" for p in wheels))
+    problem = carry_problem(size, tree)
+    if problem:
+        print(f"{problem}: leave some out", file=sys.stderr)
+        return 1
+    print(f"{size / (1 << 20):.1f} MiB of wheels, {tree / (1 << 20):.1f} MiB of tree (the "
+          f"device tool carries {CARRY_MIB} MiB in all): carry {where.name!r}")
     return 0
 
 
 def install_rows(ctx: Context, where: Path) -> list[Row]:
     """Installs the carried wheels into a ``--target`` on the children's PYTHONPATH."""
-    missing = [m for m in WHEELS.values() if importlib.util.find_spec(m) is None]
+    missing = [m for m in WHEELS.values() if not importable(m)]
     wheels = sorted(where.glob("*.whl")) if where.is_dir() else []
     name = f"install wheels from {where}"
     if not wheels:
@@ -158,12 +209,15 @@ def install_rows(ctx: Context, where: Path) -> list[Row]:
     ctx.runner.env["PYTHONPATH"] = os.pathsep.join([str(site), ctx.runner.env["PYTHONPATH"]])
     sys.path.insert(0, str(site))
     importlib.invalidate_caches()
-    still = [m for m in WHEELS.values() if importlib.util.find_spec(m) is None]
+    still = [m for m in WHEELS.values() if not importable(m)]
+    image = [f"{m} ({d})" for d, m in NOT_CARRIED.items() if not importable(m)]
     return [Row(group="install", name=name, status="passed", seconds=ran.seconds,
                 command=ran.command,
                 figures={"missing before": ", ".join(missing) or "none",
                          "installed": ", ".join(p.name.split("-")[0] for p in wheels),
-                         "still missing": ", ".join(still) or "none"})]
+                         "still missing": ", ".join(still) or "none",
+                         "fa4's needs not carried, missing in the image": ", ".join(image)
+                         or "none"})]
 
 
 # --- run --------------------------------------------------------------------------------------
@@ -172,7 +226,8 @@ def _header(args: argparse.Namespace) -> dict:
     """The card and the versions the run saw (after the install, so deepspeed's is there)."""
     props = torch.cuda.get_device_properties(0)
     versions = {}
-    for dist in ("transformers", "accelerate", "deepspeed"):
+    for dist in ("transformers", "accelerate", "deepspeed", "flash-attn-4",
+                 "nvidia-cutlass-dsl"):
         try:
             versions[dist] = importlib.metadata.version(dist)
         except importlib.metadata.PackageNotFoundError:
@@ -204,8 +259,7 @@ def steps(args: argparse.Namespace,
         "disk": [disk_rows],
         "fits": [fits_rows],
         "hybrid": [hybrid_rows],
-        "step": [partial(step_rows, tokens=t, kernels=i == 0)
-                 for i, t in enumerate(args.step_tokens)],
+        "step": [step_rows],
     }
     return [(g, step) for g in GROUPS if g in groups for step in chosen[g]]
 
@@ -244,10 +298,18 @@ def run_all(args: argparse.Namespace, groups: list[str]) -> int:
                       gpu_memory=torch.cuda.get_device_properties(0).total_memory)
         show(install_rows(ctx, args.install_wheels))
         header = _header(args)
+        if "step" in groups:  # CPU work that overlaps the GPU's until the step group needs it
+            rates = rates_of(torch.cuda.get_device_name(0))
+            ctx.planners = PlannerQueue(plan_jobs(ctx.tmp, str(ctx.gpu_memory), rates),
+                                        ctx.runner.env, REPO).start()
         show([Row(group=g, name=g, status="not run", reason="not chosen with --only")
               for g in GROUPS if g not in groups])
-        for group, step in steps(args, groups):
-            show(run_step(group, step, ctx))
+        try:
+            for group, step in steps(args, groups):
+                show(run_step(group, step, ctx))
+        finally:
+            if ctx.planners is not None:
+                ctx.planners.stop()
     header["elapsed s"] = round(budget.elapsed(), 1)
     written = write_report(out, header, rows)
     print("\n" + markdown(header, rows) + "wrote " + ", ".join(map(str, written)))
@@ -258,7 +320,7 @@ def dry_run(args: argparse.Namespace, groups: list[str]) -> str:
     """What a run would do, command by command; nothing runs and nothing is written."""
     tmp = Path("$TMP")
     wheels = sorted(args.install_wheels.glob("*.whl")) if args.install_wheels.is_dir() else []
-    missing = [m for m in WHEELS.values() if importlib.util.find_spec(m) is None]
+    missing = [m for m in WHEELS.values() if not importable(m)]
     lines = [f"dry run: one GPU, {args.budget_s:g} s budget; step timeouts {CAP_S} s, cut to "
              f"what is left; $TMP is a temporary directory", "",
              f"== install: {len(wheels)} wheel(s) in {args.install_wheels}; missing here: "
@@ -290,13 +352,29 @@ def dry_run(args: argparse.Namespace, groups: list[str]) -> str:
                  "  FIT_GIB: predicted peak x card / planner budget, up to 0.25 GiB (must run); "
                  "OOM_GIB: 0.9 x predicted peak, down to 0.25 GiB (must run out of memory)"],
         "hybrid": [f"  {shlex.join(hybrid_cmd(tmp / 'hybrid_layer.json'))}"],
-        "step": [f"  {shlex.join(step_cmd(t, i == 0, args.step_iters, tmp / f'step_{t}.json'))}"
-                 for i, t in enumerate(args.step_tokens)],
+        "step": _step_lines(args, tmp),
     }
     for g in GROUPS:
         lines += ["", f"== {g}" + ("" if g in groups else ": not chosen with --only")]
         lines += detail[g] if g in groups else []
     return "\n".join(lines)
+
+
+def _step_lines(args: argparse.Namespace, tmp: Path) -> list[str]:
+    """The planner runs (in the background from the start), the schedule, step_gpu.py."""
+    lines = ["  planner runs, one after another from the start (CARD_BYTES: this card's "
+             "memory; RATES: h100 or h200 by its name), each writing its JSON and JSON.rc:"]
+    lines += [f"  {shlex.join(cmd)}" for cmd, _ in plan_jobs(tmp, "CARD_BYTES", "RATES")]
+    lines.append(f"  then, within {STEP_CAP_S} s, the phases of {tmp / 'step_schedule.json'} "
+                 f"in order (ours: the planner's pick, waited for; if it failed, the named "
+                 f"'ours' stack):")
+    for p in schedule(tmp):
+        runs = ", ".join(r.label + ("" if r.backend == "auto" else f" ({r.backend})")
+                         for r in p.runs)
+        lines.append(f"    {p.tokens}/rank: {runs}" + (" + kernels alone" if p.kernels else ""))
+    lines.append("  " + shlex.join(step_cmd(tmp / "step_schedule.json", tmp / "step.json",
+                                            args.step_iters, STEP_CAP_S - 30)))
+    return lines
 
 
 def _known_skips() -> list[str]:
@@ -331,12 +409,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--slow", action="store_true",
                    help="run the test files with -m 'slow or not slow' (default: the default "
                         "selection, which holds every CUDA-only test)")
-    p.add_argument("--step-tokens", nargs="+", default=["64K"],
-                   help="step_gpu.py lengths per rank, one run each (the first also times the "
-                        "kernels alone). One call of 540 s fits 64K (on an H200 the three "
-                        "stacks and the kernels took 134 s after 232 s of checks); longer "
-                        "lengths go in a second call: --only step --step-tokens 128K")
-    p.add_argument("--step-iters", type=int, default=2, help="step_gpu.py --iters")
+    p.add_argument("--step-iters", type=int, default=3,
+                   help="step_gpu.py --iters: timed steps per run and depth (median)")
     p.add_argument("--fits-tokens", default="64K",
                    help="tokens per rank of the capped fits check and the host-blocks run")
     p.add_argument("--grid-worker", type=Path, default=None, metavar="JSONL",

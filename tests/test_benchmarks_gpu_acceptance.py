@@ -1,6 +1,7 @@
 """``benchmarks/gpu_acceptance.py`` without a GPU: its dry run lists every step, it refuses to
 run without CUDA, pytest's summaries and the backend grid's results become the right rows, the
-report holds every status, and the budget kills a step (with its children) at its limit."""
+report holds every status, the budget kills a step (with its children) at its limit, the step
+group's planner runs, rows and verdicts, and the carried wheels fit the device tool."""
 
 from __future__ import annotations
 
@@ -23,7 +24,10 @@ sys.path.append(str(REPO / "benchmarks"))
 import gpu_acceptance as ga  # noqa: E402
 from _acceptance_checks import (SOFTCAP_CASES, SYMMETRIC_CASE, WINDOW_CASE, caps,  # noqa: E402
                                 cuda_test_files, grid_backends, grid_case, grid_cases,
-                                grid_rows, step_record_rows)
+                                grid_rows)
+from _acceptance_step import (PlannerQueue, measurement_rows, mfu_verdict,  # noqa: E402
+                              plan_jobs, plan_path, planner_rows, rates_of, schedule,
+                              speed_verdict, step_record_rows)
 from _acceptance_runner import (Budget, Ran, Row, Runner, parse_pytest_summary,  # noqa: E402
                                 pytest_row, write_report)
 
@@ -41,10 +45,22 @@ def test_dry_run_lists_every_group_its_commands_and_the_grid(capsys, tmp_path):
     for command in ("benchmarks/gpu_acceptance.py --grid-worker",
                     "benchmarks/offload_disk.py --device cuda",
                     "benchmarks/scale_gpu.py", "--seq-chunk 4", "--cap-gib CAP",
-                    "-m arctic.plan", "--tokens-per-rank 64K --stack alst --stack ours "
-                    "--stack ours-keep-attention --backend auto --kernels"):
+                    "-m arctic.plan --model llama3-8b --gpus 8 --seq-len 1048576 --gpu-memory "
+                    "CARD_BYTES --rates RATES --quick --json",
+                    "--seq-len 32768 --gpu-memory CARD_BYTES --rates RATES --quick --no-search "
+                    "--stack ulysses --json",
+                    "--seq-len 524288 --gpu-memory CARD_BYTES --rates RATES --quick --no-search "
+                    "--stack alst --json",
+                    "benchmarks/step_gpu.py --model llama3-8b --world 8 --depths 1 2 "
+                    "--full-layers 32 --schedule", "--iters 3 --budget-s",
+                    "    128K/rank: ours, alst\n    16K/rank: ours, ulysses + kernels alone\n"
+                    "    8K/rank: ours, ulysses\n    4K/rank: ours, ulysses\n"
+                    "    64K/rank: ours, alst\n    64K/rank: ours (fa4)\n"
+                    "    128K/rank: ours (fa4)\n    64K/rank: ulysses\n    128K/rank: ulysses\n"):
         assert command in text, command
-    assert "--tokens-per-rank 128K" not in text  # a second call's length (--only step)
+    assert text.count("--rates RATES --quick") == 12  # ours at 5 lengths, the peers at 7
+    # the step group (its verdict) before the long checks
+    assert text.index("\n== backends") < text.index("\n== step") < text.index("\n== tests")
     backends = grid_backends()
     assert "math" not in backends and "cpu_flash" not in backends
     assert {"sdpa_flash", "sdpa_efficient", "sdpa_cudnn"} <= set(backends)
@@ -252,22 +268,6 @@ def test_a_spent_budget_runs_nothing(tmp_path):
     assert not marker.exists()
 
 
-def test_step_json_becomes_mfu_and_kernel_rows():
-    record = {"runs": [{"stack": "ours", "backend": "auto", "kernel": "sdpa_cudnn",
-                        "step_s": 2.0, "tokens_per_s_per_rank": 32768.0, "mfu": 0.4123,
-                        "mfu_executed": 0.55, "max_memory_allocated": 12 * GiB}],
-              "kernels": [{"backend": "fa3", "skipped": "not installed", "seq_len": 524288},
-                          {"backend": "sdpa_flash", "seconds": 1.5, "tflops": 321.04,
-                           "seq_len": 524288}]}
-    run, fa3, flash = step_record_rows(record, "64K")
-    assert run.name == "ours, auto (sdpa_cudnn), 64K/rank"
-    assert run.figures == {"MFU": "41.2%", "MFU executed": "55.0%", "step s": 2.0,
-                           "tok/s/rank": 32768, "max alloc GiB": 12.0}
-    assert (fa3.status, fa3.reason) == ("skipped", "not installed")
-    assert flash.name == "kernel sdpa_flash alone, S=512K causal fwd+bwd"
-    assert flash.figures == {"TFLOP/s": 321.0}
-
-
 def test_caps_bracket_the_planners_verdict():
     """The fit cap is the smallest quarter GiB whose planner budget (less 5%, over the 1.12
     headroom) holds the peak; the other is under the peak itself."""
@@ -284,6 +284,20 @@ def test_every_wheel_is_pinned():
     assert all(ga._norm(name) in pins for name in ga.WHEELS)
 
 
+def test_the_wheel_set_carries_flash_attention_4_but_not_cutlass():
+    """FlashAttention-4 and its small needs travel; CUTLASS's DSL (92 MiB a wheel) cannot."""
+    assert ga.WHEELS["flash-attn-4"] == "flash_attn.cute"  # what ulysses.cuda_kernels imports
+    assert {"quack-kernels", "apache-tvm-ffi", "torch-c-dlpack-ext", "einops",
+            "typing_extensions"} <= set(ga.WHEELS)
+    assert "nvidia-cutlass-dsl" in ga.NOT_CARRIED and "nvidia-cutlass-dsl" not in ga.WHEELS
+    assert ga.CARRY_MIB == 64
+    MiB = 1 << 20
+    assert ga.carry_problem(12 * MiB, 5 * MiB) == ""
+    assert ga.carry_problem(59 * MiB, 5 * MiB) == ""
+    assert "make 65.0 MiB, over the 64 MiB" in ga.carry_problem(60 * MiB, 5 * MiB)
+    assert ga.importable("json") and not ga.importable("no_such_package.cute")
+
+
 def test_a_step_that_raises_becomes_a_failed_row():
     def step_rows(ctx):
         return [{}["runs"]]
@@ -291,3 +305,145 @@ def test_a_step_that_raises_becomes_a_failed_row():
     (row,) = ga.run_step("step", step_rows, ctx=None)
     assert (row.group, row.name, row.status) == ("step", "step_rows", "failed")
     assert row.reason == "gpu_acceptance.py raised KeyError: 'runs'"
+
+
+# --- the step group ---------------------------------------------------------------------------
+
+def _depth(label, tokens_k, step_s, mfu=None, backend="auto", **kw):
+    d = {"label": label, "stack": None if label == "ours" else label, "source": "planner",
+         "backend": backend, "kernel": "sdpa_cudnn", "tokens_per_rank": tokens_k * 1024,
+         "seq_len": 8 * tokens_k * 1024, "predicted": None, "plan_error": "",
+         "layers": [1, 2], "full_layers": 32, "per_layer_s": step_s / 33, "fixed_s": step_s / 33,
+         "step_s": step_s, "tokens_per_s_per_rank": tokens_k * 1024 / step_s}
+    if mfu is not None:
+        d.update(mfu=mfu, mfu_executed=mfu * 1.3)
+    d.update(kw)
+    return d
+
+
+def _run(label, tokens_k, layers, status, reason="", backend="auto"):
+    return {"label": label, "backend": backend, "seq_len": 8 * tokens_k * 1024,
+            "tokens_per_rank": tokens_k * 1024, "layers": layers, "status": status,
+            "reason": reason}
+
+
+def test_the_mfu_verdict():
+    passed = mfu_verdict({"runs": [], "depth": [_depth("ours", 128, 300.0, mfu=0.412)]})
+    assert passed.status == "passed" and passed.figures["MFU"] == "41.2%"
+    assert passed.name == "verdict: ours' MFU at 128K/rank, 32 layers >= 40%"
+    failed = mfu_verdict({"runs": [], "depth": [_depth("ours", 128, 330.0, mfu=0.38)]})
+    assert (failed.status, failed.reason) == ("failed", "MFU 38.0% < 40%")
+    other_length = mfu_verdict({"runs": [], "depth": [_depth("ours", 64, 80.0, mfu=0.5)]})
+    assert other_length.status == "not run"
+    oom = mfu_verdict({"runs": [_run("ours", 128, 1, "oom", "CUDA out of memory")],
+                       "depth": []})
+    assert oom.status == "failed" and oom.reason.startswith("out of memory at 1 layer")
+    budget = mfu_verdict({"runs": [_run("ours", 128, 1, "not run", "--budget-s")], "depth": []})
+    assert budget.status == "not run"
+
+
+def test_the_speed_verdicts():
+    record = {"runs": [], "depth": [_depth("ours", 128, 300.0), _depth("alst", 128, 310.0),
+                                    _depth("ours", 4, 2.0), _depth("ulysses", 4, 1.97),
+                                    _depth("ours", 8, 4.0), _depth("ulysses", 8, 3.8)]}
+    faster = speed_verdict(record, "128K", "alst")
+    assert faster.status == "passed" and faster.figures["ours / peer"] == round(310 / 300, 3)
+    within_noise = speed_verdict(record, "4K", "ulysses")
+    assert within_noise.status == "passed"  # 1.5% slower: inside the 2% allowance
+    slower = speed_verdict(record, "8K", "ulysses")
+    assert slower.status == "failed" and "1.053x slower than ulysses" in slower.reason
+    record["runs"] = [_run("alst", 64, 1, "oom", "CUDA out of memory"),
+                      _run("ours", 16, 1, "oom", "CUDA out of memory"),
+                      _run("ulysses", 16, 1, "timed"), _run("ulysses", 16, 2, "timed")]
+    record["depth"] += [_depth("ours", 64, 80.0), _depth("ulysses", 16, 9.0)]
+    peer_oom = speed_verdict(record, "64K", "alst")
+    assert peer_oom.status == "passed" and "out of memory" in peer_oom.reason
+    ours_oom = speed_verdict(record, "16K", "ulysses")
+    assert ours_oom.status == "failed" and "out of memory" in ours_oom.reason
+    assert speed_verdict(record, "32K", "alst").status == "not run"
+
+
+def test_measurement_rows_show_the_full_model_and_the_planners_prediction():
+    predicted = {"step_s": 280.0, "less_collective_s": 262.5, "by_class_s": {}}
+    record = {"depth": [_depth("ours", 128, 290.0, mfu=0.42, predicted=predicted,
+                               max_memory_allocated=20 * GiB)],
+              "runs": [_run("ours", 128, 1, "timed"), _run("ours", 128, 2, "timed"),
+                       _run("ours", 128, 1, "skipped", "cannot import flash_attn.cute",
+                            backend="fa4"),
+                       _run("ulysses", 128, 1, "oom", "CUDA out of memory"),
+                       _run("ulysses", 128, 2, "oom", "CUDA out of memory")]}
+    ours, fa4, ulysses = measurement_rows(record)
+    assert ours.name == "ours (sdpa_cudnn), 128K/rank, 32 layers" and ours.status == "passed"
+    assert ours.figures["32-layer step s"] == 290.0 and ours.figures["MFU"] == "42.0%"
+    assert ours.figures["predicted s"] == 280.0
+    assert ours.figures["predicted less collective s"] == 262.5
+    assert ours.figures["max alloc GiB at 2 layers"] == 20.0
+    assert (fa4.name, fa4.status) == ("ours fa4, 128K/rank", "skipped")
+    assert "flash_attn.cute" in fa4.reason
+    assert ulysses.status == "skipped" and ulysses.reason.startswith("out of memory")
+    rows = step_record_rows({**record, "kernels": [
+        {"backend": "fa3", "skipped": "not installed", "seq_len": 131072},
+        {"backend": "sdpa_cudnn", "seconds": 0.05, "tflops": 540.04, "seq_len": 131072}]})
+    assert rows[0].name.startswith("verdict: ours' MFU") and rows[0].status == "passed"
+    assert rows[-1].name == "kernel sdpa_cudnn alone, S=128K causal fwd+bwd"
+    assert rows[-1].figures == {"TFLOP/s": 540.0}
+
+
+def test_planner_rows_read_each_lengths_pick(tmp_path):
+    ours = plan_path(tmp_path, "ours", "128K")
+    ours.write_text(json.dumps({"estimate": {
+        "sp": {"sequence_parallel_size": 8, "head_chunk_size": 1, "recompute_attention": False},
+        "fits": True, "predicted": {"step_s": 280.0, "by_class_s": {"collective": 17.5}}}}))
+    (tmp_path / f"{ours.name}.rc").write_text("0")
+    alst = plan_path(tmp_path, "alst", "128K")
+    (tmp_path / f"{alst.name}.rc").write_text("2")
+    (tmp_path / f"{alst.name}.log").write_text("usage: ...\nerror: unrecognized arguments: "
+                                              "--rates h100\n")
+    no_prediction = plan_path(tmp_path, "ours", "16K")
+    no_prediction.write_text(json.dumps({"estimate": {"sp": {}, "fits": True}}))
+    (tmp_path / f"{no_prediction.name}.rc").write_text("0")
+    rows = {r.name: r for r in planner_rows(tmp_path, {ours: 31.5})}
+    first = rows["planner: ours at 128K/rank on 8 GPUs"]
+    assert first.status == "passed" and first.seconds == 31.5
+    assert first.figures["settings"] == ("sequence_parallel_size=8, head_chunk_size=1, "
+                                         "recompute_attention=False")
+    assert first.figures["predicted ours"] == "280.00 s (262.50 s without communication)"
+    assert first.figures["predicted alst"] == ("planner rc 2: error: unrecognized arguments: "
+                                               "--rates h100")
+    short = rows["planner: ours at 16K/rank on 8 GPUs"]
+    assert (short.status, short.reason) == ("failed", "the planner's JSON has no "
+                                                      "estimate.predicted")
+    late = rows["planner: ours at 64K/rank on 8 GPUs"]
+    assert late.status == "failed" and "had not ended" in late.reason
+
+
+def test_the_planner_queue_runs_in_order_and_marks_each_end(tmp_path):
+    write = "import json, sys; open(sys.argv[1], 'w').write(json.dumps({'ok': 1}))"
+    jobs = [([sys.executable, "-c", write, str(tmp_path / "a.json")], tmp_path / "a.json"),
+            ([sys.executable, "-c", "import sys; sys.exit(3)"], tmp_path / "b.json"),
+            ([sys.executable, "-c", "import time; time.sleep(30)"], tmp_path / "c.json")]
+    queue = PlannerQueue(jobs, dict(os.environ), REPO, cap_s=2.0).start()
+    for _ in range(200):
+        if (tmp_path / "c.json.rc").exists():
+            break
+        time.sleep(0.1)
+    queue.stop()
+    assert json.loads((tmp_path / "a.json").read_text()) == {"ok": 1}
+    assert [(tmp_path / f"{n}.json.rc").read_text() for n in "abc"] == ["0", "3", "timeout"]
+    assert set(queue.seconds) == {p for _, p in jobs}
+
+
+def test_the_schedule_puts_the_verdicts_first_and_waits_for_the_planner(tmp_path):
+    phases = schedule(tmp_path)
+    assert [(p.tokens, [r.label for r in p.runs]) for p in phases[:5]] == [
+        ("128K", ["ours", "alst"]), ("16K", ["ours", "ulysses"]), ("8K", ["ours", "ulysses"]),
+        ("4K", ["ours", "ulysses"]), ("64K", ["ours", "alst"])]
+    ours = phases[0].runs[0]
+    assert ours.plan == str(plan_path(tmp_path, "ours", "128K"))
+    assert (ours.plan_done, ours.fallback) == (f"{ours.plan}.rc", "ours")
+    assert [p.tokens for p in phases if p.kernels] == ["16K"]
+    assert {(p.tokens, r.backend) for p in phases for r in p.runs if r.backend != "auto"} == {
+        ("64K", "fa4"), ("128K", "fa4")}
+    jobs = [json for _, json in plan_jobs(tmp_path, "85899345920", "h100")]
+    assert jobs[0] == plan_path(tmp_path, "ours", "128K") and len(set(jobs)) == len(jobs) == 12
+    assert rates_of("NVIDIA H200") == "h200" and rates_of("NVIDIA H100 80GB HBM3") == "h100"
