@@ -18,7 +18,9 @@ In order:
   Llama-3-8B on 8 GPUs at 128K, 64K, 16K, 8K and 4K tokens per rank, timed by
   ``benchmarks/step_gpu.py`` on this GPU (one rank of 8 on torch's fake process group) at 1
   and 2 layers and extended to 32, beside ALST's stack (64K, 128K) and plain Ulysses (4K to
-  16K), FlashAttention-4 where it imports; verdict rows: ours' 32-layer MFU at 128K >= 40%,
+  16K; our ``ulysses`` stack, DeepSpeed's ``DistributedAttention`` in effect: step_gpu's
+  build has no place for DeepSpeed's module-global SP groups), FlashAttention-4 where it
+  imports; verdict rows: ours' 32-layer MFU at 128K >= 40%,
   ours at least as fast as ALST and as plain Ulysses. It comes before the long checks since
   its verdict is what one call must give; it takes at most 400 s, the most important
   lengths first (what the budget leaves out is "not run");

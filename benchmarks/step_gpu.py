@@ -81,6 +81,8 @@ from arctic.plan.work import count_work, model_flops  # noqa: E402
 from ulysses import BACKENDS  # noqa: E402
 
 GiB = 1 << 30
+MIN_BUILD_S = 20.0
+"""The least ``--budget-s`` time worth building and warming a run with."""
 WARM_TO_STEADY = 0.9
 """A steady step over the warm-up's (which counts its work and pays first-use costs): how
 ``--budget-s`` estimates the timed rounds from the warm-ups."""
@@ -231,8 +233,9 @@ def run_phase(phase: Phase, args, device, world: int, real: bool, dtype, deadlin
         for depth in depths:
             entry = dict(base, layers=depth)
             entries.append(entry)
-            if deadline.left() <= 0:
-                entry.update(status="not run", reason="--budget-s spent before it was built")
+            if deadline.left() < MIN_BUILD_S:
+                entry.update(status="not run", reason=f"--budget-s: {deadline.left():.0f} s "
+                                                      f"left, too little to build it")
                 continue
             run = None
             try:

@@ -44,13 +44,19 @@ def _planner_json(path: Path, sp: dict = OURS, predicted: dict | None = PREDICTE
 
 
 def test_step_benchmark_at_two_depths_counts_work_and_reads_the_planner(tmp_path):
-    out = tmp_path / "step.json"
+    """A schedule as gpu_acceptance.py writes it: ours from the planner's JSON once its end
+    is marked, beside inline fields."""
+    out, schedule = tmp_path / "step.json", tmp_path / "schedule.json"
     plan = _planner_json(tmp_path / "plan.json")
+    (tmp_path / "plan.json.rc").write_text("0")
+    write_schedule([Phase(tokens="512", runs=[
+        RunSpec(label="kept", fields=KEPT),
+        RunSpec(label="ours", plan=str(plan), plan_done=f"{plan}.rc", fallback="ours")])],
+        schedule)
     proc = subprocess.run(
         [sys.executable, "benchmarks/step_gpu.py", "--model", "tiny-llama", "--world", "2",
-         "--tokens-per-rank", "512", "--iters", "1", "--depths", "1", "2", "--full-layers", "4",
-         "--fields", f"kept={json.dumps(KEPT)}", "--fields", f"ours={plan}", "--dtype", "fp32",
-         "--peak-tflops", "1", "--out", str(out)],
+         "--schedule", str(schedule), "--iters", "1", "--depths", "1", "2", "--full-layers", "4",
+         "--dtype", "fp32", "--peak-tflops", "1", "--budget-s", "600", "--out", str(out)],
         cwd=REPO, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     record = json.loads(out.read_text())
@@ -188,6 +194,21 @@ def test_depth_entries_extend_to_the_full_model_and_give_its_mfu():
     assert d["executed_flops"] == pytest.approx(7e15 * 32 + 1e15 + 32e14)
     assert d["tokens_per_s_per_rank"] == pytest.approx(131072 / 290.0)
     assert d["max_memory_allocated"] == 7
+
+
+def test_the_command_line_runs_every_stack_and_fields_with_every_kernel(tmp_path):
+    import step_gpu
+
+    plan = _planner_json(tmp_path / "plan.json")
+    phases = step_gpu.phases_from_args(step_gpu.parse_args(
+        ["--tokens-per-rank", "4K", "128K", "--stack", "alst", "--fields", f"ours={plan}",
+         "--backend", "auto", "--backend", "fa4", "--kernels"]))
+    assert [p.tokens for p in phases] == ["4K", "128K"] and all(p.kernels for p in phases)
+    assert [(r.label, r.stack, r.plan, r.backend) for r in phases[0].runs] == [
+        ("alst", "alst", None, "auto"), ("alst", "alst", None, "fa4"),
+        ("ours", None, str(plan), "auto"), ("ours", None, str(plan), "fa4")]
+    default = step_gpu.phases_from_args(step_gpu.parse_args([]))
+    assert [r.label for r in default[0].runs] == ["alst", "ours", "ours-keep-attention"]
 
 
 def test_fields_come_inline_from_a_file_or_from_the_planner(tmp_path):
