@@ -246,8 +246,9 @@ def run_phase(phase: Phase, args, device, world: int, real: bool, dtype, deadlin
                 live.append((entry, run))
             except Exception as e:  # out of memory, a kernel refused: the others go on
                 _fail(entry, e, spec.backend != "auto")
-                if run is not None:
-                    run.close(device)
+            if entry.get("status") is not None and run is not None:
+                run.close(device)  # after the except block: its traceback held the tensors
+            elif entry.get("status") is not None:
                 _free(device)
     need = args.iters * WARM_TO_STEADY * sum(run.warm_s for _, run in live)
     if live and need > deadline.left():
@@ -260,8 +261,9 @@ def run_phase(phase: Phase, args, device, world: int, real: bool, dtype, deadlin
         for entry, run in list(live):
             try:
                 run.times.append(run.step(device, real))
-            except torch.OutOfMemoryError as e:
+            except Exception as e:  # out of memory at a steady step: the others go on
                 _fail(entry, e, False)
+            if entry.get("status") is not None:
                 run.close(device)
                 live.remove((entry, run))
     full_config = model_config(args.model, layers=args.full_layers, max_positions=seq)
