@@ -17,6 +17,8 @@ Backends (pick one by name, or let :func:`select_backend` choose by device and d
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import math
 from dataclasses import dataclass
 from typing import Literal
@@ -187,6 +189,30 @@ _SOFTCAP_BACKWARD = {"math": _math_backward, **cuda_kernels.SOFTCAP_BACKWARD}
 every other backend's softcapped calls run :mod:`ulysses.softcap`'s blockwise kernel."""
 
 
+_OBSERVER: contextvars.ContextVar = contextvars.ContextVar("attention_observer", default=None)
+"""A callable ``(direction, q, k, v, causal, backend)`` that returns a context around each
+kernel call (:func:`observe_attention`); None: none."""
+
+
+@contextlib.contextmanager
+def observe_attention(observer):
+    """Call ``observer(direction, q, k, v, causal, backend)`` at every kernel call inside the
+    block (``direction``: ``"forward"`` or ``"backward"``), the call running inside the
+    context it returns: how :mod:`arctic.plan.work` counts attention's work by kernel call,
+    whatever the backend computes it with."""
+    token = _OBSERVER.set(observer)
+    try:
+        yield
+    finally:
+        _OBSERVER.reset(token)
+
+
+def _observed(direction: str, q: Tensor, k: Tensor, v: Tensor, causal: bool, backend: str):
+    observer = _OBSERVER.get()
+    return (contextlib.nullcontext() if observer is None
+            else observer(direction, q, k, v, causal, backend))
+
+
 def attention_forward(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, *, causal: bool,
                       softmax_scale: float, backend: str,
                       softcap: float = 0.0) -> tuple[Tensor, Tensor]:
@@ -196,6 +222,12 @@ def attention_forward(q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD: Tensor, *, causal:
     :func:`check_qkv` enforces it. ``softcap``: scores ``z`` become ``softcap * tanh(z /
     softcap)`` inside the softmax (0: none).
     """
+    with _observed("forward", q_BSHD, k_BSKD, v_BSKD, causal, backend):
+        return _attention_forward(q_BSHD, k_BSKD, v_BSKD, causal=causal,
+                                  softmax_scale=softmax_scale, backend=backend, softcap=softcap)
+
+
+def _attention_forward(q_BSHD, k_BSKD, v_BSKD, *, causal, softmax_scale, backend, softcap):
     if softcap:
         forward = _SOFTCAP_FORWARD.get(backend, softcap_forward)
         return forward(q_BSHD, k_BSKD, v_BSKD, causal, softmax_scale, softcap)
@@ -209,6 +241,14 @@ def attention_backward(dout_BSHD: Tensor, q_BSHD: Tensor, k_BSKD: Tensor, v_BSKD
 
     Returns ``(dq_BSHD, dk_BSKD, dv_BSKD)``, shaped like ``q``, ``k``, ``v``.
     """
+    with _observed("backward", q_BSHD, k_BSKD, v_BSKD, causal, backend):
+        return _attention_backward(dout_BSHD, q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS,
+                                   causal=causal, softmax_scale=softmax_scale, backend=backend,
+                                   softcap=softcap)
+
+
+def _attention_backward(dout_BSHD, q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, *, causal,
+                        softmax_scale, backend, softcap):
     if softcap:
         backward = _SOFTCAP_BACKWARD.get(backend, softcap_backward)
         return backward(dout_BSHD, q_BSHD, k_BSKD, v_BSKD, out_BSHD, lse_BHS, causal,

@@ -70,21 +70,22 @@ def is_cached(key: str) -> bool:
     return where is not None and (where / f"{key}.json").is_file()
 
 
-def cached(key: str, trace) -> tuple[dict[str, Peak], bool]:
+def cached(key: str, trace, *, encode=_encode, decode=_decode) -> tuple[dict[str, Peak], bool]:
     """``trace()``'s phases, from the cache when there (``(phases, True)``), else traced and
-    stored (``(phases, False)``)."""
+    stored (``(phases, False)``). ``encode``/``decode``: another result's JSON form (a
+    counted step's :class:`arctic.plan.work.Work`)."""
     where = cache_dir()
     path = where / f"{key}.json" if where is not None else None
     if path is not None and path.is_file():
         try:
-            return _decode(json.loads(path.read_text())), True
+            return decode(json.loads(path.read_text())), True
         except (ValueError, KeyError, TypeError):
             pass  # a torn or old entry: trace again and overwrite it
     phases = trace()
     if path is not None:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_text(json.dumps(_encode(phases)))
+        tmp.write_text(json.dumps(encode(phases)))
         tmp.replace(path)  # atomic: parallel planners never read half an entry
     return phases, False
 

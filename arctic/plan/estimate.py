@@ -44,6 +44,8 @@ from arctic.plan.step import (
 )
 from arctic.plan.tracing import KINDS, Peak, buffer_pools, fake_world, track_peak
 from arctic.plan.units import GiB
+from arctic.plan.speed import Prediction, Rates, predict, rates_from
+from arctic.plan.work import CLASSES, Work, count_work, model_flops
 from ulysses.torch_internals import FakeTensorMode
 from ulysses.trace_shortcuts import memory_trace
 
@@ -105,6 +107,8 @@ class Estimate:
     """The disk tier's bytes per rank (0: no disk tier)."""
     notes: tuple[str, ...] = ()
     """What the figures leave out (:data:`VISION_NOTE`)."""
+    prediction: Prediction | None = None
+    """The step's predicted time (:mod:`arctic.plan.speed`), when planned with rates."""
 
     @property
     def fits(self) -> bool:
@@ -140,7 +144,8 @@ class Estimate:
                 "allocator_headroom": self.headroom, "state_offload": self.placement.mode,
                 "state_host_bytes": self.state_host, "disk_bytes": self.disk,
                 "disk_budget": self.disk_budget, "method": self.method,
-                "trace_s": round(self.trace_s, 1), "notes": list(self.notes)}
+                "trace_s": round(self.trace_s, 1), "notes": list(self.notes),
+                "predicted": self.prediction.as_dict() if self.prediction else None}
 
 
 _NUMBERS = ("total", "host", "stateless", "shard_params", "optimizer_state")
@@ -183,6 +188,26 @@ def _trace(config, sp, world: int, seq_len: int, *, shard: bool,
     return {k: replace(v, host=host) for k, v in tracker.phases.items()}
 
 
+def _work_trace(config, sp, world: int, seq_len: int, *, shard: bool,
+                compute_dtype) -> Work:
+    """One traced step's work (:func:`arctic.plan.work.count_work`), whole: no trace
+    shortcuts (they skip work a memory trace need not repeat). The offload pools' copies are
+    counted from their statistics (a trace copies nothing)."""
+    fake_world(world)
+    mesh = sp.dims(world).build_mesh("cpu")
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        model, optimizer = build(config, sp, mesh, device="cpu", shard=shard,
+                                 host_memory_limit=1 << 62, compute_dtype=compute_dtype)
+        init_optimizer_state(model, optimizer)
+        batch = make_batch(seq_len, text_config_of(config).vocab_size, mesh, "cpu")
+        with count_work() as work:
+            train_step(model, optimizer, batch)
+    session = getattr(model, "activation_offload", None)
+    if session is not None:
+        work.host_copy += session.pool.stats.bytes_offloaded + session.pool.stats.bytes_restored
+    return work
+
+
 WORKERS = int(os.environ.get("ARCTIC_PLAN_WORKERS", "0")) or min(4, os.cpu_count() or 1)
 """Processes that trace at once when several traces are needed (a trace is one Python
 thread); ``ARCTIC_PLAN_WORKERS`` overrides."""
@@ -215,16 +240,25 @@ def start_workers() -> None:
 
 
 def _trace_in_worker(job) -> None:
-    config, sp, world, shard, seq_len, layers = job
-    _Tracer(config, sp, world, shard=shard).at(seq_len, layers)  # into the disk cache
+    config, sp, world, shard, seq_len, layers, work, dtype = job
+    _Tracer(config, sp, world, shard=shard, work=work,
+            compute_dtype=dtype).at(seq_len, layers)  # into the disk cache
 
 
 class _Tracer:
-    """Traces of one setting at any length and depth, through the disk cache."""
+    """Traces of one setting at any length and depth, through the disk cache: each phase's
+    peak, or with ``work`` the step's work (:func:`_work_trace`)."""
 
-    def __init__(self, config, sp, world: int, *, shard: bool) -> None:
+    def __init__(self, config, sp, world: int, *, shard: bool, work: bool = False,
+                 compute_dtype=None) -> None:
+        import torch
+
         self.config, self.sp, self.world, self.shard = config, sp, world, shard
+        self.work, self.compute_dtype = work, compute_dtype or torch.bfloat16
         self.fields = {k: getattr(sp, k) for k in PLANNED_FIELDS}
+        if work or self.compute_dtype != torch.bfloat16:
+            self.fields.update(counted="work" if work else "memory",
+                               compute_dtype=str(self.compute_dtype))
         # the model's own; None: no positions to bound (a state-space model: Mamba2)
         self.positions = getattr(text_config_of(config), "max_position_embeddings", None)
 
@@ -243,10 +277,16 @@ class _Tracer:
         return trace_key(self._shaped(seq_len, layers), self.fields, world=self.world,
                          seq_len=seq_len, shard=self.shard)
 
-    def at(self, seq_len: int, layers: int) -> dict[str, Peak]:
+    def at(self, seq_len: int, layers: int):
         config = self._shaped(seq_len, layers)
         key = trace_key(config, self.fields, world=self.world, seq_len=seq_len,
                         shard=self.shard)
+        if self.work:
+            work, _ = cached(key, lambda: _work_trace(
+                config, self.sp, self.world, seq_len, shard=self.shard,
+                compute_dtype=self.compute_dtype), encode=Work.as_dict,
+                decode=lambda d: Work(**d))
+            return work
         phases, _ = cached(key, lambda: _trace(config, self.sp, self.world, seq_len,
                                                shard=self.shard))
         return phases
@@ -260,7 +300,8 @@ class _Tracer:
         if len(todo) < 2 or WORKERS < 2 or cache_dir() is None:
             return
         with _workers_context().Pool(min(WORKERS, len(todo))) as pool:
-            pool.map(_trace_in_worker, [(self.config, self.sp, self.world, self.shard, n, d)
+            pool.map(_trace_in_worker, [(self.config, self.sp, self.world, self.shard, n, d,
+                                         self.work, self.compute_dtype)
                                         for n, d in todo], chunksize=1)
 
     def depths(self) -> tuple[int, ...]:
@@ -276,6 +317,58 @@ class _Tracer:
             return self.at(seq_len, depth)
         a, b = self.at(seq_len, la), self.at(seq_len, lb)
         return {k: _along(a[k], b[k], la, lb, depth) for k in a}
+
+
+WORK_TOKENS = 4096
+"""Tokens per rank up to which a step's work is counted at its own length. Longer steps are
+read off counts at half this and at this: every class but attention is affine in the length
+(tiles, chunks and hops repeat the same work over more tokens), and attention's FLOPs are
+``c n^2 + d n`` (exactly so for one causal document)."""
+
+
+def step_work(config, sp, world: int, seq_len: int, *, shard: bool = True,
+              compute_dtype=None) -> Work:
+    """The work of one step of ``config`` at ``seq_len`` tokens with settings ``sp`` over
+    ``world`` ranks, rank 0's (:mod:`arctic.plan.work`), counted on traces (cached) at two
+    depths (:func:`work_depths`) and, past :data:`WORK_TOKENS` per rank, two lengths."""
+    tracer = _Tracer(config, sp, world, shard=shard, work=True, compute_dtype=compute_dtype)
+    depth = text_config_of(config).num_hidden_layers
+    da, db = work_depths(config)
+    depths = (depth,) if depth <= db else (da, db)
+    divisor = sp.dims(world).seq_len_divisor
+    size = sp.sequence_parallel_size
+    if seq_len // size <= WORK_TOKENS:
+        lengths = (seq_len,)
+    else:
+        lengths = tuple(-(-n * size // divisor) * divisor for n in (WORK_TOKENS // 2, WORK_TOKENS))
+    tracer.prefetch([(n, d) for n in lengths for d in depths])
+
+    def deep(n: int) -> Work:
+        if len(depths) == 1:
+            return tracer.at(n, depth)
+        a, b = tracer.at(n, da), tracer.at(n, db)
+        return a + (b - a).scaled((depth - da) / (db - da))
+
+    if len(lengths) == 1:
+        return deep(seq_len)
+    (na, nb), (wa, wb) = lengths, (deep(lengths[0]), deep(lengths[1]))
+    values = {}
+    for k in CLASSES:
+        ya, yb = getattr(wa, k), getattr(wb, k)
+        if k.startswith("attention"):  # c n^2 + d n through both counts
+            c = (yb / nb - ya / na) / (nb - na)
+            values[k] = c * seq_len ** 2 + (ya / na - c * na) * seq_len
+        else:
+            values[k] = ya + (yb - ya) * (seq_len - na) / (nb - na)
+    return Work(**values)
+
+
+def work_depths(config) -> tuple[int, int]:
+    """The depths whose counts give a deeper model's work: one and two layers, or one and two
+    periods of a hybrid's ``layer_types``. Work, unlike memory, has no peak to shift: it is
+    affine in the depth from one layer on."""
+    p = layer_period(config)
+    return p, 2 * p
 
 
 def layer_period(config) -> int:
@@ -350,7 +443,8 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
          reserve: float = 0.05, headroom: float = ALLOCATOR_HEADROOM,
          placement: Placement | None = None, layers: int | None = None, shard: bool = True,
          full_trace: bool = False, quick: bool = False, line: bool = True,
-         disk_memory: int = 0) -> Estimate:
+         disk_memory: int = 0, rates: Rates | str | None = None,
+         compute_dtype=None) -> Estimate:
     """Trace one training step of ``model`` at ``seq_len`` tokens over ``gpus * nodes`` ranks
     (rank 0) and compare its peak with the budgets: ``gpu_memory * (1 - reserve) / headroom``
     of allocated bytes per rank on the device (``reserve``: CUDA context and NCCL;
@@ -364,6 +458,11 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
     ``full_trace`` traces every layer at the length itself; otherwise the depth and length
     lines of the module docstring apply (``line=False``: the depth line only, the length
     traced), ``quick`` skipping the length line's check.
+
+    ``rates`` (a :class:`~arctic.plan.speed.Rates`, a name of
+    :data:`~arctic.plan.speed.DEVICES` or a file ``--calibrate`` wrote): also predict the
+    step's time from its counted work (:func:`step_work`, :func:`predict_step`).
+    ``compute_dtype``: the step's compute dtype (default bf16, as the GPUs train).
     """
     if headroom < 1:
         raise ValueError(f"headroom is reserved / allocated bytes, >= 1; got {headroom}")
@@ -402,6 +501,10 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
     elif host > host_limit and not disk:
         refused = (f"the offloaded layer inputs and state need {host / GiB:.2f} GiB of host "
                    f"memory per rank, more than the offload limit of {host_limit / GiB:.2f} GiB")
+    prediction = None
+    if rates is not None:
+        prediction = predict_step(config, sp, world, seq_len, rates, shard=shard,
+                                  placement=placement, peak=peak, compute_dtype=compute_dtype)
     return Estimate(model=model, stack=stack if isinstance(stack, str) else "custom",
                     seq_len=seq_len, world=world, gpus_per_node=gpus,
                     sp={k: getattr(sp, k) for k in PLANNED_FIELDS}, peak=peak,
@@ -411,7 +514,24 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
                     trace_s=time.perf_counter() - start, placement=placement,
                     state_host=state_host, method=method, headroom=headroom, disk=disk,
                     disk_budget=disk_limit,
-                    notes=(VISION_NOTE,) if is_vlm_config(config) else ())
+                    notes=(VISION_NOTE,) if is_vlm_config(config) else (),
+                    prediction=prediction)
+
+
+def predict_step(config, sp, world: int, seq_len: int, rates, *, shard: bool = True,
+                 placement: Placement | None = None, peak: Peak | None = None,
+                 compute_dtype=None) -> Prediction:
+    """The step's predicted time at ``rates`` (:mod:`arctic.plan.speed`): its counted work
+    (:func:`step_work`), plus, when ``placement`` offloads the training state, what the
+    offload adds: each step's gradients (fp32) go to the host and the parameters (bf16) come
+    back, and the optimizer reads and writes its state there (at the host copy rate)."""
+    rates = rates_from(rates)
+    work = step_work(config, sp, world, seq_len, shard=shard, compute_dtype=compute_dtype)
+    if placement is not None and placement.offloaded and peak is not None:
+        work.host_copy += 6 * peak.shard_params + 2 * peak.optimizer_state
+    size = sp.sequence_parallel_size
+    return predict(work, rates, seq_len=seq_len,
+                   model_flops_per_rank=model_flops(config, seq_len // size, seq_len, size))
 
 
 def _spill(inputs: int, state: int, host_limit: int, layers: int) -> int:
