@@ -287,3 +287,38 @@ def test_loss_head_matmuls_run_in_the_activation_dtype(tiles):
         assert got.dtype == torch.bfloat16
         error = (got.double() - want).abs().max().item()
         assert error <= rounds * eps * want.abs().max().item(), (error, want.abs().max().item())
+
+
+@pytest.mark.parametrize("tiles", [1, 3])
+def test_no_matrix_product_of_a_bf16_loss_head_takes_float32(tiles):
+    """Every matrix product of the tiled logits + loss, forward and backward, in place or
+    not, reads bf16 operands when the activations and the weight are bf16: none falls back
+    to float32 (where a GPU runs them on its CUDA cores, at a tenth of the rate)."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    from arctic.loss.tiled import tiled_logits_loss
+
+    aten = torch.ops.aten
+    products = {aten.mm, aten.addmm, aten.bmm, aten.baddbmm, aten.matmul, aten.addmm_,
+                aten.baddbmm_, aten.addbmm, aten.addbmm_, aten.linear}
+
+    class Products(TorchDispatchMode):
+        def __init__(self):
+            super().__init__()
+            self.seen = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.overloadpacket in products:
+                self.seen.append((func.__name__, [a.dtype for a in args
+                                                  if isinstance(a, torch.Tensor)]))
+            return func(*args, **(kwargs or {}))
+
+    g = torch.Generator().manual_seed(0)
+    h = torch.randn(1, 64, 32, generator=g).to(torch.bfloat16).requires_grad_()
+    w = (torch.randn(100, 32, generator=g) / 32 ** 0.5).to(torch.bfloat16).requires_grad_()
+    y = torch.randint(0, 100, (1, 64), generator=g)
+    with Products() as mode:
+        tiled_logits_loss(h, w, y, tiles=tiles)[0].backward()
+    assert len(mode.seen) >= 3 * tiles, mode.seen  # logits, and both gradients per tile
+    wide = [(name, dtypes) for name, dtypes in mode.seen if torch.float32 in dtypes]
+    assert not wide, wide

@@ -17,7 +17,10 @@ from arctic.memory.placement import MODES, Placement, placement_from_ds_config
 from arctic.plan.estimate import ALLOCATOR_HEADROOM, Estimate, plan, start_workers
 from arctic.plan.launch import command_lines, ulysses_block, write_config
 from arctic.plan.models import MODELS, model_config, token_mixer_heads, unsupported_settings
-from arctic.plan.search import find_max, search
+from arctic.plan.estimate import predict_step
+from arctic.plan.search import fastest, find_max, search
+from arctic.plan.speed import calibrate, rates_from
+from arctic.plan.step import stack_config
 from arctic.plan.step import PLANNED_FIELDS, STACKS
 from arctic.plan.units import GiB, format_gib, parse_bytes, parse_tokens
 
@@ -117,8 +120,18 @@ def parse_args(argv=None) -> argparse.Namespace:
                    help="the longest sequence that fits, searching the ring x Ulysses "
                         "factorizations unless --ring or --ulysses is given (or --no-search)")
     p.add_argument("--search", action=argparse.BooleanOptionalAction, default=None,
-                   help="with --find-max: search the settings (default unless --ring or "
-                        "--ulysses is given)")
+                   help="search the settings: with --seq-len, the fastest that fit (default "
+                        "unless settings are given: --stack, --ds-config or any setting "
+                        "below); with --find-max, the longest length (default unless --ring "
+                        "or --ulysses is given)")
+    p.add_argument("--rates", default="h100",
+                   help="the device's rates for the predicted step time: h100, h200, or a "
+                        "file that --calibrate wrote (default h100)")
+    p.add_argument("--calibrate", type=Path, default=None, metavar="RATES_JSON",
+                   help="measure this machine's rates (CUDA if present, else CPU) as "
+                        "--calibrate-world ranks use it, write them to RATES_JSON, and exit")
+    p.add_argument("--calibrate-world", type=int, default=None,
+                   help="ranks that measure at once (default: the GPUs, or 2 on a CPU)")
     p.add_argument("--trace-length", action="store_true",
                    help="trace the length itself instead of reading it off the length line "
                         "(slower; the two agree to 1%%, see tests/test_arctic_plan.py)")
@@ -191,6 +204,25 @@ def settings_from_args(args: argparse.Namespace) -> dict:
     return fields
 
 
+_SETTING_ARGS = ("stack", "ds_config", "ulysses", "ring", "head_chunk", "tiled_mlp", "seq_chunk",
+                 "loss_tiles", "fuse_projections", "tiled_norms", "tiled_layer", "offload",
+                 "checkpointing", "recompute_attention")
+"""The command line's settings: given any, ``--seq-len`` plans them instead of searching."""
+
+
+def settings_given(args: argparse.Namespace) -> bool:
+    return any(getattr(args, a, None) is not None for a in _SETTING_ARGS)
+
+
+def prediction_line(e: Estimate) -> str:
+    """The predicted step time, throughput and MFU, and where the time goes."""
+    p = e.prediction
+    parts = sorted(p.by_class_s.items(), key=lambda kv: -kv[1])
+    return (f"predicted step {p.step_s:.2f} s ({p.rates} rates): "
+            f"{p.tokens_per_s:,.0f} tokens/s per sequence, MFU {p.mfu:.1%}; "
+            + ", ".join(f"{k} {v:.2f} s" for k, v in parts if v >= 0.005 * p.step_s))
+
+
 def report(e: Estimate) -> str:
     """The estimate as the CLI prints it: the peak by kind, what is largest at it, the verdict."""
     lines = [f"{e.model}, {e.seq_len:,} tokens on {e.world} GPUs "
@@ -219,6 +251,8 @@ def report(e: Estimate) -> str:
                      f"{format_gib(e.disk_budget)} per rank: --disk / {e.gpus_per_node}; "
                      f"whole layers past the host limit)")
     lines += [f"note: {note}" for note in e.notes]
+    if e.prediction is not None:
+        lines.append(prediction_line(e))
     verdict = "FITS" if e.fits else f"DOES NOT FIT (limit: {e.limit()})"
     lines.append(f"verdict: {verdict}   [traced in {e.trace_s:.0f} s]")
     return "\n".join(lines)
@@ -285,10 +319,11 @@ recipe then refuses it by name)."""
 
 
 def _main(args: argparse.Namespace) -> int:
+    if args.calibrate is not None:
+        return _calibrate(args)
     if args.seq_len is None and not args.find_max:
         raise SystemExit("give --seq-len, or --find-max")
-    if args.search and not args.find_max:
-        raise ValueError("--search needs --find-max")
+    rates = rates_from(args.rates)  # a bad --rates fails before any trace
     fields = settings_from_args(args)
     placement = _placement(args)
     # The disk tier's directory for the printed and written config, checked before any trace.
@@ -311,16 +346,19 @@ def _main(args: argparse.Namespace) -> int:
                   full_trace=args.full_trace, quick=args.quick,
                   line=not args.trace_length, disk_memory=args.disk)
 
-    def plan_at(n: int, stack=fields) -> Estimate:
-        return plan(args.model, n, stack=stack, **common)
+    def plan_at(n: int, stack=fields, with_rates=None) -> Estimate:
+        return plan(args.model, n, stack=stack, rates=with_rates, **common)
 
     result: dict = {"model": args.model, "gpus": args.gpus, "nodes": args.nodes,
                     "gpu_memory": args.gpu_memory, "host_memory": args.host_memory,
                     "allocator_headroom": args.allocator_headroom,
                     "state_offload": placement.mode}
     estimates: list[Estimate] = []
+    if args.seq_len is not None and not args.find_max and (
+            args.search if args.search is not None else not settings_given(args)):
+        return _fastest(args, config, fields, placement, plan_at, rates, result)
     if args.seq_len is not None:
-        e = plan_at(args.seq_len)
+        e = plan_at(args.seq_len, with_rates=rates)
         estimates.append(e)
         print(report(e))
         result["estimate"] = e.as_dict()
@@ -348,6 +386,10 @@ def _main(args: argparse.Namespace) -> int:
             best, tried = find_max(plan_at, start=start, granule=1024 * sp)
             estimates += tried
         print(f"longest that fits: {best:,} tokens ({best / 1e6:.2f}M)")
+        if best:
+            at_best = plan_at(best, chosen, with_rates=rates)
+            print(prediction_line(at_best))
+            result["predicted"] = at_best.prediction.as_dict()
         shown = chosen  # the settings, with the disk tier's directory when it is planned
         if args.disk and chosen.get("offload_activations"):
             shown = dict(chosen, offload_dir=disk_dir or "<a directory on the NVMe>")
@@ -382,6 +424,65 @@ def _main(args: argparse.Namespace) -> int:
         print(f"wrote {args.plot}")
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _fastest(args, config, fields: dict, placement: Placement, plan_at, rates,
+             result: dict) -> int:
+    """``--seq-len`` without settings: the fastest settings that fit (:func:`fastest`),
+    from the least-memory ones (``fields``)."""
+    world = args.gpus * args.nodes
+    sp = fields.get("sequence_parallel_size", world)
+    n = args.seq_len
+    print(f"searching the fastest settings that fit {n:,} tokens ({args.model}, {world} GPUs, "
+          f"SP {sp}, {rates.name} rates):")
+    tracers: dict = {}
+
+    def predict_with(f: dict):
+        key = repr(sorted(f.items()))
+        if key not in tracers:
+            tracers[key] = predict_step(config, stack_config(f, world=world), world, n, rates,
+                                        placement=placement)
+        return tracers[key]
+
+    best, tried = fastest(lambda f: plan_at(n, f), predict_with, base=fields, sp_size=sp,
+                          heads=_attention_heads(config), seq_len=n,
+                          mixers=token_mixer_heads(config),
+                          unsupported=list(unsupported_settings(config)))
+    result["tried"] = [{"fields": f, "predicted_s": t, "verdict": v} for f, t, v in tried]
+    if best is None:
+        print(f"does not fit: the least-memory settings do not fit {n:,} tokens "
+              f"(python -m arctic.plan --find-max finds the longest that does)")
+        if args.json is not None:
+            args.json.write_text(json.dumps(result, indent=2) + "\n")
+        return 1
+    chosen = {k: best.sp[k] for k in best.sp}
+    e = plan_at(n, chosen, with_rates=rates)
+    print(report(e))
+    result["estimate"] = e.as_dict()
+    result["settings"] = ulysses_block(chosen)
+    print("settings, as a DeepSpeed config's SP keys:")
+    print(json.dumps(ulysses_block(chosen), indent=2))
+    path = str(args.write_config or "plan.json")
+    print("launch with:" + "".join(f"\n  {line}" for line in
+                                  command_lines(args, chosen, n, path, placement)))
+    if args.write_config is not None:
+        write_config(args.write_config, args, chosen, placement)
+        print(f"wrote {args.write_config}")
+    if args.json is not None:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    return 0
+
+
+def _calibrate(args: argparse.Namespace) -> int:
+    """``--calibrate FILE``: this machine's rates, measured, written to FILE."""
+    import torch
+
+    cuda = torch.cuda.is_available()
+    world = args.calibrate_world or (torch.cuda.device_count() if cuda else 2)
+    rates = calibrate("cuda" if cuda else "cpu", world=world)
+    rates.save(args.calibrate)
+    print(f"wrote {args.calibrate}: plan with --rates {args.calibrate}")
     return 0
 
 

@@ -526,6 +526,8 @@ def predict_step(config, sp, world: int, seq_len: int, rates, *, shard: bool = T
     offload adds: each step's gradients (fp32) go to the host and the parameters (bf16) come
     back, and the optimizer reads and writes its state there (at the host copy rate)."""
     rates = rates_from(rates)
+    divisor = sp.dims(world).seq_len_divisor
+    seq_len = -(-seq_len // divisor) * divisor
     work = step_work(config, sp, world, seq_len, shard=shard, compute_dtype=compute_dtype)
     if placement is not None and placement.offloaded and peak is not None:
         work.host_copy += 6 * peak.shard_params + 2 * peak.optimizer_state

@@ -1,0 +1,296 @@
+"""The planner's speed model: the work a step does, counted by class (arctic.plan.work), the
+rates that turn it into time (arctic.plan.speed), the length and depth extensions of the
+count, the search for the fastest settings that fit, and the command line that prints and
+writes them.
+
+Traces that initialize torch's fake process group run in the planner's own process
+(tests/plan_server.py)."""
+
+from __future__ import annotations
+
+import json
+import math
+import sys
+import tempfile
+from pathlib import Path
+
+import plan_server
+import pytest
+import torch
+from torch import nn
+
+from arctic.plan.speed import DEVICES, Prediction, Rates, predict, rates_from
+from arctic.plan.work import BACKWARD_FACTOR, Work, attention_flops, count_work
+
+pytest.importorskip("transformers", reason="the planner builds HF models ([hf])")
+
+REPO = Path(__file__).resolve().parent.parent
+_CACHE = tempfile.mkdtemp(prefix="arctic-plan-speed-cache-")
+_ENV = {"ARCTIC_PLAN_CACHE": _CACHE}
+
+
+def _rates(**change) -> Rates:
+    base = dict(name="test", attention_fwd_flops=1e12, attention_bwd_flops=5e11,
+                gemm_flops=2e12, memory_bytes=1e11, host_copy_bytes=1e10,
+                collective_bytes=5e10, op_seconds=1e-5, peak_flops=2e12)
+    return Rates(**{**base, **change})
+
+
+# --- counting ---------------------------------------------------------------------------------
+
+def test_matrix_products_are_counted_in_place_too():
+    """A Linear's forward and backward are 6 x batch x in x out FLOPs; an in-place addmm_ (the
+    tiled loss head accumulates its weight gradient so) counts as its out-of-place form, which
+    torch's FlopCounterMode leaves out."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    lin = nn.Linear(32, 16, bias=False)
+    x = torch.randn(8, 32, requires_grad=True)
+    with count_work() as work:
+        lin(x).sum().backward()
+    assert work.gemm == 6 * 8 * 32 * 16
+
+    acc, g, h = torch.zeros(16, 32), torch.randn(8, 16), torch.randn(8, 32)
+    with count_work() as work:
+        acc.addmm_(g.t(), h)
+    with FlopCounterMode(display=False) as torch_count:
+        acc.addmm_(g.t(), h)
+    assert work.gemm == 2 * 8 * 16 * 32
+    assert torch_count.get_total_flops() == 0  # why we count our own
+    assert work.ops == 1 and work.memory == 0
+
+
+def test_attention_is_counted_at_the_kernel_call_whatever_computes_it():
+    """The "math" backend computes attention with matrix products; they are attention's
+    FLOPs (causal: half the square and the diagonal), counted once, not as GEMMs."""
+    from ulysses.kernels import attention_backward, attention_forward
+
+    q, k, v = (torch.randn(1, 16, 2, 8, dtype=torch.float64) for _ in range(3))
+    with count_work() as work:
+        out, lse = attention_forward(q, k, v, causal=True, softmax_scale=0.3, backend="math")
+        attention_backward(out, q, k, v, out, lse, causal=True, softmax_scale=0.3,
+                           backend="math")
+    forward = 2 * (16 * 17 / 2) * 2 * (8 + 8)
+    assert attention_flops(q, k, v, True) == forward
+    assert work.attention_fwd == forward
+    assert work.attention_bwd == BACKWARD_FACTOR * forward
+    assert work.gemm == 0 and work.memory == 0 and work.ops == 2
+
+
+def _collectives(world: int) -> dict:
+    import torch.distributed as dist
+
+    from arctic.plan.tracing import fake_world
+    from ulysses.torch_internals import FakeTensorMode
+
+    fake_world(world)
+    out = {}
+    with FakeTensorMode(allow_non_fake_inputs=True):
+        x = torch.empty(1024, dtype=torch.bfloat16)  # 2 KiB
+        for name, run in (
+                ("all_to_all", lambda: dist.all_to_all_single(torch.empty_like(x), x)),
+                ("all_gather", lambda: dist.all_gather_into_tensor(
+                    torch.empty(world * 1024, dtype=x.dtype), x)),
+                ("reduce_scatter", lambda: dist.reduce_scatter_tensor(
+                    torch.empty(1024 // world, dtype=x.dtype), x)),
+                ("all_reduce", lambda: dist.all_reduce(x))):
+            with count_work() as work:
+                run()
+            out[name] = (work.collective, work.ops, work.memory)
+    return out
+
+
+def test_collectives_count_the_bytes_each_rank_sends():
+    got = plan_server.call(_collectives, 4, env=_ENV)
+    share = 3 / 4
+    assert got["all_to_all"] == (share * 2048, 1, 0)
+    assert got["all_gather"] == (3 * 2048, 1, 0)  # its own block to each of 3 peers
+    assert got["reduce_scatter"] == (share * 2048, 1, 0)
+    assert got["all_reduce"] == (2 * share * 2048, 1, 0)
+
+
+# --- rates ------------------------------------------------------------------------------------
+
+def test_step_time_adds_the_classes_on_a_cpu_and_overlaps_them_on_a_gpu():
+    work = Work(attention_fwd=1e12, attention_bwd=1e12, gemm=2e12, memory=1e11,
+                host_copy=3e10, collective=5e10, ops=1000)
+    r = _rates()
+    s = r.seconds(work)
+    assert s == {"attention_fwd": 1.0, "attention_bwd": 2.0, "gemm": 1.0, "memory": 1.0,
+                 "host_copy": 3.0, "collective": 1.0, "ops": 0.01}
+    assert r.step_seconds(work) == pytest.approx(9.01)
+    gpu = _rates(asynchronous=True)
+    assert gpu.step_seconds(work) == pytest.approx(6.0)  # copies beside compute, launches hidden
+    assert gpu.step_seconds(Work(ops=1e6, host_copy=1e12)) == pytest.approx(100.0)
+    assert gpu.step_seconds(Work(ops=1e6, gemm=2e12)) == pytest.approx(10.0)  # launch-bound
+    p = predict(work, r, seq_len=9010, model_flops_per_rank=9.01e12)
+    assert isinstance(p, Prediction)
+    assert p.tokens_per_s == pytest.approx(1000)
+    assert p.mfu == pytest.approx(9.01e12 / 9.01 / 2e12)
+
+
+def test_rates_files_round_trip_and_bad_ones_are_refused(tmp_path):
+    r = _rates(measured={"gemm_s": 0.1})
+    r.save(tmp_path / "r.json")
+    assert rates_from(tmp_path / "r.json") == r
+    assert rates_from("H200") is DEVICES["h200"]
+    (tmp_path / "bad.json").write_text(json.dumps({"name": "x", "gemm": 1}))
+    with pytest.raises(ValueError, match="not a rates file"):
+        rates_from(tmp_path / "bad.json")
+    with pytest.raises(ValueError, match="neither one of h200, h100 nor a file"):
+        rates_from("a100")
+
+
+def test_calibration_measures_every_rate_on_one_rank():
+    from arctic.plan.speed import calibrate
+
+    r = calibrate("cpu", world=1, threads=1, seq=256, hidden=128, heads=2, head_dim=32,
+                  log=lambda *a: None)
+    for name in ("attention_fwd_flops", "attention_bwd_flops", "gemm_flops", "memory_bytes",
+                 "host_copy_bytes", "op_seconds"):
+        assert 0 < getattr(r, name) < math.inf, name
+    assert r.measured["attention_backend"] == "cpu_flash"
+    assert not r.asynchronous and r.peak_flops == r.gemm_flops
+
+
+# --- the step's work, extended in length and depth --------------------------------------------
+
+def _extended_against_counted(tokens: int, layers: int) -> tuple[dict, dict]:
+    from arctic.plan import estimate, model_config, stack_config
+
+    config = model_config("tiny-llama", layers=layers)
+    sp = stack_config("ours", world=2)
+    estimate.WORK_TOKENS = 256  # past it: read off counts at 128 and 256 tokens per rank
+    extended = estimate.step_work(config, sp, 2, tokens)
+    tracer = estimate._Tracer(config, sp, 2, shard=True, work=True)
+    counted = tracer.at(tokens, layers)
+    return extended.as_dict(), counted.as_dict()
+
+
+def test_work_read_off_shorter_and_shallower_counts_matches_the_counted_step():
+    """4 layers from 1 and 2; 2048 tokens per rank from 128 and 256: attention exactly
+    (quadratic), matrix products exactly (affine), the rest within a few per cent (the "auto"
+    tiles' count and their per-tile work)."""
+    extended, counted = plan_server.call(_extended_against_counted, 4096, 4, env=_ENV)
+    for k in ("attention_fwd", "attention_bwd", "gemm", "collective"):
+        assert extended[k] == pytest.approx(counted[k], rel=1e-6), k
+    for k in ("memory", "host_copy"):
+        assert extended[k] == pytest.approx(counted[k], rel=0.05), k
+    assert counted["attention_bwd"] > 0 and counted["host_copy"] > 0
+
+
+# --- the search -------------------------------------------------------------------------------
+
+def test_neighbours_change_one_trade_and_keep_the_config_valid():
+    from arctic.config import SequenceParallelConfig
+    from arctic.plan.search import neighbours
+    from arctic.plan.step import STACKS
+
+    base = dict(STACKS["ours"], sequence_parallel_size=4, ring_degree=1)
+    out = neighbours(base, sp_size=4, heads=(8, 4))
+    for f in out:
+        SequenceParallelConfig(**f).dims(4)
+        if f["head_chunk_size"] is None:
+            assert not f["fuse_projections"] and f["seq_chunk"] is None
+    assert {f["ring_degree"] for f in out} == {1, 2, 4}
+    assert {f["head_chunk_size"] for f in out} == {None, 1, 2}  # 8 heads over 4: 2 per rank
+    assert any(f["recompute_attention"] is False for f in out)
+    assert any(not f["activation_checkpointing"] for f in out)
+    assert all(f != base for f in out)
+    # The model's unsupported settings and the mixers' ring refusal are respected
+    out = neighbours(base, sp_size=4, heads=(8, 4), unsupported=["fuse_projections"],
+                     mixers=[("GatedDeltaNet", 8, 4)])
+    assert all(f["ring_degree"] == 1 for f in out)
+    assert all(not f.get("fuse_projections") for f in out)
+
+
+def test_the_search_takes_the_fastest_prediction_that_fits():
+    """A stand-in world: time falls with each trade taken, memory rises; the search walks to
+    the fastest settings that fit and never returns one that does not."""
+    from arctic.plan.search import fastest
+    from arctic.plan.step import STACKS
+
+    def cost(f):  # fewer memory-saving settings: faster, more memory
+        ckpt = bool(f.get("activation_checkpointing"))
+        return (int(ckpt) + int(ckpt and f.get("recompute_attention", True))
+                + int(f.get("head_chunk_size") is not None) + f.get("ring_degree", 1))
+
+    class E:
+        def __init__(self, f, budget):
+            self.sp, self.fits = f, cost(f) >= budget
+
+        def limit(self):
+            return "activations"
+
+    class P:
+        def __init__(self, f):
+            self.step_s = float(cost(f))
+
+    for budget in (0, 3, 4):
+        best, tried = fastest(lambda f, b=budget: E(f, b), P,
+                              base=dict(STACKS["ours"]), sp_size=2, heads=(8, 4), seq_len=1,
+                              log=lambda *a: None)
+        assert best.fits
+        fitting = [t for f, t, v in tried if v == "fits"]
+        assert cost(best.sp) == min(fitting)
+        assert cost(best.sp) == max(budget, 1)  # ring 1, nothing else left to drop
+    best, tried = fastest(lambda f: E(f, 99), P, base=dict(STACKS["ours"]), sp_size=2,
+                          heads=(8, 4), seq_len=1, log=lambda *a: None)
+    assert best is None and len(tried) == 1
+
+
+# --- the command line -------------------------------------------------------------------------
+
+def _write_rates(path: str) -> None:
+    _rates().save(Path(path))
+
+
+def test_seq_len_alone_searches_the_fastest_settings_and_writes_a_config(tmp_path):
+    rates = tmp_path / "rates.json"
+    _write_rates(str(rates))
+    out = plan_server.plan(["--model", "tiny-llama", "--gpus", "2", "--seq-len", "4K",
+                            "--rates", str(rates), "--write-config", str(tmp_path / "c.json"),
+                            "--json", str(tmp_path / "r.json")], env=_ENV, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "searching the fastest settings that fit 4,096 tokens" in out.stdout
+    assert "predicted step" in out.stdout and "MFU" in out.stdout
+    result = json.loads((tmp_path / "r.json").read_text())
+    chosen = result["estimate"]
+    tried = [t for t in result["tried"] if t["verdict"] == "fits"]
+    assert chosen["predicted"]["step_s"] == pytest.approx(min(t["predicted_s"] for t in tried))
+    written = json.loads((tmp_path / "c.json").read_text())
+    assert written["ulysses"] == {k: v for k, v in chosen["sp"].items()
+                                  if k != "sequence_parallel_size"}
+    # The written config is what examples/train.py reads
+    from arctic.config import SequenceParallelConfig, load_ds_config
+
+    SequenceParallelConfig.from_ds_config(load_ds_config(tmp_path / "c.json"), world_size=2)
+
+
+def test_given_settings_are_planned_not_searched_and_predicted(tmp_path):
+    out = plan_server.plan(["--model", "tiny-llama", "--gpus", "2", "--seq-len", "4K",
+                            "--stack", "alst", "--rates", "h200",
+                            "--json", str(tmp_path / "r.json")], env=_ENV, timeout=600)
+    assert out.returncode == 0, out.stderr
+    assert "searching" not in out.stdout
+    result = json.loads((tmp_path / "r.json").read_text())
+    assert result["estimate"]["sp"]["activation_checkpointing"] is True
+    p = result["estimate"]["predicted"]
+    assert p["rates"] == "h200" and p["step_s"] > 0 and set(p["by_class_s"]) == {
+        "attention_fwd", "attention_bwd", "gemm", "memory", "host_copy", "collective", "ops"}
+
+
+def test_a_bad_rates_argument_is_refused_before_any_trace():
+    out = plan_server.plan(["--model", "tiny-llama", "--gpus", "2", "--seq-len", "4K",
+                            "--rates", "/nonexistent.json"], env=_ENV)
+    assert out.returncode == 1
+    assert "neither one of h200, h100 nor a file" in out.stderr
+
+
+def test_spearman_of_the_benchmark():
+    sys.path.insert(0, str(REPO / "benchmarks"))
+    from plan_speed import spearman
+
+    assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
+    assert spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
+    assert spearman([1, 2, 3, 4, 5, 6], [1, 3, 2, 4, 6, 5]) == pytest.approx(1 - 6 * 4 / 210)
