@@ -17,7 +17,7 @@ from arctic.memory.placement import MODES, Placement, placement_from_ds_config
 from arctic.plan.estimate import ALLOCATOR_HEADROOM, Estimate, plan, start_workers
 from arctic.plan.launch import command_lines, ulysses_block, write_config
 from arctic.plan.models import MODELS, model_config, token_mixer_heads, unsupported_settings
-from arctic.plan.estimate import predict_step
+from arctic.plan.estimate import predict_step, prefetch_work
 from arctic.plan.search import fastest, find_max, search
 from arctic.plan.speed import calibrate, rates_from
 from arctic.plan.step import stack_config
@@ -448,7 +448,9 @@ def _fastest(args, config, fields: dict, placement: Placement, plan_at, rates,
     best, tried = fastest(lambda f: plan_at(n, f), predict_with, base=fields, sp_size=sp,
                           heads=_attention_heads(config), seq_len=n,
                           mixers=token_mixer_heads(config),
-                          unsupported=list(unsupported_settings(config)))
+                          unsupported=list(unsupported_settings(config)),
+                          prefetch=lambda options: prefetch_work(
+                              config, [stack_config(f, world=world) for f in options], world, n))
     result["tried"] = [{"fields": f, "predicted_s": t, "verdict": v} for f, t, v in tried]
     if best is None:
         print(f"does not fit: the least-memory settings do not fit {n:,} tokens "

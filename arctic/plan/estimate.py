@@ -295,14 +295,23 @@ class _Tracer:
         """Trace the ``(seq_len, layers)`` jobs not yet cached, :data:`WORKERS` at a time in
         processes of their own (:func:`_workers_context`); each writes the cache, where
         :meth:`at` then reads it."""
-        todo = [j for j in dict.fromkeys(jobs) if not is_cached(self._key(*j))]
-        todo.sort(key=lambda j: (-j[1], -j[0]))  # deepest first: the workers finish together
-        if len(todo) < 2 or WORKERS < 2 or cache_dir() is None:
-            return
-        with _workers_context().Pool(min(WORKERS, len(todo))) as pool:
-            pool.map(_trace_in_worker, [(self.config, self.sp, self.world, self.shard, n, d,
-                                         self.work, self.compute_dtype)
-                                        for n, d in todo], chunksize=1)
+        _prefetch([(self, n, d) for n, d in jobs])
+
+    def job(self, seq_len: int, layers: int) -> tuple:
+        return (self.config, self.sp, self.world, self.shard, seq_len, layers, self.work,
+                self.compute_dtype)
+
+
+def _prefetch(jobs: list[tuple[_Tracer, int, int]]) -> None:
+    """Trace the ``(tracer, seq_len, layers)`` jobs not yet cached, in worker processes
+    (several settings' traces share the workers)."""
+    todo = [(t, n, d) for t, n, d in jobs if not is_cached(t._key(n, d))]
+    todo = list({t._key(n, d): (t, n, d) for t, n, d in todo}.values())
+    todo.sort(key=lambda j: (-j[2], -j[1]))  # deepest first: the workers finish together
+    if len(todo) < 2 or WORKERS < 2 or cache_dir() is None:
+        return
+    with _workers_context().Pool(min(WORKERS, len(todo))) as pool:
+        pool.map(_trace_in_worker, [t.job(n, d) for t, n, d in todo], chunksize=1)
 
     def depths(self) -> tuple[int, ...]:
         depth = text_config_of(self.config).num_hidden_layers
@@ -331,16 +340,10 @@ def step_work(config, sp, world: int, seq_len: int, *, shard: bool = True,
     """The work of one step of ``config`` at ``seq_len`` tokens with settings ``sp`` over
     ``world`` ranks, rank 0's (:mod:`arctic.plan.work`), counted on traces (cached) at two
     depths (:func:`work_depths`) and, past :data:`WORK_TOKENS` per rank, two lengths."""
-    tracer = _Tracer(config, sp, world, shard=shard, work=True, compute_dtype=compute_dtype)
+    tracer, lengths, depths = _work_jobs(config, sp, world, seq_len, shard=shard,
+                                         compute_dtype=compute_dtype)
     depth = text_config_of(config).num_hidden_layers
     da, db = work_depths(config)
-    depths = (depth,) if depth <= db else (da, db)
-    divisor = sp.dims(world).seq_len_divisor
-    size = sp.sequence_parallel_size
-    if seq_len // size <= WORK_TOKENS:
-        lengths = (seq_len,)
-    else:
-        lengths = tuple(-(-n * size // divisor) * divisor for n in (WORK_TOKENS // 2, WORK_TOKENS))
     tracer.prefetch([(n, d) for n in lengths for d in depths])
 
     def deep(n: int) -> Work:
@@ -361,6 +364,34 @@ def step_work(config, sp, world: int, seq_len: int, *, shard: bool = True,
         else:
             values[k] = ya + (yb - ya) * (seq_len - na) / (nb - na)
     return Work(**values)
+
+
+def _work_jobs(config, sp, world: int, seq_len: int, *, shard: bool, compute_dtype):
+    """The tracer, lengths and depths :func:`step_work` counts."""
+    tracer = _Tracer(config, sp, world, shard=shard, work=True, compute_dtype=compute_dtype)
+    depth = text_config_of(config).num_hidden_layers
+    da, db = work_depths(config)
+    depths = (depth,) if depth <= db else (da, db)
+    divisor = sp.dims(world).seq_len_divisor
+    size = sp.sequence_parallel_size
+    if seq_len // size <= WORK_TOKENS:
+        lengths = (seq_len,)
+    else:
+        lengths = tuple(-(-n * size // divisor) * divisor for n in (WORK_TOKENS // 2, WORK_TOKENS))
+    return tracer, lengths, depths
+
+
+def prefetch_work(config, sps, world: int, seq_len: int, *, shard: bool = True,
+                  compute_dtype=None) -> None:
+    """Count the work of each setting of ``sps`` at ``seq_len`` ahead of :func:`step_work`,
+    all their traces sharing the worker processes."""
+    jobs = []
+    for sp in sps:
+        divisor = sp.dims(world).seq_len_divisor
+        tracer, lengths, depths = _work_jobs(config, sp, world, -(-seq_len // divisor) * divisor,
+                                             shard=shard, compute_dtype=compute_dtype)
+        jobs += [(tracer, n, d) for n in lengths for d in depths]
+    _prefetch(jobs)
 
 
 def work_depths(config) -> tuple[int, int]:

@@ -340,14 +340,17 @@ def neighbours(fields: dict, *, sp_size: int, heads: tuple[int | None, int | Non
 def fastest(plan_with, predict_with, *, base: dict, sp_size: int,
             heads: tuple[int | None, int | None], seq_len: int,
             mixers: Sequence[tuple[str, int, int]] = (), unsupported: Sequence[str] = (),
-            rounds: int = 4, log=print) -> tuple[Estimate | None, list[tuple[dict, float, str]]]:
+            rounds: int = 4, prefetch=None,
+            log=print) -> tuple[Estimate | None, list[tuple[dict, float, str]]]:
     """The settings with the lowest predicted step time that fit ``seq_len`` tokens: a
     descent over :func:`neighbours` from ``base`` (the least-memory settings, which must
     fit). Each round predicts every neighbour of the current settings
     (``predict_with(fields)``: a :class:`~arctic.plan.speed.Prediction`, from the step's
     counted work) and plans the memory of those predicted faster, fastest first
     (``plan_with(fields)``: an :class:`Estimate`), moving to the first that fits; it stops
-    when no neighbour is both faster and fits, or after ``rounds`` rounds.
+    when no neighbour is both faster and fits, or after ``rounds`` rounds. ``prefetch(list
+    of fields)``, if given, is called with each round's neighbours before they are predicted
+    (to count their work in parallel).
 
     Returns the chosen settings' estimate (None if ``base`` does not fit) and every setting
     predicted, as ``(fields, predicted s, verdict)``."""
@@ -377,6 +380,8 @@ def fastest(plan_with, predict_with, *, base: dict, sp_size: int,
     for _ in range(rounds):
         options = neighbours(current, sp_size=sp_size, heads=heads, mixers=mixers,
                              unsupported=unsupported)
+        if prefetch is not None:
+            prefetch(options)
         faster = sorted((predicted(o), i, o) for i, o in enumerate(options)
                         if predicted(o) < t_best)
         moved = False

@@ -25,6 +25,8 @@ this module counts the classes, on a real step (``benchmarks/step_gpu.py``) or a
 from __future__ import annotations
 
 import contextlib
+import functools
+import json
 from dataclasses import dataclass, fields
 
 import torch
@@ -202,18 +204,10 @@ def model_flops(config, tokens_per_rank: int, seq_len: int, sp: int) -> float:
     over the rank's ``s`` tokens, plus ``3 x`` the causal attention forward of every
     attention layer over the whole sequence, split over the ``sp`` ranks. Recomputation is
     not counted (it is the price of the memory, not model work)."""
-    from transformers import AutoModelForCausalLM
-
     from arctic.hf.anatomy import text_config_of
 
     text = text_config_of(config)
-    with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(text)
-    embed = model.get_input_embeddings().weight
-    out = model.get_output_embeddings().weight
-    params = sum(p.numel() for p in model.parameters()) - embed.numel()
-    if out is embed:  # tied: the lm_head's matmul still runs
-        params += embed.numel()
+    params = _matmul_params(json.dumps(text.to_dict(), sort_keys=True, default=str))
     H = text.num_attention_heads
     D = getattr(text, "head_dim", None) or text.hidden_size // H
     types = list(getattr(text, "layer_types", None) or ())
@@ -221,6 +215,25 @@ def model_flops(config, tokens_per_rank: int, seq_len: int, sp: int) -> float:
               if types else text.num_hidden_layers)
     attention = layers * 2 * seq_len ** 2 * H * D / sp  # causal: half of 4 S^2 H D
     return 6 * params * tokens_per_rank + 3 * attention
+
+
+@functools.lru_cache(maxsize=64)
+def _matmul_params(text_config_json: str) -> int:
+    """The parameters of the model's matrix products: all but the input embedding, the
+    output head counted even when tied (its matmul still runs). Built on the meta device
+    once per config."""
+    import transformers
+    from transformers import AutoModelForCausalLM
+
+    config = transformers.AutoConfig.for_model(**json.loads(text_config_json))
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config)
+    embed = model.get_input_embeddings().weight
+    out = model.get_output_embeddings().weight
+    params = sum(p.numel() for p in model.parameters()) - embed.numel()
+    if out is embed:
+        params += embed.numel()
+    return params
 
 
 __all__ = ["BACKWARD_FACTOR", "CLASSES", "Work", "attention_flops", "count_work", "model_flops"]
