@@ -31,6 +31,10 @@ _CACHE = tempfile.mkdtemp(prefix="arctic-plan-cache-")  # this run's traces, sha
 def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
     """``python *args``; ``-m arctic.plan ...`` goes to the planner's process."""
     if args[:2] == ("-m", "arctic.plan"):
+        if not {"--find-max", "--search", "--no-search"} & set(args):
+            # these tests plan given settings; --seq-len alone searches the fastest ones
+            # (tests/test_arctic_plan_speed.py)
+            args = (*args, "--no-search")
         return plan_server.plan(list(args[2:]), env={"ARCTIC_PLAN_CACHE": _CACHE},
                                 timeout=timeout)
     env = dict(os.environ, ARCTIC_PLAN_CACHE=_CACHE)
@@ -228,6 +232,35 @@ def test_search_tries_sequence_chunks_on_the_best_ulysses_split(device_bound):
     assert winner.best == max(n for n in range(1024, 1 << 24, 1024)
                               if 20 + n / 8e4 <= 100 and n / 1e5 <= 100)
     assert not any(f.get("seq_chunk") == "auto" and f["ring_degree"] == 4 for f in calls)
+
+
+@pytest.mark.parametrize("device_bound", [True, False])
+def test_a_device_bound_search_tries_the_optimizer_state_on_the_host(device_bound):
+    """With offload_state, a search still held back by the device tries the optimizer's
+    state on the host (fields["offload_state"] = "optimizer") on the winner's split and keeps
+    it when it goes past; a host-bound one does not (it would only add host bytes).
+    Synthetic lines: the offloaded state frees a fixed 15 of the device's 100."""
+    from arctic.plan.search import search
+
+    def plan_with(n, fields):
+        freed = 15 if fields.get("offload_state") == "optimizer" else 0
+        host = (lambda m: m / 1e5) if device_bound else (lambda m: m / 2e4)
+        e = _synthetic(lambda m: 20 + m / 3e4 - freed, host)(n)
+        e.limit = lambda: "host memory" if host(n) > 100 else "temporaries"
+        e.state_host = 0
+        return e
+
+    base = {"head_chunk_size": 1, "recompute_attention": True, "offload_activations": True}
+    winner, candidates = search(plan_with, base=base, sp_size=2, heads=(8, 4),
+                                start=1 << 20, granule=1024, log=lambda _: None,
+                                offload_state=True)
+    tried = [c for c in candidates if c.fields.get("offload_state") == "optimizer"]
+    if not device_bound:
+        assert not tried and "offload_state" not in winner.fields
+        return
+    assert len(tried) == 1 and winner is tried[0]
+    assert winner.best == max(n for n in range(1024, 1 << 24, 1024)
+                              if 5 + n / 3e4 <= 100 and n / 1e5 <= 100)
 
 
 def test_no_offload_is_skipped_only_when_half_the_offloaded_inputs_overflow():
@@ -475,7 +508,9 @@ def test_search_winner_fits_and_every_other_factorization_does_not(tmp_path):
     assert winner
     for r in rows:
         if r["max_seq_len"] == 0:  # a variant that did not fit one granule past the winner
-            assert r["at_winner"] is None and r["fields"].get("seq_chunk") == "auto", r
+            assert r["at_winner"] is None, r
+            assert (r["fields"].get("seq_chunk") == "auto"
+                    or r["fields"].get("offload_state") == "optimizer"), r
         elif r["max_seq_len"] < best:
             assert not r["at_winner"]["fits"], r
     # device-bound (temporaries): sequence chunks were tried on the best Ulysses > 1 split

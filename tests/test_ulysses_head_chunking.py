@@ -240,3 +240,33 @@ def test_pool_can_free_its_buffers_between_calls():
             assert torch.equal(a, b)
         assert kf > 0 and kb > 0 and kalloc > 0
         assert ff == 0 and fb == 0 and falloc > 0
+
+
+def _rank_auto(world, budget):
+    mesh = get_mesh(world, world)
+    full = make_qkv(3, 1, 64, 4, 2, D, torch.float32)
+    q, k, v, dout = (shard_sequence(t, mesh) for t in full)
+    got = {}
+    pool = BufferPool()
+    for name, c in (("auto", "auto"), ("plain", None)):
+        leaves = [t.clone().requires_grad_() for t in (q, k, v)]
+        out = ulysses_attention(*leaves, mesh=mesh, causal=True, head_chunk_size=c,
+                                buffer_pool=pool if c else None, chunk_budget_bytes=budget)
+        out.backward(dout)
+        got[name] = [out.detach()] + [t.grad for t in leaves]
+    return got, pool.stats.allocated
+
+
+@pytest.mark.parametrize("budget,chunked", [(1 << 30, False), (1, True)],
+                         ids=["all-heads-fit", "budget-of-one-byte"])
+def test_auto_runs_the_plain_exchange_when_every_local_head_fits(budget, chunked):
+    """``head_chunk_size="auto"`` whose budget holds every local head at once runs plain
+    Ulysses (no chunk buffers from the pool, the same bits as ``None``); under a budget that
+    holds none it chunks, one head at a time."""
+    for got, allocated in dist_pool.run(_rank_auto, 2, budget=budget, world_size=2):
+        assert (allocated > 0) is chunked
+        for a, b in zip(got["auto"], got["plain"]):
+            if chunked:
+                torch.testing.assert_close(a, b, **TOL[torch.float32])
+            else:
+                assert torch.equal(a, b)

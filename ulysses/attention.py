@@ -162,7 +162,9 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
         head_chunk_size: query heads each rank attends at a time. ``None``: all of them (plain
             Ulysses). An int from :func:`ulysses.head_chunking.valid_chunk_sizes` (any
             divisor of the local head count that fits the GQA groups), or ``"auto"``: the
-            largest whose chunk buffers fit ``chunk_budget_bytes`` (default 1 GiB).
+            largest whose chunk buffers fit ``chunk_budget_bytes`` (default 1 GiB); when that
+            is every local head (short sequences) and no ``seq_chunk`` is asked, the plain
+            Ulysses exchange runs instead of a one-chunk loop (it is faster).
         backend: attention kernel name (see :mod:`ulysses.kernels`), or ``None`` for automatic.
         unpadded_len: the real full-sequence length when the input was padded with
             ``shard_sequence(..., pad=True)``; padded keys are then masked out (only needed
@@ -243,6 +245,10 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     if sinks is not None:  # [H] -> [h]: this rank's query heads (autograd scatters the grad)
         first = sum(layout.q_sizes[:rank])
         sinks = sinks[first:first + layout.q_sizes[rank]]
+    if head_chunk_size == "auto" and seq_chunk is None and resolve_chunk_size(
+            "auto", layout, q.shape[0], q.shape[1] * len(layout.q_sizes), q.shape[3], q.dtype,
+            chunk_budget_bytes) == max(layout.q_sizes):
+        head_chunk_size = None  # every local head fits at once: the plain exchange is faster
     if head_chunk_size is not None:
         c = resolve_chunk_size(head_chunk_size, layout, q.shape[0], q.shape[1] * len(
             layout.q_sizes), q.shape[3], q.dtype, chunk_budget_bytes)

@@ -347,6 +347,10 @@ def _main(args: argparse.Namespace) -> int:
                   line=not args.trace_length, disk_memory=args.disk)
 
     def plan_at(n: int, stack=fields, with_rates=None) -> Estimate:
+        if "offload_state" in stack:  # the search's training-state trade
+            stack = dict(stack)
+            return plan(args.model, n, stack=stack, rates=with_rates,
+                        **dict(common, placement=Placement(stack.pop("offload_state"))))
         return plan(args.model, n, stack=stack, rates=with_rates, **common)
 
     result: dict = {"model": args.model, "gpus": args.gpus, "nodes": args.nodes,
@@ -373,7 +377,8 @@ def _main(args: argparse.Namespace) -> int:
             winner, candidates = search(
                 lambda n, f: plan_at(n, f), base=fields, sp_size=sp, granule=1024 * sp,
                 heads=_attention_heads(config), start=start,
-                mixers=token_mixer_heads(config))
+                mixers=token_mixer_heads(config),
+                offload_state=args.offload_state is None and args.ds_config is None)
             print(search_table(candidates, winner))
             best, chosen = winner.best, winner.fields
             estimates += [e for c in candidates for e in c.tried]
@@ -390,6 +395,11 @@ def _main(args: argparse.Namespace) -> int:
             at_best = plan_at(best, chosen, with_rates=rates)
             print(prediction_line(at_best))
             result["predicted"] = at_best.prediction.as_dict()
+        if "offload_state" in chosen:
+            chosen = dict(chosen)
+            placement = Placement(chosen.pop("offload_state"))
+            print(f"training state: {placement.mode} offloaded (ZeRO-3 offload_optimizer)")
+            result["state_offload"] = placement.mode
         shown = chosen  # the settings, with the disk tier's directory when it is planned
         if args.disk and chosen.get("offload_activations"):
             shown = dict(chosen, offload_dir=disk_dir or "<a directory on the NVMe>")

@@ -301,18 +301,6 @@ class _Tracer:
         return (self.config, self.sp, self.world, self.shard, seq_len, layers, self.work,
                 self.compute_dtype)
 
-
-def _prefetch(jobs: list[tuple[_Tracer, int, int]]) -> None:
-    """Trace the ``(tracer, seq_len, layers)`` jobs not yet cached, in worker processes
-    (several settings' traces share the workers)."""
-    todo = [(t, n, d) for t, n, d in jobs if not is_cached(t._key(n, d))]
-    todo = list({t._key(n, d): (t, n, d) for t, n, d in todo}.values())
-    todo.sort(key=lambda j: (-j[2], -j[1]))  # deepest first: the workers finish together
-    if len(todo) < 2 or WORKERS < 2 or cache_dir() is None:
-        return
-    with _workers_context().Pool(min(WORKERS, len(todo))) as pool:
-        pool.map(_trace_in_worker, [t.job(n, d) for t, n, d in todo], chunksize=1)
-
     def depths(self) -> tuple[int, ...]:
         depth = text_config_of(self.config).num_hidden_layers
         traced = trace_layers(self.config)
@@ -326,6 +314,18 @@ def _prefetch(jobs: list[tuple[_Tracer, int, int]]) -> None:
             return self.at(seq_len, depth)
         a, b = self.at(seq_len, la), self.at(seq_len, lb)
         return {k: _along(a[k], b[k], la, lb, depth) for k in a}
+
+
+def _prefetch(jobs: list[tuple[_Tracer, int, int]]) -> None:
+    """Trace the ``(tracer, seq_len, layers)`` jobs not yet cached, in worker processes
+    (several settings' traces share the workers)."""
+    todo = [(t, n, d) for t, n, d in jobs if not is_cached(t._key(n, d))]
+    todo = list({t._key(n, d): (t, n, d) for t, n, d in todo}.values())
+    todo.sort(key=lambda j: (-j[2], -j[1]))  # deepest first: the workers finish together
+    if len(todo) < 2 or WORKERS < 2 or cache_dir() is None:
+        return
+    with _workers_context().Pool(min(WORKERS, len(todo))) as pool:
+        pool.map(_trace_in_worker, [t.job(n, d) for t, n, d in todo], chunksize=1)
 
 
 WORK_TOKENS = 4096

@@ -150,7 +150,8 @@ def factorizations(sp_size: int, num_heads: int | None, num_kv_heads: int | None
 def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int | None, int | None],
            start: int,
            granule: int, log=print,
-           mixers: Sequence[tuple[str, int, int]] = ()) -> tuple[Candidate, list[Candidate]]:
+           mixers: Sequence[tuple[str, int, int]] = (),
+           offload_state: bool = False) -> tuple[Candidate, list[Candidate]]:
     """The longest length over the ring x Ulysses factorizations of ``sp_size``, each with the
     other settings of ``base``; ``plan_with(n, fields)`` plans ``n`` tokens with ``fields``.
     Returns the winner (ties: the smaller ring degree, fewer ring hops) and every candidate,
@@ -165,7 +166,10 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int | None, int 
     search try the settings that trade host for device bytes: recompute attention (if
     ``base`` keeps it), then no offload. Only when it is held back by the device does it try
     sequence chunks (``seq_chunk="auto"``, which trade device bytes for host bytes and
-    exchanges; :func:`_try_seq_chunks`).
+    exchanges; :func:`_try_seq_chunks`). Last, with ``offload_state``, when the winner is
+    still held back by the device, it tries the optimizer's state on the host (ZeRO-3's
+    ``offload_optimizer``): ``fields["offload_state"] = "optimizer"``, which ``plan_with``
+    must read as the placement of the training state.
     """
     candidates = factorizations(sp_size, *heads, mixers=mixers)
     for c in candidates:
@@ -205,6 +209,16 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int | None, int 
             winner, host_bound = alt, "host" in alt.limit()
     if not host_bound:
         winner = _try_seq_chunks(plan_with, candidates, winner, granule, log)
+    if offload_state and "host" not in winner.limit():
+        # Device-bound: the optimizer's state (and its fp32 master weights) on the host frees
+        # 14 of the 16 B/param it holds on the device, for the host's bytes.
+        alt = Candidate(ring=winner.ring, ulysses=winner.ulysses,
+                        fields=dict(winner.fields, offload_state="optimizer"))
+        candidates.append(alt)
+        log(f"ring {alt.ring} x ulysses {alt.ulysses}, {{'offload_state': 'optimizer'}}:")
+        _search_past(plan_with, alt, winner, granule, log)
+        if alt.best > winner.best:
+            winner = alt
     for c in candidates:
         if not c.pruned and c.best and winner.best:
             c.at_winner = plan_with(winner.best, c.fields)
