@@ -301,7 +301,7 @@ def _show(say, phase: Phase, entries: list[dict], depth: list[dict], head: str) 
             f"{e['tokens_per_s_per_rank']:12.0f}{mfu}{mfux} {mem}  timed")
     for d in depth:
         pred = d["predicted"]
-        said = (f"; planner: {pred['step_s']:.2f} s, {pred['less_collective_s']:.2f} s without "
+        said = (f"; planner: {pred['step_s']:.3g} s, {pred['less_collective_s']:.3g} s without "
                 f"communication" if pred else "")
         mfu = f", MFU {100 * d['mfu']:.1f}%" if "mfu" in d else ""
         say(f"  {d['label']} ({d['kernel']}): {d['per_layer_s']:.3f} s per layer, "
