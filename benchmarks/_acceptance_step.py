@@ -72,10 +72,11 @@ def planner_cmd(tokens: str, stack: str, gpu_memory: str, rates: str, out: Path)
 
 
 def plan_jobs(tmp: Path, gpu_memory: str, rates: str) -> list[tuple[list[str], Path]]:
-    """(command, JSON) of every planner run, in the order the schedule needs them."""
-    order = [("ours", "128K"), ("alst", "128K"), *((s, t) for t in SHORT
-                                                    for s in ("ours", "ulysses")),
-             ("ours", "64K"), ("alst", "64K"), ("ulysses", "64K"), ("ulysses", "128K")]
+    """(command, JSON) of every planner run: ours at each length in the schedule's order (its
+    phases wait for them), then the peers' predictions (figures only)."""
+    order = [("ours", t) for t in ("128K", *SHORT, "64K")]
+    order += [("alst", "128K"), *(("ulysses", t) for t in SHORT), ("alst", "64K"),
+              ("ulysses", "64K"), ("ulysses", "128K")]
     return [(planner_cmd(t, s, gpu_memory, rates, plan_path(tmp, s, t)), plan_path(tmp, s, t))
             for s, t in order]
 
