@@ -354,7 +354,7 @@ def neighbours(fields: dict, *, sp_size: int, heads: tuple[int | None, int | Non
 def fastest(plan_with, predict_with, *, base: dict, sp_size: int,
             heads: tuple[int | None, int | None], seq_len: int,
             mixers: Sequence[tuple[str, int, int]] = (), unsupported: Sequence[str] = (),
-            rounds: int = 4, prefetch=None,
+            rounds: int = 4, min_gain: float = 0.005, prefetch=None,
             log=print) -> tuple[Estimate | None, list[tuple[dict, float, str]]]:
     """The settings with the lowest predicted step time that fit ``seq_len`` tokens: a
     descent over :func:`neighbours` from ``base`` (the least-memory settings, which must
@@ -362,7 +362,9 @@ def fastest(plan_with, predict_with, *, base: dict, sp_size: int,
     (``predict_with(fields)``: a :class:`~arctic.plan.speed.Prediction`, from the step's
     counted work) and plans the memory of those predicted faster, fastest first
     (``plan_with(fields)``: an :class:`Estimate`), moving to the first that fits; it stops
-    when no neighbour is both faster and fits, or after ``rounds`` rounds. ``prefetch(list
+    when no neighbour is both faster (by ``min_gain`` of the current time: less is within
+    the model's error, and not worth a memory plan) and fits, or after ``rounds`` rounds.
+    ``prefetch(list
     of fields)``, if given, is called with each round's neighbours before they are predicted
     (to count their work in parallel).
 
@@ -397,7 +399,7 @@ def fastest(plan_with, predict_with, *, base: dict, sp_size: int,
         if prefetch is not None:
             prefetch(options)
         faster = sorted((predicted(o), i, o) for i, o in enumerate(options)
-                        if predicted(o) < t_best)
+                        if predicted(o) < t_best * (1 - min_gain))
         moved = False
         for t, _, o in faster:
             e = plan_with(o)
