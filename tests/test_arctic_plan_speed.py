@@ -296,3 +296,32 @@ def test_spearman_of_the_benchmark():
     assert spearman([1, 2, 3, 4], [10, 20, 30, 40]) == pytest.approx(1.0)
     assert spearman([1, 2, 3, 4], [40, 30, 20, 10]) == pytest.approx(-1.0)
     assert spearman([1, 2, 3, 4, 5, 6], [1, 3, 2, 4, 6, 5]) == pytest.approx(1 - 6 * 4 / 210)
+
+
+def test_the_search_starts_from_a_fallback_when_the_least_memory_settings_do_not_fit():
+    """The least-memory stack does not fit, its first fallback (sequence blocks) neither, the
+    optimizer state on the host does: the search starts there, returns settings that fit
+    and keeps the state's placement in them."""
+    from arctic.plan.search import fastest
+    from arctic.plan.step import STACKS
+
+    class E:
+        def __init__(self, f):
+            self.sp = f
+            self.fits = f.get("offload_state") == "optimizer"
+
+        def limit(self):
+            return "optimizer"
+
+    class P:
+        def __init__(self, f):
+            self.step_s = 10.0 + (f.get("head_chunk_size") is not None)
+
+    logged = []
+    best, tried = fastest(E, P, base=dict(STACKS["ours"]), sp_size=2, heads=(8, 4), seq_len=1,
+                          fallbacks=[{"seq_chunk": "auto"}, {"offload_state": "optimizer"}],
+                          log=logged.append)
+    assert best is not None and best.fits and best.sp["offload_state"] == "optimizer"
+    assert best.sp["head_chunk_size"] is None  # then the descent took the faster plain exchange
+    starts = [line for line in logged if line.startswith("  start")]
+    assert len(starts) == 3 and "seq_chunk=auto" in starts[1]

@@ -451,8 +451,11 @@ def _fastest(args, config, fields: dict, placement: Placement, plan_at, rates,
     def predict_with(f: dict):
         key = repr(sorted(f.items()))
         if key not in tracers:
+            f = dict(f)
+            where = Placement(f.pop("offload_state")) if "offload_state" in f else placement
             tracers[key] = predict_step(config, stack_config(f, world=world), world, n, rates,
-                                        placement=placement)
+                                        placement=where, peak=plan_at(n, f).peak
+                                        if where.offloaded else None)
         return tracers[key]
 
     best, tried = fastest(lambda f: plan_at(n, f), predict_with, base=fields, sp_size=sp,
@@ -460,7 +463,13 @@ def _fastest(args, config, fields: dict, placement: Placement, plan_at, rates,
                           mixers=token_mixer_heads(config),
                           unsupported=list(unsupported_settings(config)),
                           prefetch=lambda options: prefetch_work(
-                              config, [stack_config(f, world=world) for f in options], world, n))
+                              config, [stack_config({k: v for k, v in f.items()
+                                                     if k != "offload_state"}, world=world)
+                                       for f in options], world, n),
+                          fallbacks=[{"seq_chunk": "auto"}] + (
+                              [{"offload_state": "optimizer"},
+                               {"seq_chunk": "auto", "offload_state": "optimizer"}]
+                              if args.offload_state is None and args.ds_config is None else []))
     result["tried"] = [{"fields": f, "predicted_s": t, "verdict": v} for f, t, v in tried]
     if best is None:
         print(f"does not fit: the least-memory settings do not fit {n:,} tokens "
@@ -469,7 +478,10 @@ def _fastest(args, config, fields: dict, placement: Placement, plan_at, rates,
             args.json.write_text(json.dumps(result, indent=2) + "\n")
         return 1
     chosen = {k: best.sp[k] for k in best.sp}
-    e = plan_at(n, chosen, with_rates=rates)
+    if best.placement.mode != placement.mode:  # a fallback moved the training state
+        placement = best.placement
+        print(f"training state: {placement.mode} offloaded (ZeRO-3 offload_optimizer)")
+    e = plan_at(n, dict(chosen, offload_state=placement.mode), with_rates=rates)
     print(report(e))
     result["estimate"] = e.as_dict()
     result["settings"] = ulysses_block(chosen)

@@ -289,8 +289,9 @@ def planned_fields(fields: dict, sp_size: int) -> dict:
     """Every planned field (:data:`arctic.plan.step.PLANNED_FIELDS`) of ``fields``, the
     config's defaults where it says nothing: one spelling per setting."""
     defaults = {f.name: f.default for f in dataclasses.fields(SequenceParallelConfig)}
+    state = {"offload_state": fields["offload_state"]} if "offload_state" in fields else {}
     return {k: fields.get(k, defaults[k]) for k in PLANNED_FIELDS} | {
-        "sequence_parallel_size": sp_size}
+        "sequence_parallel_size": sp_size} | state
 
 
 def neighbours(fields: dict, *, sp_size: int, heads: tuple[int | None, int | None],
@@ -318,9 +319,7 @@ def neighbours(fields: dict, *, sp_size: int, heads: tuple[int | None, int | Non
             new["tiled_layer"] = False
         if any(new.get(k) not in (None, False) for k in unsupported):
             return
-        try:
-            SequenceParallelConfig(**new).dims(sp_size)
-        except ValueError:
+        if not _valid(new, sp_size):
             return
         if new != f and new not in out:
             out.append(new)
@@ -348,13 +347,25 @@ def neighbours(fields: dict, *, sp_size: int, heads: tuple[int | None, int | Non
     if f.get("tiled_mlp") is not None:
         add(tiled_layer=not f.get("tiled_layer", False))
     add(loss_tiles=1 if f.get("loss_tiles", "auto") != 1 else "auto")
+    if "offload_state" in fields:  # a fallback's: the state back on the device
+        out.append({k: v for k, v in f.items() if k != "offload_state"})
     return out
+
+
+def _valid(fields: dict, sp_size: int) -> bool:
+    try:
+        SequenceParallelConfig(**{k: v for k, v in fields.items()
+                                  if k != "offload_state"}).dims(sp_size)
+        return True
+    except ValueError:
+        return False
 
 
 def fastest(plan_with, predict_with, *, base: dict, sp_size: int,
             heads: tuple[int | None, int | None], seq_len: int,
             mixers: Sequence[tuple[str, int, int]] = (), unsupported: Sequence[str] = (),
             rounds: int = 4, min_gain: float = 0.005, prefetch=None,
+            fallbacks: Sequence[dict] = (),
             log=print) -> tuple[Estimate | None, list[tuple[dict, float, str]]]:
     """The settings with the lowest predicted step time that fit ``seq_len`` tokens: a
     descent over :func:`neighbours` from ``base`` (the least-memory settings, which must
@@ -366,7 +377,11 @@ def fastest(plan_with, predict_with, *, base: dict, sp_size: int,
     the model's error, and not worth a memory plan) and fits, or after ``rounds`` rounds.
     ``prefetch(list
     of fields)``, if given, is called with each round's neighbours before they are predicted
-    (to count their work in parallel).
+    (to count their work in parallel). ``fallbacks``: changes to ``base`` tried in turn when
+    it does not fit (sequence blocks, the optimizer's state on the host,
+    ``{"offload_state": "optimizer"}``, which ``plan_with`` and ``predict_with`` read as the
+    training state's placement); the descent starts from the first that fits, and may take
+    the change back (:func:`neighbours`).
 
     Returns the chosen settings' estimate (None if ``base`` does not fit) and every setting
     predicted, as ``(fields, predicted s, verdict)``."""
@@ -385,13 +400,20 @@ def fastest(plan_with, predict_with, *, base: dict, sp_size: int,
         f, t, _ = seen[key(fields)]
         seen[key(fields)] = (f, t, what)
 
-    current = planned_fields(base, sp_size)
-    best = plan_with(current)
-    t_best = predicted(current)
-    verdict(current, "fits" if best.fits else f"does not fit ({best.limit()})")
-    log(f"  start {_short(current)}: {t_best:.3f} s predicted, "
-        f"{'fits' if best.fits else 'does not fit (' + best.limit() + ')'}")
-    if not best.fits:
+    start = planned_fields(base, sp_size)
+    best = None
+    for extra in ({}, *fallbacks):  # the least-memory settings, then with more traded for memory
+        current = dict(start, **extra)
+        if extra and not _valid(current, sp_size):
+            continue
+        best = plan_with(current)
+        t_best = predicted(current)
+        verdict(current, "fits" if best.fits else f"does not fit ({best.limit()})")
+        log(f"  start {_short(current)}: {t_best:.3f} s predicted, "
+            f"{'fits' if best.fits else 'does not fit (' + best.limit() + ')'}")
+        if best.fits:
+            break
+    if best is None or not best.fits:
         return None, list(seen.values())
     for _ in range(rounds):
         options = neighbours(current, sp_size=sp_size, heads=heads, mixers=mixers,
