@@ -6,13 +6,14 @@ GPU against the peers, extended to the full 32-layer model, and the verdicts.
   8-GPU job; ``--no-search --stack alst`` and ``--stack ulysses`` predict the peers. These
   CPU runs go one after another in a background thread (:class:`PlannerQueue`), started
   before the checks so that they overlap the GPU's work; each writes ``F.rc`` when it ends.
-- ``step_gpu.py --schedule`` then runs the phases in order (the most important first, since
-  the budget may end the group): 128K ours vs ALST, 16K, 8K, 4K ours vs plain Ulysses (the
-  attention kernels alone once, at 16K), 64K ours vs ALST, ours with FlashAttention-4 at 64K
-  and 128K, plain Ulysses at 64K and 128K. Each run is one rank of 8 on torch's fake process
-  group (no communication), timed at 1 and 2 layers (3 steps each after a warm-up that counts
-  the work), extended to 32 layers. Ours waits for its plan; if the planner failed it runs as
-  the named ``ours`` stack, and its planner row says why.
+- ``step_gpu.py --schedule`` then runs the phases in order (the verdicts' first, since the
+  budget may end the group): ALST at 128K, plain Ulysses at 16K, 8K and 4K (the attention
+  kernels alone once, at 16K), ours at 128K, 16K, 8K and 4K, ALST then ours at 64K, ours with
+  FlashAttention-4 at 64K and 128K, plain Ulysses at 64K and 128K. The peers come first so
+  that the GPU measures them while the planner searches. Each run is one rank of 8 on
+  torch's fake process group (no communication), timed at 1 and 2 layers (3 steps each after
+  a warm-up that counts the work), extended to 32 layers. Ours waits for its plan; if the
+  planner failed it runs as the named ``ours`` stack, and its planner row says why.
 - The plain Ulysses peer is our ``ulysses`` stack (SP attention alone, the full logits), the
   equivalent of DeepSpeed's ``DistributedAttention`` with HF's loss: step_gpu's build (our
   FSDP2 and data path) has no place for DeepSpeed's module-global SP groups, and
@@ -48,14 +49,22 @@ MFU_TARGET = 0.40
 NOISE = 0.02
 """Ours passes "at least as fast" at a throughput ratio of ``1 - NOISE`` or more: the spread of
 medians of 3 steps on one GPU."""
-PLAN_CAP_S = 90
+PLAN_CAP_S = 300
 """Each planner run's own limit."""
+PLAN_FREE_CORES = 4
+"""Cores the planner's tracing workers leave to step_gpu.py and the rest
+(``ARCTIC_PLAN_WORKERS`` = the machine's cores less these, at least 2)."""
 PEERS = {"128K": "alst", "64K": "alst", "16K": "ulysses", "8K": "ulysses", "4K": "ulysses"}
 
 
 def rates_of(device_name: str) -> str:
     """The planner's ``--rates`` for this card."""
     return "h200" if "h200" in device_name.lower() else "h100"
+
+
+def plan_workers(cores: int | None) -> int:
+    """The planner's tracing processes: the cores less :data:`PLAN_FREE_CORES`, at least 2."""
+    return max(2, (cores or 1) - PLAN_FREE_CORES)
 
 
 def plan_path(tmp: Path, stack: str, tokens: str) -> Path:
@@ -82,7 +91,10 @@ def plan_jobs(tmp: Path, gpu_memory: str, rates: str) -> list[tuple[list[str], P
 
 
 def schedule(tmp: Path) -> list[Phase]:
-    """The phases step_gpu.py runs, the most important first."""
+    """The phases step_gpu.py runs, the verdicts' first: each peer before ours at its
+    lengths, so that the GPU measures the peers while the planner searches (its first search,
+    on a cold cache, takes minutes; the next ones reuse its traces). A phase's two depths
+    alternate; ours and its peer run in one process, one after the other."""
     def ours(tokens: str, backend: str = "auto") -> RunSpec:
         path = plan_path(tmp, "ours", tokens)
         return RunSpec(label="ours", plan=str(path), plan_done=f"{path}.rc", fallback="ours",
@@ -91,10 +103,12 @@ def schedule(tmp: Path) -> list[Phase]:
     def peer(tokens: str, stack: str) -> RunSpec:
         return RunSpec(label=stack, stack=stack)
 
-    phases = [Phase(tokens="128K", runs=[ours("128K"), peer("128K", "alst")])]
-    phases += [Phase(tokens=t, runs=[ours(t), peer(t, "ulysses")], kernels=t == SHORT[0])
-               for t in SHORT]
-    phases.append(Phase(tokens="64K", runs=[ours("64K"), peer("64K", "alst")]))
+    phases = [Phase(tokens="128K", runs=[peer("128K", "alst")])]
+    phases += [Phase(tokens=t, runs=[peer(t, "ulysses")], kernels=t == SHORT[0]) for t in SHORT]
+    phases.append(Phase(tokens="128K", runs=[ours("128K")]))
+    phases += [Phase(tokens=t, runs=[ours(t)]) for t in SHORT]
+    phases += [Phase(tokens="64K", runs=[peer("64K", "alst")]), Phase(tokens="64K",
+                                                                      runs=[ours("64K")])]
     phases += [Phase(tokens=t, runs=[ours(t, "fa4")]) for t in ("64K", "128K")]
     phases += [Phase(tokens=t, runs=[peer(t, "ulysses")]) for t in ("64K", "128K")]
     return phases

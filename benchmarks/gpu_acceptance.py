@@ -88,8 +88,8 @@ from _acceptance_checks import (CAP_S, DTYPES, GRID_SHAPE, HEAD_DIMS, LENGTHS, S
                                 pytest_file_rows, run_grid_worker, scale_cmd)
 from _acceptance_runner import (REPO, Budget, Context, Row, Runner, markdown, slug,
                                 write_report)
-from _acceptance_step import (STEP_CAP_S, PlannerQueue, plan_jobs, rates_of, schedule,
-                              step_cmd, step_rows)
+from _acceptance_step import (STEP_CAP_S, PlannerQueue, plan_jobs, plan_workers, rates_of,
+                              schedule, step_cmd, step_rows)
 from ulysses.kernels import check_supported
 
 RESULTS = REPO / "benchmarks" / "results"
@@ -302,8 +302,9 @@ def run_all(args: argparse.Namespace, groups: list[str]) -> int:
         header = _header(args)
         if "step" in groups:  # CPU work that overlaps the GPU's until the step group needs it
             rates = rates_of(torch.cuda.get_device_name(0))
-            ctx.planners = PlannerQueue(plan_jobs(ctx.tmp, str(ctx.gpu_memory), rates),
-                                        ctx.runner.env, REPO).start()
+            env = dict(ctx.runner.env, ARCTIC_PLAN_WORKERS=str(plan_workers(os.cpu_count())))
+            ctx.planners = PlannerQueue(plan_jobs(ctx.tmp, str(ctx.gpu_memory), rates), env,
+                                        REPO).start()
         show([Row(group=g, name=g, status="not run", reason="not chosen with --only")
               for g in GROUPS if g not in groups])
         try:

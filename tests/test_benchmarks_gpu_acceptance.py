@@ -26,8 +26,8 @@ from _acceptance_checks import (SOFTCAP_CASES, SYMMETRIC_CASE, WINDOW_CASE, caps
                                 cuda_test_files, grid_backends, grid_case, grid_cases,
                                 grid_rows)
 from _acceptance_step import (PlannerQueue, measurement_rows, mfu_verdict,  # noqa: E402
-                              plan_jobs, plan_path, planner_rows, rates_of, schedule,
-                              speed_verdict, step_record_rows)
+                              plan_jobs, plan_path, plan_workers, planner_rows, rates_of,
+                              schedule, speed_verdict, step_record_rows)
 from _acceptance_runner import (Budget, Ran, Row, Runner, parse_pytest_summary,  # noqa: E402
                                 pytest_row, write_report)
 
@@ -53,9 +53,10 @@ def test_dry_run_lists_every_group_its_commands_and_the_grid(capsys, tmp_path):
                     "--stack alst --json",
                     "benchmarks/step_gpu.py --model llama3-8b --world 8 --depths 1 2 "
                     "--full-layers 32 --schedule", "--iters 3 --budget-s",
-                    "    128K/rank: ours, alst\n    16K/rank: ours, ulysses + kernels alone\n"
-                    "    8K/rank: ours, ulysses\n    4K/rank: ours, ulysses\n"
-                    "    64K/rank: ours, alst\n    64K/rank: ours (fa4)\n"
+                    "    128K/rank: alst\n    16K/rank: ulysses + kernels alone\n"
+                    "    8K/rank: ulysses\n    4K/rank: ulysses\n    128K/rank: ours\n"
+                    "    16K/rank: ours\n    8K/rank: ours\n    4K/rank: ours\n"
+                    "    64K/rank: alst\n    64K/rank: ours\n    64K/rank: ours (fa4)\n"
                     "    128K/rank: ours (fa4)\n    64K/rank: ulysses\n    128K/rank: ulysses\n"):
         assert command in text, command
     assert text.count("--rates RATES --quick") == 12  # ours at 5 lengths, the peers at 7
@@ -435,16 +436,19 @@ def test_the_planner_queue_runs_in_order_and_marks_each_end(tmp_path):
 
 def test_the_schedule_puts_the_verdicts_first_and_waits_for_the_planner(tmp_path):
     phases = schedule(tmp_path)
-    assert [(p.tokens, [r.label for r in p.runs]) for p in phases[:5]] == [
-        ("128K", ["ours", "alst"]), ("16K", ["ours", "ulysses"]), ("8K", ["ours", "ulysses"]),
-        ("4K", ["ours", "ulysses"]), ("64K", ["ours", "alst"])]
-    ours = phases[0].runs[0]
+    verdicts = [(p.tokens, r.label) for p in phases[:10] for r in p.runs]
+    assert verdicts == [("128K", "alst"), ("16K", "ulysses"), ("8K", "ulysses"),
+                        ("4K", "ulysses"), ("128K", "ours"), ("16K", "ours"), ("8K", "ours"),
+                        ("4K", "ours"), ("64K", "alst"), ("64K", "ours")]
+    ours = phases[4].runs[0]
     assert ours.plan == str(plan_path(tmp_path, "ours", "128K"))
     assert (ours.plan_done, ours.fallback) == (f"{ours.plan}.rc", "ours")
     assert [p.tokens for p in phases if p.kernels] == ["16K"]
     assert {(p.tokens, r.backend) for p in phases for r in p.runs if r.backend != "auto"} == {
         ("64K", "fa4"), ("128K", "fa4")}
     jobs = [json for _, json in plan_jobs(tmp_path, "85899345920", "h100")]
-    assert jobs[:5] == [plan_path(tmp_path, "ours", p.tokens) for p in phases[:5]]
+    ours_order = [p.tokens for p in phases if p.runs[0].label == "ours"][:5]
+    assert jobs[:5] == [plan_path(tmp_path, "ours", t) for t in ours_order]
     assert len(set(jobs)) == len(jobs) == 12
     assert rates_of("NVIDIA H200") == "h200" and rates_of("NVIDIA H100 80GB HBM3") == "h100"
+    assert (plan_workers(16), plan_workers(2), plan_workers(None)) == (12, 2, 2)
