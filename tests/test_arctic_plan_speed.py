@@ -325,3 +325,18 @@ def test_the_search_starts_from_a_fallback_when_the_least_memory_settings_do_not
     assert best.sp["head_chunk_size"] is None  # then the descent took the faster plain exchange
     starts = [line for line in logged if line.startswith("  start")]
     assert len(starts) == 3 and "seq_chunk=auto" in starts[1]
+
+
+def test_the_kernel_self_check_is_not_counted_as_the_models_work():
+    """The first call of a kernel runs its self-check (ulysses.self_check) on a small problem
+    of its own: out of the count, which holds only the call itself."""
+    from ulysses import self_check
+    from ulysses.kernels import LocalAttention, attention_with_lse
+
+    self_check._verdicts.clear()
+    q, k, v = (torch.randn(1, 32, 2, 8, requires_grad=True) for _ in range(3))
+    with count_work() as work:
+        self_check.verify_call("cpu_flash", q, causal=True, window=None, sinks=False,
+                               ring=False)
+        out, _ = attention_with_lse(q, k, v, LocalAttention(True, 8 ** -0.5, "cpu_flash"))
+    assert work.attention_fwd == attention_flops(q, k, v, True)

@@ -34,7 +34,7 @@ import torch
 from torch import Tensor
 
 from ulysses.band import WindowAttention
-from ulysses.kernels import LocalAttention, default_scale
+from ulysses.kernels import LocalAttention, default_scale, observe_attention
 from ulysses.sinks import apply_sinks, sinks_grad
 from ulysses.torch_internals import disable_current_modes
 from ulysses.trace_shortcuts import is_traced
@@ -156,9 +156,9 @@ def verify(backend: str, like: Tensor, *, causal: bool, window: int | None = Non
     if key not in _verdicts:  # once per combination; every later call is this lookup
         if _skipped(like):
             return
-        # Out of sight of the caller's dispatch modes (FLOP counters, memory trackers): the
-        # check is not the model's work.
-        with disable_current_modes():
+        # Out of sight of the caller's dispatch modes (FLOP counters, memory trackers) and
+        # of an attention observer (arctic.plan.work): the check is not the model's work.
+        with disable_current_modes(), observe_attention(None):
             _verdicts[key] = _verdict(backend, like.device, like.dtype, head_dim, causal,
                                       None if window is None else CHECK_WINDOW, sinks, softcap)
     if _verdicts[key] is not None:
