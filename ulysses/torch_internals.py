@@ -52,6 +52,7 @@ try:
         unset_fake_temporarily,
     )
     from torch.utils._python_dispatch import (
+        TorchDispatchMode,
         _disable_current_modes as disable_current_modes,
     )
     from torch.utils._pytree import tree_flatten, tree_unflatten
@@ -190,7 +191,7 @@ def set_cuda_allocator_settings(settings: str) -> None:
     cuda_allocator_setter()(settings)
 
 
-__all__ = ["FakeTensorMode", "TorchInternalsError", "context_parallel_internals",
+__all__ = ["FakeTensorMode", "TorchDispatchMode", "TorchInternalsError", "context_parallel_internals",
            "cuda_allocator_setter", "detect_fake_mode",
            "disable_current_modes", "fake_store", "forward_hooks", "fsdp_param_groups",
            "flatten_mesh", "fsdp_unit_settings", "is_fake", "mem_tracker", "set_cuda_allocator_settings",

@@ -16,6 +16,7 @@ from arctic.config import SequenceParallelConfig
 from arctic.plan.estimate import Estimate
 from arctic.plan.step import PLANNED_FIELDS
 from arctic.plan.units import format_gib
+from ulysses.chunk_schedule import valid_chunk_sizes
 from ulysses.sharding import head_layout, valid_degrees
 
 
@@ -304,8 +305,6 @@ def neighbours(fields: dict, *, sp_size: int, heads: tuple[int | None, int | Non
     splits that :func:`factorizations` allows, head chunk sizes that
     :func:`ulysses.chunk_schedule.valid_chunk_sizes` allows, and nothing in ``unsupported``
     (the model's :func:`arctic.plan.models.unsupported_settings`)."""
-    from ulysses.chunk_schedule import valid_chunk_sizes
-
     f = planned_fields(fields, sp_size)
     out: list[dict] = []
 

@@ -28,6 +28,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from arctic.plan.work import CLASSES, Work
+from ulysses.kernels import attention_backward, attention_forward, select_backend
 
 RATE_KEYS = {"attention_fwd": "attention_fwd_flops", "attention_bwd": "attention_bwd_flops",
              "gemm": "gemm_flops", "memory": "memory_bytes", "host_copy": "host_copy_bytes",
@@ -218,8 +219,6 @@ def _measure(device: str, dtype_name: str, shapes: dict, collective=None) -> Rat
     """This process's rates (:func:`calibrate`); ``collective()``: the all-to-all's bytes per
     second, measured between the compute timings' barriers (None: one rank)."""
     import torch
-
-    from ulysses.kernels import attention_backward, attention_forward, select_backend
 
     dev = torch.device(device)
     dtype = (getattr(torch, dtype_name) if dtype_name

@@ -31,10 +31,9 @@ from dataclasses import dataclass, fields
 
 import torch
 import torch.distributed as dist
-from torch.utils._python_dispatch import TorchDispatchMode
-from torch.utils._pytree import tree_flatten
-
+from arctic.hf.anatomy import text_config_of
 from ulysses.kernels import observe_attention
+from ulysses.torch_internals import TorchDispatchMode, tree_flatten
 
 CLASSES = ("attention_fwd", "attention_bwd", "gemm", "memory", "host_copy", "collective", "ops")
 
@@ -200,16 +199,16 @@ def count_work():
 
 def model_flops(config, tokens_per_rank: int, seq_len: int, sp: int) -> float:
     """The model FLOPs of one rank's step, the MFU convention: ``6 P s`` for the matrix
-    products of the ``P`` non-embedding parameters (the output head counted, tied or not)
-    over the rank's ``s`` tokens, plus ``3 x`` the causal attention forward of every
-    attention layer over the whole sequence, split over the ``sp`` ranks. Recomputation is
-    not counted (it is the price of the memory, not model work)."""
-    from arctic.hf.anatomy import text_config_of
-
+    products of the ``P`` parameters of the language model but its input embedding (the
+    output head counted, tied or not) over the rank's ``s`` tokens, plus ``3 x`` the causal
+    attention forward of every attention layer (``layer_types``' attention layers in a
+    hybrid; none without attention heads) over the whole sequence, split over the ``sp``
+    ranks. Recomputation is not counted (it is the price of the memory, not model work);
+    a VLM's vision tower is not counted (its tokens are not the sequence's)."""
     text = text_config_of(config)
-    params = _matmul_params(json.dumps(text.to_dict(), sort_keys=True, default=str))
-    H = text.num_attention_heads
-    D = getattr(text, "head_dim", None) or text.hidden_size // H
+    params = _matmul_params(json.dumps(config.to_dict(), sort_keys=True, default=str))
+    H = getattr(text, "num_attention_heads", None) or 0
+    D = getattr(text, "head_dim", None) or (text.hidden_size // H if H else 0)
     types = list(getattr(text, "layer_types", None) or ())
     layers = (sum(t in ("full_attention", "attention", "sliding_attention") for t in types)
               if types else text.num_hidden_layers)
@@ -218,22 +217,22 @@ def model_flops(config, tokens_per_rank: int, seq_len: int, sp: int) -> float:
 
 
 @functools.lru_cache(maxsize=64)
-def _matmul_params(text_config_json: str) -> int:
-    """The parameters of the model's matrix products: all but the input embedding, the
-    output head counted even when tied (its matmul still runs). Built on the meta device
-    once per config."""
+def _matmul_params(config_json: str) -> int:
+    """The parameters of the language model's matrix products: its decoder's but the input
+    embedding, and the output head (counted even when tied: its matmul still runs). Built on
+    the meta device once per config."""
     import transformers
-    from transformers import AutoModelForCausalLM
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-    config = transformers.AutoConfig.for_model(**json.loads(text_config_json))
+    config = transformers.AutoConfig.for_model(**json.loads(config_json))
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        try:
+            model = AutoModelForCausalLM.from_config(config)
+        except ValueError:  # a vision-language model
+            model = AutoModelForImageTextToText.from_config(config)
     embed = model.get_input_embeddings().weight
-    out = model.get_output_embeddings().weight
-    params = sum(p.numel() for p in model.parameters()) - embed.numel()
-    if out is embed:
-        params += embed.numel()
-    return params
+    decoder = sum(p.numel() for p in model.get_decoder().parameters())
+    return decoder - embed.numel() + model.get_output_embeddings().weight.numel()
 
 
 __all__ = ["BACKWARD_FACTOR", "CLASSES", "Work", "attention_flops", "count_work", "model_flops"]
