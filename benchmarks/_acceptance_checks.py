@@ -40,7 +40,7 @@ SEQ_CHUNK, SPILL_HOST_GIB = 4, 0.25
 """The host-blocks run: 4 sequence blocks, and a host limit under one layer's input (0.5 GiB
 at 64K tokens), so the layer inputs spill to the disk tier."""
 CAP_S = dict(install=120, grid=150, test_file=240, offload_disk=120, plan=150, scale=150,
-             hybrid=180)
+             hybrid=180, calibrate=90)
 """Each kind of step's own timeout; the budget left cuts it further."""
 
 
@@ -114,6 +114,34 @@ def hybrid_rows(ctx: Context) -> list[Row]:
                          "single GiB": round(r["peak_bytes"]["single"] / GiB, 2),
                          "sp GiB": round(r["peak_bytes"]["sp"] / GiB, 2),
                          "max rel diff": f"{diff:.2e}"})]
+
+
+def calibrate_cmd(out: Path) -> list[str]:
+    """The planner's rates, measured on this GPU (one rank: no collective)."""
+    return [sys.executable, "-m", "arctic.plan", "--calibrate", str(out),
+            "--calibrate-world", "1"]
+
+
+def calibrate_rows(ctx: Context) -> list[Row]:
+    """``python -m arctic.plan --calibrate`` on the GPU: the rates its speed model would use
+    in place of the h100/h200 defaults (matrix products, the attention kernel the runtime
+    picks, memory, host copies, the cost of one op), all in the report's row."""
+    out, name = ctx.tmp / "rates.json", "planner rates (--calibrate, one GPU)"
+    ran = ctx.runner.run(calibrate_cmd(out), CAP_S["calibrate"])
+    early = ran.early_row("step", name)
+    if early or ran.rc != 0 or not out.exists():
+        return [early or ran.failed_row("step", name, f"rc {ran.rc}")]
+    r = json.loads(out.read_text())
+    return [Row(group="step", name=name, status="passed", seconds=ran.seconds,
+                command=ran.command,
+                figures={"GEMM TFLOP/s": round(r["gemm_flops"] / 1e12, 1),
+                         "attention fwd TFLOP/s": round(r["attention_fwd_flops"] / 1e12, 1),
+                         "attention bwd TFLOP/s": round(r["attention_bwd_flops"] / 1e12, 1),
+                         "memory GB/s": round(r["memory_bytes"] / 1e9),
+                         "host copy GB/s": round(r["host_copy_bytes"] / 1e9, 1),
+                         "us per op": round(r["op_seconds"] * 1e6, 1),
+                         "backend": r["measured"]["attention_backend"],
+                         "rates": json.dumps(r)})]
 
 
 def offload_disk_cmd(out: Path) -> list[str]:

@@ -23,7 +23,8 @@ In order:
   imports; verdict rows: ours' 32-layer MFU at 128K >= 40%,
   ours at least as fast as ALST and as plain Ulysses. It comes before the long checks since
   its verdict is what one call must give; it takes at most 400 s, the most important
-  lengths first (what the budget leaves out is "not run");
+  lengths first (what the budget leaves out is "not run"); then ``python -m arctic.plan
+  --calibrate`` measures the planner's rates on this GPU, reported in its row;
 - ``tests``: each test file with CUDA-only tests (found at run time: a
   ``skipif(not torch.cuda.is_available(), ...)`` marker), one pytest run per file, so that a
   timeout costs one file. The
@@ -82,7 +83,8 @@ import torch
 
 # benchmarks/, on sys.path as the script's directory
 from _acceptance_checks import (CAP_S, DTYPES, GRID_SHAPE, HEAD_DIMS, LENGTHS, SEQ_CHUNK,
-                                SPILL_HOST_GIB, WINDOW_CASE, GiB, backend_rows, cuda_test_files,
+                                SPILL_HOST_GIB, WINDOW_CASE, GiB, backend_rows, calibrate_cmd,
+                                calibrate_rows, cuda_test_files,
                                 disk_rows, fits_rows, grid_backends, grid_cases, grid_cmd,
                                 hybrid_cmd, hybrid_rows, offload_disk_cmd, plan_cmd, pytest_cmd,
                                 pytest_file_rows, run_grid_worker, scale_cmd)
@@ -261,7 +263,7 @@ def steps(args: argparse.Namespace,
         "disk": [disk_rows],
         "fits": [fits_rows],
         "hybrid": [hybrid_rows],
-        "step": [step_rows],
+        "step": [step_rows, calibrate_rows],
     }
     return [(g, step) for g in GROUPS if g in groups for step in chosen[g]]
 
@@ -355,7 +357,9 @@ def dry_run(args: argparse.Namespace, groups: list[str]) -> str:
                  "  FIT_GIB: predicted peak x card / planner budget, up to 0.25 GiB (must run); "
                  "OOM_GIB: 0.9 x predicted peak, down to 0.25 GiB (must run out of memory)"],
         "hybrid": [f"  {shlex.join(hybrid_cmd(tmp / 'hybrid_layer.json'))}"],
-        "step": _step_lines(args, tmp),
+        "step": [*_step_lines(args, tmp),
+                 f"  then the planner's rates on this GPU: "
+                 f"{shlex.join(calibrate_cmd(tmp / 'rates.json'))}"],
     }
     for g in GROUPS:
         lines += ["", f"== {g}" + ("" if g in groups else ": not chosen with --only")]

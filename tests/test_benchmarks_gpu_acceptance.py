@@ -452,3 +452,21 @@ def test_the_schedule_puts_the_verdicts_first_and_waits_for_the_planner(tmp_path
     assert len(set(jobs)) == len(jobs) == 12
     assert rates_of("NVIDIA H200") == "h200" and rates_of("NVIDIA H100 80GB HBM3") == "h100"
     assert (plan_workers(16), plan_workers(2), plan_workers(None)) == (12, 2, 2)
+
+
+def test_the_calibration_row_runs_the_planners_calibration_and_reports_its_rates(tmp_path):
+    """The step group's last row runs ``python -m arctic.plan --calibrate`` (here on the CPU,
+    one rank) and puts the measured rates in the report."""
+    from types import SimpleNamespace
+
+    from _acceptance_checks import calibrate_rows
+
+    env = dict(os.environ, PYTHONPATH=str(REPO))
+    ctx = SimpleNamespace(tmp=tmp_path, runner=Runner(Budget(300, reserve_s=0), env,
+                                                      tmp_path / "log"))
+    (row,) = calibrate_rows(ctx)
+    assert row.status == "passed", (row.reason, row.tail)
+    assert row.figures["backend"] == "cpu_flash"
+    assert row.figures["GEMM TFLOP/s"] >= 0 and row.figures["us per op"] > 0
+    rates = json.loads(row.figures["rates"])
+    assert rates["gemm_flops"] > 0 and rates["name"] == "cpu"
