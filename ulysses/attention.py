@@ -245,13 +245,12 @@ def ulysses_attention(q: Tensor, k: Tensor, v: Tensor, *, mesh: DeviceMesh, caus
     if sinks is not None:  # [H] -> [h]: this rank's query heads (autograd scatters the grad)
         first = sum(layout.q_sizes[:rank])
         sinks = sinks[first:first + layout.q_sizes[rank]]
-    if head_chunk_size == "auto" and seq_chunk is None and resolve_chunk_size(
-            "auto", layout, q.shape[0], q.shape[1] * len(layout.q_sizes), q.shape[3], q.dtype,
-            chunk_budget_bytes) == max(layout.q_sizes):
-        head_chunk_size = None  # every local head fits at once: the plain exchange is faster
-    if head_chunk_size is not None:
-        c = resolve_chunk_size(head_chunk_size, layout, q.shape[0], q.shape[1] * len(
-            layout.q_sizes), q.shape[3], q.dtype, chunk_budget_bytes)
+    c = None if head_chunk_size is None else resolve_chunk_size(
+        head_chunk_size, layout, q.shape[0], q.shape[1] * len(layout.q_sizes), q.shape[3],
+        q.dtype, chunk_budget_bytes)
+    if head_chunk_size == "auto" and seq_chunk is None and c == max(layout.q_sizes):
+        c = None  # every local head fits at once: the plain exchange is faster
+    if c is not None:
         blocks = resolve_seq_chunk(seq_chunk, layout, c, q.shape[0], q.shape[1], q.shape[3],
                                    q.dtype, chunk_budget_bytes)
         out = head_chunked_attention(q, k, v, group=group, rank=rank, layout=layout,

@@ -404,16 +404,8 @@ def _main(args: argparse.Namespace) -> int:
         if args.disk and chosen.get("offload_activations"):
             shown = dict(chosen, offload_dir=disk_dir or "<a directory on the NVMe>")
         result["max_seq_len"] = best
-        result["settings"] = ulysses_block(shown)
         result["tried"] = [e.as_dict() for e in estimates]
-        print("settings, as a DeepSpeed config's SP keys:")
-        print(json.dumps(ulysses_block(shown), indent=2))
-        path = str(args.write_config or "plan.json")
-        print("launch with:" + "".join(f"\n  {line}" for line in
-                                      command_lines(args, chosen, best, path, placement)))
-        if args.write_config is not None:
-            write_config(args.write_config, args, shown, placement)
-            print(f"wrote {args.write_config}")
+        _hand_over(args, result, chosen, shown, best, placement)
     if args.plot is not None:
         top = max(e.seq_len for e in estimates)
         lengths = sorted({max(1024 * world, int(top * f) // (1024 * world) * 1024 * world)
@@ -484,18 +476,25 @@ def _fastest(args, config, fields: dict, placement: Placement, plan_at, rates,
     e = plan_at(n, dict(chosen, offload_state=placement.mode), with_rates=rates)
     print(report(e))
     result["estimate"] = e.as_dict()
-    result["settings"] = ulysses_block(chosen)
-    print("settings, as a DeepSpeed config's SP keys:")
-    print(json.dumps(ulysses_block(chosen), indent=2))
-    path = str(args.write_config or "plan.json")
-    print("launch with:" + "".join(f"\n  {line}" for line in
-                                  command_lines(args, chosen, n, path, placement)))
-    if args.write_config is not None:
-        write_config(args.write_config, args, chosen, placement)
-        print(f"wrote {args.write_config}")
+    _hand_over(args, result, chosen, chosen, n, placement)
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def _hand_over(args, result: dict, chosen: dict, shown: dict, seq_len: int,
+               placement: Placement) -> None:
+    """The chosen settings as the user takes them: the ``"ulysses"`` block (``shown``: with
+    the disk tier's directory when planned), the launch lines, and ``--write-config``."""
+    result["settings"] = ulysses_block(shown)
+    print("settings, as a DeepSpeed config's SP keys:")
+    print(json.dumps(ulysses_block(shown), indent=2))
+    path = str(args.write_config or "plan.json")
+    print("launch with:" + "".join(f"\n  {line}" for line in
+                                  command_lines(args, chosen, seq_len, path, placement)))
+    if args.write_config is not None:
+        write_config(args.write_config, args, shown, placement)
+        print(f"wrote {args.write_config}")
 
 
 def _calibrate(args: argparse.Namespace) -> int:

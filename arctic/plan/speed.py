@@ -24,7 +24,7 @@ import json
 import os
 import statistics
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 from arctic.plan.work import CLASSES, Work
@@ -101,14 +101,11 @@ DEVICES: dict[str, Rates] = {
                "are typical achieved fractions of the H200's published figures (989 TFLOP/s "
                "bf16 dense, 4.8 TB/s HBM3e, PCIe 5 x16, NVLink 4 all-to-all over 8), not yet "
                "calibrated on a lent GPU"),
-    "h100": Rates(
-        name="h100", attention_fwd_flops=_H200_ATTENTION, attention_bwd_flops=_H200_ATTENTION,
-        gemm_flops=700e12, memory_bytes=2.6e12, host_copy_bytes=40e9, collective_bytes=150e9,
-        op_seconds=8e-6, peak_flops=989e12, asynchronous=True,
-        source="the H200's compute rates (the same tensor cores and clocks); memory at a "
-               "typical achieved fraction of the H100 SXM's 3.35 TB/s; not yet calibrated on "
-               "a lent GPU"),
 }
+DEVICES["h100"] = replace(
+    DEVICES["h200"], name="h100", memory_bytes=2.6e12,
+    source="the H200's compute rates (the same tensor cores and clocks); memory at a typical "
+           "achieved fraction of the H100 SXM's 3.35 TB/s; not yet calibrated on a lent GPU")
 """Known rates by name (``--rates h100``); anything else is a file :func:`calibrate` wrote."""
 
 
