@@ -68,6 +68,16 @@ def build_model(name: str, seq_len: int):
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 
+def save_model_config(model, save_dir: Path | None) -> None:
+    """Rank 0 writes the model's HF ``config.json`` into ``save_dir`` (made if missing), as
+    built, before sequence parallelism changes its attention implementation: what
+    ``python -m arctic.export`` builds the model from. Nothing without ``save_dir``."""
+    if save_dir is None or int(os.environ.get("RANK", 0)) != 0:
+        return
+    save_dir.mkdir(parents=True, exist_ok=True)
+    model.config.save_pretrained(save_dir)
+
+
 def add_job_args(p: argparse.ArgumentParser, *, seq_len: int) -> None:
     """The flags of the job itself: model, data, length, steps, seed, checkpoints, log."""
     p.add_argument("--model", default="tiny-llama")

@@ -25,7 +25,7 @@ import torch.distributed as dist
 
 # examples/_common.py, beside this file; importing it puts the checkout on sys.path.
 from _common import (REPO, ByteCorpus, Progress, add_job_args, build_model, gather_peaks,
-                     parse_job_args, resumable_batches, split_cpu_threads)
+                     parse_job_args, save_model_config, resumable_batches, split_cpu_threads)
 
 import arctic  # after _common: from the checkout
 from ulysses import flat_mesh
@@ -45,6 +45,7 @@ def main() -> None:
     torch.manual_seed(args.seed)
     split_cpu_threads()
     model = build_model(args.model, args.seq_len)
+    save_model_config(model, args.save_dir)  # before SP changes its attention
     if torch.cuda.is_available():
         model.cuda(int(os.environ.get("LOCAL_RANK", 0)))
     engine, _, loader, _ = arctic.initialize(model=model, config=args.deepspeed_config,

@@ -38,7 +38,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 
 # examples/_common.py, beside this file; importing it puts the checkout on sys.path.
 from _common import (ByteCorpus, Progress, add_job_args, build_model, gather_peaks,
-                     parse_job_args, resumable_batches, split_cpu_threads)
+                     parse_job_args, save_model_config, resumable_batches, split_cpu_threads)
 
 from arctic import SequenceParallelConfig, SequenceParallelDataLoader, apply_fsdp  # noqa: E402
 from arctic.memory import allocator  # noqa: E402
@@ -172,6 +172,7 @@ def main() -> None:
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank
     model = build_model(args.model, args.seq_len).to(device)
+    save_model_config(model, args.save_dir)  # before SP changes its attention
     host_limit = None
     if args.offload_params and config.activation_checkpointing and config.offload_activations:
         # CPUOffloadPolicy puts the state on the host beside the offloaded layer inputs: the
