@@ -181,6 +181,14 @@ def main() -> None:
                    help="train_sampling_strategy='random' (default: 'sequential')")
     p.add_argument("--resume-from", default=None, metavar="CHECKPOINT",
                    help="train(resume_from_checkpoint=CHECKPOINT)")
+    p.add_argument("--resume", action="store_true",
+                   help="train(resume_from_checkpoint=True): the newest checkpoint in --output-dir")
+    p.add_argument("--lr-scheduler", default="constant", help="lr_scheduler_type")
+    p.add_argument("--warmup-steps", type=int, default=0)
+    p.add_argument("--save-total-limit", type=int, default=None)
+    p.add_argument("--load-best", choices=("lowest", "highest"), default=None,
+                   help="load_best_model_at_end on the eval loss (evaluated at each save), the "
+                        "lowest or the highest being the best")
     p.add_argument("--ignore-data-skip", action="store_true")
     p.add_argument("--bf16", action="store_true", help="TrainingArguments(bf16=True)")
     p.add_argument("--metrics", action="store_true",
@@ -205,7 +213,11 @@ def main() -> None:
     targs = TrainingArguments(
         output_dir=args.output_dir, per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.eval_batch_size or args.batch_size,
-        max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler_type="constant",
+        max_steps=args.max_steps, learning_rate=args.lr, lr_scheduler_type=args.lr_scheduler,
+        warmup_steps=args.warmup_steps, save_total_limit=args.save_total_limit,
+        **({"load_best_model_at_end": True, "eval_strategy": "steps",
+            "eval_steps": args.save_steps, "metric_for_best_model": "eval_loss",
+            "greater_is_better": args.load_best == "highest"} if args.load_best else {}),
         gradient_accumulation_steps=args.grad_accum,
         max_grad_norm=args.max_grad_norm,
         logging_steps=1, save_strategy="steps" if args.save_steps else "no",
@@ -230,7 +242,9 @@ def main() -> None:
     deepspeed_sp = _deepspeed_sp_installed(trainer)
     tiling = _SeesTiling()
     trainer.add_callback(tiling)
-    trainer.train(resume_from_checkpoint=args.resume_from)
+    if args.resume and args.resume_from:
+        p.error("give --resume or --resume-from")
+    trainer.train(resume_from_checkpoint=True if args.resume else args.resume_from)
     metrics = trainer.evaluate()
     losses = [h["loss"] for h in trainer.state.log_history if "loss" in h]
     by_step = {h["step"]: h["loss"] for h in trainer.state.log_history if "loss" in h}
@@ -244,6 +258,9 @@ def main() -> None:
             args.losses_out.write_text(json.dumps({"loss": losses, "eval_loss":
                                                    metrics["eval_loss"],
                                                    "global_step": trainer.state.global_step,
+                                                   "best_metric": trainer.state.best_metric,
+                                                   "best_model_checkpoint":
+                                                       trainer.state.best_model_checkpoint,
                                                    "loss_by_step": by_step,
                                                    "metrics": metrics,
                                                    **used,

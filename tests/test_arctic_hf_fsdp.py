@@ -82,28 +82,6 @@ def test_fsdp2_trainer_matches_plain_trainer(tmp_path, case):
     _check_parameters(sp, plain, 1e-5)
 
 
-def test_fsdp2_trainer_refuses_to_resume():
-    """train(resume_from_checkpoint=...) under FSDP2 is refused before anything runs (the
-    checkpoints hold no optimizer state); the loaders test builds its trainer the same way."""
-    from arctic.train.hf_fsdp import FsdpSettings
-    from arctic.train.trainer import SequenceParallelTrainer
-
-    trainer = object.__new__(SequenceParallelTrainer)
-    trainer._fsdp = FsdpSettings(reshard_after_forward=True, cpu_offload=False,
-                                 activation_checkpointing=False, layer_classes=None, bf16=False)
-    with pytest.raises(ValueError, match="under FSDP2 does not resume from checkpoints"):
-        trainer.train(resume_from_checkpoint="checkpoint-1")
-
-
-@pytest.mark.slow
-def test_fsdp2_trainer_refuses_to_resume_in_the_job(tmp_path):
-    proc = subprocess.run(_torchrun("--resume-from", str(tmp_path / "checkpoint-1"),
-                                    "--output-dir", str(tmp_path)),
-                          cwd=REPO, capture_output=True, text=True, timeout=300)
-    assert proc.returncode != 0
-    assert "under FSDP2 does not resume from checkpoints" in proc.stdout + proc.stderr
-
-
 def _args(tmp_path, **fields):
     from transformers import TrainingArguments
 
@@ -130,12 +108,12 @@ REFUSED = {  # TrainingArguments fields (or, after construction, attributes) -> 
     "ram-efficient loading": ({"fsdp_config": {"version": 2,
                                                "cpu_ram_efficient_loading": True}},
                               "cpu_ram_efficient_loading"),
-    "optimizer checkpoints": ({"save_strategy": "steps"}, "save_only_model=True"),
+    "checkpoints on each node": ({"save_strategy": "steps", "save_on_each_node": True},
+                                 "save_on_each_node"),
     "xla": ({"fsdp_config": {"version": 2, "xla": True}}, "XLA"),
 }
 SET_AFTER = {  # fields TrainingArguments checks itself on this machine: set afterwards
     "fp16": (True, "sharded gradient scaler"), "bf16_full_eval": (True, "bf16_full_eval"),
-    "load_best_model_at_end": (True, "load_best_model_at_end"),
     "deepspeed": (str(REPO / "configs" / "cpu_trainer.json"), "give one of them"),
     "fsdp_plugin_args": ({"fsdp_version": 2, "sync_module_states": True},
                          "['sync_module_states']"),

@@ -27,9 +27,15 @@ Each FSDP setting is honoured or refused (:func:`read_fsdp`):
 - ``cpu_ram_efficient_loading``: refused (the model is given whole, not loaded on rank 0);
 - ``xla`` is refused (``hybrid_shard`` is FSDP1's, which transformers refuses for FSDP2).
 
-Checkpoints with optimizer state are not written (each rank holds a shard of it, and the
-Trainer would save the main process's alone): ``save_strategy`` other than ``"no"`` needs
-``save_only_model=True``, and ``load_best_model_at_end`` and resuming are refused.
+Checkpoints hold the whole training state, and resume at another layout. Each
+``checkpoint-N`` holds, beside what the Trainer writes itself (``trainer_state.json``, the
+scheduler, each rank's RNG state ``rng_state_R.pth``, and the full weights, which
+``from_pretrained`` and ``python -m arctic.export`` read), a ``torch.distributed.checkpoint``
+directory :data:`DCP_DIR` with the model's and the optimizer's shards. Every rank writes its
+shards there (so the directory must be shared by the ranks: ``save_on_each_node`` is
+refused), and DCP reshards them on load: a checkpoint written by W ranks at SP degree s
+resumes on W' ranks at s'. ``resume_from_checkpoint`` and ``load_best_model_at_end`` load
+from it.
 
 Precision: ``bf16=True`` is FSDP2's mixed precision, as accelerate's FSDP2 has it: each
 layer's parameters are gathered as bfloat16 (``MixedPrecisionPolicy(param_dtype=bfloat16,
@@ -115,14 +121,10 @@ def read_fsdp(args) -> FsdpSettings | None:
         if getattr(args, name, False):
             raise _refuse(f"{name}=True", "it would cast the sharded float32 parameters "
                           "themselves; evaluation runs in the training precision")
-    if args.save_strategy != "no" and not args.save_only_model:
-        raise _refuse(f"save_strategy={str(args.save_strategy)!r}",
-                      "checkpoints with the sharded optimizer state are not written (the "
-                      "Trainer would save the main process's shard alone); set "
-                      "save_only_model=True (the model, not resumable) or save_strategy='no'")
-    if args.load_best_model_at_end:
-        raise _refuse("load_best_model_at_end=True", "a checkpoint's full state dict is not "
-                      "loaded back into the sharded model")
+    if args.save_on_each_node and args.save_strategy != "no":
+        raise _refuse("save_on_each_node=True", "every rank writes its shards of the model and "
+                      "the optimizer into the checkpoint, so the checkpoint directory must be "
+                      "one that all the ranks share")
     names = plugin.get("transformer_cls_names_to_wrap")
     return FsdpSettings(
         reshard_after_forward=bool(plugin.get("reshard_after_forward", True)),
@@ -180,6 +182,59 @@ class ShardedModel(nn.Module):
             self.module.set_requires_gradient_sync(True)
 
 
+DCP_DIR = "dcp"
+"""The ``torch.distributed.checkpoint`` directory in a ``checkpoint-N``: keys ``"model"`` and
+``"optim"``, as ``torch.distributed.checkpoint.state_dict.get_state_dict`` names them."""
+
+
+def save_sharded_state(model: nn.Module, optimizer, checkpoint: str | os.PathLike) -> None:
+    """Write the shards of ``model`` and ``optimizer`` into ``checkpoint``/:data:`DCP_DIR`;
+    every rank must call it (DCP's coordinator writes ``.metadata`` last, after every rank's
+    shards)."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict
+
+    model_sd, optim_sd = get_state_dict(model, optimizer)
+    dcp.save({"model": model_sd, "optim": optim_sd},
+             checkpoint_id=os.path.join(checkpoint, DCP_DIR))
+
+
+def _dcp_path(checkpoint: str | os.PathLike) -> str:
+    path = os.path.join(checkpoint, DCP_DIR)
+    if not os.path.isfile(os.path.join(path, ".metadata")):
+        raise ValueError(f"{checkpoint} holds no sharded training state ({DCP_DIR}/.metadata): it "
+                         f"was not written by SequenceParallelTrainer under FSDP2, or its writing "
+                         f"did not finish")
+    return path
+
+
+def load_sharded_model(model: nn.Module, checkpoint: str | os.PathLike) -> None:
+    """Load the model's shards that :func:`save_sharded_state` wrote (at any world size and
+    SP degree: DCP reshards) into the sharded ``model``; every rank must call it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_model_state_dict, set_model_state_dict
+
+    path = _dcp_path(checkpoint)
+    state = {"model": get_model_state_dict(model)}
+    dcp.load(state, checkpoint_id=path)
+    set_model_state_dict(model, state["model"])
+
+
+def load_sharded_optimizer(model: nn.Module, optimizer, checkpoint: str | os.PathLike) -> None:
+    """Load the optimizer's shards that :func:`save_sharded_state` wrote into ``optimizer``
+    (of the sharded ``model``); every rank must call it."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (
+        get_optimizer_state_dict,
+        set_optimizer_state_dict,
+    )
+
+    path = _dcp_path(checkpoint)
+    state = {"optim": get_optimizer_state_dict(model, optimizer)}
+    dcp.load(state, checkpoint_id=path)
+    set_optimizer_state_dict(model, optimizer, state["optim"])
+
+
 def full_state_dict(model: nn.Module) -> dict:
     """The whole state dict of the sharded ``model``, on the main process (empty elsewhere);
     every rank must call it."""
@@ -192,5 +247,6 @@ def full_state_dict(model: nn.Module) -> dict:
                                                                 cpu_offload=True))
 
 
-__all__ = ["FsdpSettings", "ShardedModel", "full_state_dict", "hand_accelerate_no_fsdp",
-           "read_fsdp", "shard"]
+__all__ = ["DCP_DIR", "FsdpSettings", "ShardedModel", "full_state_dict",
+           "hand_accelerate_no_fsdp", "load_sharded_model", "load_sharded_optimizer",
+           "read_fsdp", "save_sharded_state", "shard"]

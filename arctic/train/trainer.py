@@ -40,6 +40,13 @@ first token's are -100 (no causal-LM metric reads them). The loaders read ``data
 (``train(resume_from_checkpoint=...)``) skips the trained batches as the Trainer does:
 the SP cut is the loader's ``collate_fn``, which the loader accelerate rebuilds keeps.
 
+Checkpoints are safe to interrupt: every rank's files are written before the main process
+writes ``trainer_state.json``, the last one, so a ``checkpoint-N`` without a readable one was
+interrupted; ``resume_from_checkpoint=True`` takes the newest complete checkpoint
+(:func:`resolve_checkpoint`), a path to an incomplete one is refused, and a checkpoint
+written again at the same step replaces the old directory whole. ``save_total_limit`` rotates
+only after the new checkpoint is complete (the Trainer's own order).
+
 SP is on inside ``train()`` and ``evaluate()`` only (:func:`arctic.remove_sequence_parallel`
 and :func:`arctic.restore_sequence_parallel`): elsewhere the model is the user's own, to run
 on whole sequences, generate with and save.
@@ -68,12 +75,18 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
+import json
+import os
+import re
+import shutil
 from contextlib import contextmanager
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
+from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from arctic.data.batch import IGNORE_INDEX
 from arctic.data.loader import SequenceParallelDataLoader
@@ -92,7 +105,10 @@ from arctic.train.hf_fsdp import (
     ShardedModel,
     full_state_dict,
     hand_accelerate_no_fsdp,
+    load_sharded_model,
+    load_sharded_optimizer,
     read_fsdp,
+    save_sharded_state,
     shard,
 )
 from arctic.train.parallelism import SP_KEYS, sp_settings
@@ -276,12 +292,55 @@ class SequenceParallelMixin:
             raise ValueError("SequenceParallelTrainer.train(trial=...) is not supported: a "
                              "hyperparameter search rebuilds the model with model_init, "
                              "which sequence parallelism is not applied to")
-        if self._fsdp is not None and resume_from_checkpoint:
-            raise ValueError("SequenceParallelTrainer under FSDP2 does not resume from "
-                             "checkpoints: their sharded optimizer state is not written")
+        # the newest complete checkpoint (one whose writing was interrupted is passed over)
+        resume_from_checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
         with self._sequence_parallel():
             return super().train(resume_from_checkpoint,
                                  ignore_keys_for_eval=ignore_keys_for_eval)
+
+    def _save_checkpoint(self, model, trial):
+        # A checkpoint-N left by an interrupted write (or by an earlier run that reached the
+        # same step) goes first: none of its files may outlive into the new one (an RNG file
+        # of a rank that no longer exists, a stale shard).
+        folder = os.path.join(self._get_output_dir(trial=trial),
+                              f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
+        if self.args.should_save and os.path.isdir(folder):
+            shutil.rmtree(folder)
+        _barrier()
+        super()._save_checkpoint(model, trial)
+
+    def _save_rng_state(self, output_dir):
+        super()._save_rng_state(output_dir)
+        # Every rank's files are written before the main process writes trainer_state.json,
+        # the last file of a checkpoint: its presence is what makes the checkpoint complete
+        # (resolve_checkpoint).
+        _barrier()
+
+    def _save_optimizer_and_scheduler(self, output_dir):
+        if self._fsdp is None:
+            return super()._save_optimizer_and_scheduler(output_dir)
+        # the model's and the optimizer's shards, every rank's (the Trainer's own code would
+        # write the main process's optimizer shard alone), and the scheduler
+        save_sharded_state(self.model, self.optimizer, output_dir)
+        if self.args.should_save:
+            torch.save(self.lr_scheduler.state_dict(), os.path.join(output_dir, SCHEDULER_NAME))
+
+    def _load_from_checkpoint(self, resume_from_checkpoint, model=None):
+        if self._fsdp is None:
+            return super()._load_from_checkpoint(resume_from_checkpoint, model)
+        load_sharded_model(self.model, resume_from_checkpoint)
+
+    def _load_optimizer_and_scheduler(self, checkpoint):
+        if self._fsdp is None or checkpoint is None:
+            return super()._load_optimizer_and_scheduler(checkpoint)
+        load_sharded_optimizer(self.model, self.optimizer, checkpoint)
+        self.lr_scheduler.load_state_dict(
+            torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+
+    def _load_best_model(self):
+        if self._fsdp is None:
+            return super()._load_best_model()
+        load_sharded_model(self.model, self.state.best_model_checkpoint)
 
     def _wrap_model(self, model, training=True, dataloader=None):
         # Under FSDP2 the model is sharded already: accelerate must neither wrap it in DDP nor
@@ -381,6 +440,50 @@ class _ShuffleLikeTheEpoch(TrainerCallback):
             n = len(train_dataloader)
             per_epoch = max(n // accumulate + int(n % accumulate > 0), 1)
             train_dataloader.set_epoch(state.global_step // per_epoch)
+
+
+def _barrier() -> None:
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.barrier()
+
+
+def checkpoint_complete(path: str | os.PathLike) -> bool:
+    """Whether the Trainer finished writing the checkpoint at ``path``: its
+    ``trainer_state.json``, which the main process writes after every rank's files (the
+    trainer waits for them), is there and reads whole."""
+    try:
+        with open(os.path.join(path, TRAINER_STATE_NAME)) as f:
+            json.load(f)
+    except (OSError, ValueError):
+        return False
+    return True
+
+
+def resolve_checkpoint(resume_from_checkpoint, output_dir: str):
+    """What to resume from: ``True`` is the newest complete ``checkpoint-N`` in
+    ``output_dir`` (a newer one whose writing was interrupted is passed over); a path must be
+    a complete checkpoint. ``ValueError`` otherwise; every rank reads the same files, so every
+    rank raises, before any collective."""
+    if not resume_from_checkpoint:
+        return resume_from_checkpoint
+    if resume_from_checkpoint is True:
+        pattern = re.compile(rf"^{PREFIX_CHECKPOINT_DIR}-(\d+)$")
+        found = sorted(((int(m.group(1)), name) for name in os.listdir(output_dir)
+                        if (m := pattern.match(name)) and
+                        os.path.isdir(os.path.join(output_dir, name)))
+                       if os.path.isdir(output_dir) else [], reverse=True)
+        for _, name in found:
+            if checkpoint_complete(os.path.join(output_dir, name)):
+                return os.path.join(output_dir, name)
+        raise ValueError(f"train(resume_from_checkpoint=True): no complete checkpoint in "
+                         f"{output_dir} (found {[name for _, name in found]}; a complete one "
+                         f"has its {TRAINER_STATE_NAME})")
+    if not checkpoint_complete(resume_from_checkpoint):
+        raise ValueError(f"train(resume_from_checkpoint={str(resume_from_checkpoint)!r}): not a "
+                         f"complete checkpoint (no readable {TRAINER_STATE_NAME}; its writing "
+                         f"was interrupted, or it is not a checkpoint-N directory); "
+                         f"resume_from_checkpoint=True takes the newest complete one")
+    return resume_from_checkpoint
 
 
 def _hand_deepspeed_plain_config(args, ds_config: dict) -> None:
