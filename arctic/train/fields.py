@@ -31,6 +31,8 @@ _RESUME = _T + "test_resume_gives_the_uninterrupted_losses"
 _LOADERS = _T + "test_the_loaders_read_data_seed_and_num_workers"
 _FSDP = "tests/test_arctic_hf_fsdp.py::test_fsdp2_trainer_matches_plain_trainer"
 _SFT = "tests/test_arctic_trl.py::test_sft_trainer_with_packing_matches_plain_sft"
+_CKPT = "tests/test_arctic_hf_checkpoints.py::"
+_KILLED = _CKPT + "test_killed_while_saving_resumes_from_the_previous_checkpoint"
 
 FIELDS: dict[str, tuple[str, str]] = {
     # the loaders
@@ -79,11 +81,13 @@ FIELDS: dict[str, tuple[str, str]] = {
     "eval_delay": (TRAINER, _PARITY), "eval_on_start": (TRAINER, _PARITY),
     "prediction_loss_only": (HONOURED, _PARITY),  # metrics, or the loss only
     "save_strategy": (TRAINER, _T + "test_accelerate_launch_with_the_shipped_yaml"),
-    "save_steps": (TRAINER, _RESUME), "save_total_limit": (TRAINER, "checkpoint rotation"),
+    "save_steps": (TRAINER, _RESUME), "save_total_limit": (TRAINER, _KILLED),
     "save_only_model": (TRAINER, "what a checkpoint holds"),
     "save_on_each_node": (TRAINER, "where checkpoints are written"),
     "enable_jit_checkpoint": (TRAINER, "a checkpoint on SIGTERM"),
-    "load_best_model_at_end": (TRAINER, "reloads a checkpoint"),
+    # under FSDP2 the trainer loads the sharded model (arctic.train.hf_fsdp)
+    "load_best_model_at_end": (HONOURED, _CKPT + "test_load_best_model_at_end_loads_the_best_"
+                                                "checkpoint"),
     "metric_for_best_model": (TRAINER, "the eval loss is the metric there is"),
     "greater_is_better": (TRAINER, "with metric_for_best_model"),
     "restore_callback_states_from_checkpoint": (TRAINER, "callback state"),
