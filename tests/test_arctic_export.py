@@ -1,0 +1,245 @@
+"""``python -m arctic.export``: the HF model of a training checkpoint gives the trained model's
+logits, from ZeRO-3 and FSDP2 runs alike; what it cannot read is refused by name.
+
+The reference logits come from the trained model itself, sharded as it trained (SP taken off,
+the whole sequence through ZeRO-3's or FSDP2's gathers), never from the checkpoint: the
+exporter reads the files in another process, as a user runs it.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import dist_pool
+
+pytest.importorskip("transformers", reason="the exporter needs transformers ([hf])")
+
+REPO = Path(__file__).resolve().parent.parent
+VOCAB, S = 256, 64
+TOL = 1e-6
+"""Max abs logit difference allowed: the same fp32 weights through the same kernels (both
+runs on one CPU); a wrong, stale or half-loaded weight moves the logits by far more."""
+
+
+def _config(tie: bool):
+    from transformers import LlamaConfig
+
+    return LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64,
+                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                       max_position_embeddings=256, tie_word_embeddings=tie)
+
+
+def _model(tie: bool):
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    return AutoModelForCausalLM.from_config(_config(tie), attn_implementation="sdpa")
+
+
+def _ids(seed: int):
+    return torch.randint(0, VOCAB, (1, S), generator=torch.Generator().manual_seed(seed))
+
+
+def _trained_logits(model):
+    """The sharded model's logits on the whole probe sequence, SP off (every rank calls)."""
+    import arctic
+
+    arctic.remove_sequence_parallel(model)
+    with torch.no_grad():
+        return model(input_ids=_ids(99)).logits.detach().clone()
+
+
+def _rank_zero3(save_dir: str, steps: int):
+    """ZeRO-3 with SP=2, fused projections in head chunks, tiled MLP, checkpointing: train,
+    save as examples/train.py does, and return the trained logits and the live gather."""
+    import torch.distributed as dist
+
+    import arctic
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.export import zero3_full_state_dict
+    from helpers import init_deepspeed_comm
+
+    init_deepspeed_comm()
+    model = _model(tie=True)
+    if dist.get_rank() == 0:
+        model.config.save_pretrained(save_dir)  # as examples/_common.save_model_config
+    dist.barrier()
+    config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+              "steps_per_print": 10**6, "zero_optimization": {"stage": 3},
+              "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
+              "sequence_parallel_size": 2,
+              "ulysses": {"head_chunk_size": 1, "fuse_projections": True, "tiled_mlp": 2,
+                          "activation_checkpointing": True}}
+    engine, *_ = arctic.initialize(model=model, config=config)
+    for step in range(steps):
+        loss = engine(**prepare_sp_batch({"input_ids": _ids(step)}, engine.sp_mesh))
+        engine.backward(loss)
+        engine.step()
+    engine.save_checkpoint(save_dir, tag=f"step{steps}")
+    logits = _trained_logits(engine.module)
+    return logits, zero3_full_state_dict(engine)
+
+
+def _rank_fsdp2(save_dir: str, steps: int):
+    """FSDP2 over both ranks with SP=2, tiled MLP, checkpointing with host offload: train,
+    save with examples/train_fsdp.py's own save_checkpoint, return the trained logits."""
+    import torch.distributed as dist
+
+    import arctic
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.recipe import apply_sp_recipe
+
+    sys.path.insert(0, str(REPO / "examples"))
+    from train_fsdp import save_checkpoint
+
+    model = _model(tie=False)
+    if dist.get_rank() == 0:
+        model.config.save_pretrained(save_dir)
+    dist.barrier()
+    config = arctic.SequenceParallelConfig(sequence_parallel_size=2, tiled_mlp=2,
+                                           activation_checkpointing=True,
+                                           offload_activations=True)
+    mesh = config.dims(2).build_mesh("cpu")
+    apply_sp_recipe(model, config=config, mesh=mesh, averaged_over_sp=True)
+    arctic.apply_fsdp(model, mesh=mesh)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for step in range(steps):
+        model(**prepare_sp_batch({"input_ids": _ids(step)}, mesh)).backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        if step == 0:  # an older finished step: the newest must be the one exported
+            save_checkpoint(Path(save_dir) / "step1", model, optimizer, [1, 0, 1])
+    save_checkpoint(Path(save_dir) / f"step{steps}", model, optimizer, [steps, 0, steps])
+    return _trained_logits(model)
+
+
+def _export_cli(checkpoint: Path, out: Path, *extra: str) -> str:
+    proc = subprocess.run([sys.executable, "-m", "arctic.export", str(checkpoint), str(out),
+                           *extra], cwd=REPO, capture_output=True, text=True, timeout=240,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    return proc.stdout
+
+
+def _exported_logits(out: Path):
+    from transformers import AutoModelForCausalLM
+
+    text = (out / "config.json").read_text()
+    assert "ulysses" not in text, text  # loadable where arctic is not installed
+    model = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        return model, model(input_ids=_ids(99)).logits
+
+
+def test_zero3_run_exports_the_trained_model(tmp_path):
+    save = tmp_path / "save"
+    ranks = dist_pool.run(_rank_zero3, str(save), 3, world_size=2, timeout=240)
+    (trained, gathered), (trained1, other) = ranks
+    assert other == {} and torch.equal(trained, trained1)
+    printed = _export_cli(save, tmp_path / "out")  # the save dir: 'latest' names step3
+    assert f"{save / 'step3'}" in printed, printed
+    model, logits = _exported_logits(tmp_path / "out")
+    diff = (logits - trained).abs().max().item()
+    print(f"zero3: max abs logit difference {diff:.3g}")
+    assert diff <= TOL, diff
+    assert model.dtype == torch.float32  # ZeRO's fp32 master weights
+    assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as trained
+    # zero3_full_state_dict (for the Trainer's save_model) gathers the same weights live.
+    exported = model.state_dict()
+    assert sorted(gathered) == sorted(exported)
+    for name, tensor in gathered.items():
+        assert torch.equal(tensor, exported[name]), name
+
+
+def test_fsdp2_run_exports_the_trained_model(tmp_path):
+    save = tmp_path / "save"
+    trained, trained1 = dist_pool.run(_rank_fsdp2, str(save), 3, world_size=2, timeout=240)
+    assert torch.equal(trained, trained1)
+    (save / "step9").mkdir()  # an unfinished step (no .metadata) is passed over
+    printed = _export_cli(save, tmp_path / "out")
+    assert f"{save / 'step3'}" in printed, printed
+    model, logits = _exported_logits(tmp_path / "out")
+    diff = (logits - trained).abs().max().item()
+    print(f"fsdp2: max abs logit difference {diff:.3g}")
+    assert diff <= TOL, diff
+    assert not model.config.tie_word_embeddings and model.dtype == torch.float32
+    # The older step, exported explicitly, is another model: the comparison can fail.
+    from arctic.export import export
+
+    export(save / "step1", tmp_path / "out1")
+    _, older = _exported_logits(tmp_path / "out1")
+    assert (older - trained).abs().max().item() > 1e-3
+
+
+# -- one process: DCP checkpoints written without a process group ------------------------------
+
+
+def _dcp_checkpoint(path: Path, model, extra: dict | None = None) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": {**model.state_dict(), **(extra or {})}, "progress": torch.tensor([1])},
+             checkpoint_id=str(path), no_dist=True)
+
+
+def test_trainer_checkpoint_dcp_and_dtype(tmp_path):
+    """A Trainer output directory: the newest finished checkpoint-N/dcp, the config from
+    checkpoint-N; a config naming our attention is exported with the default one; --dtype
+    casts exactly."""
+    from arctic.export import export
+
+    model = _model(tie=False)
+    for step in (2, 4):
+        ckpt = tmp_path / "run" / f"checkpoint-{step}"
+        _dcp_checkpoint(ckpt / "dcp", model)
+        raw = model.config.to_dict() | {"attn_implementation": "ulysses"}
+        (ckpt / "config.json").write_text(json.dumps(raw))
+        (ckpt / "trainer_state.json").write_text("{}")
+    with torch.no_grad():
+        model.lm_head.weight.add_(1.0)  # the newest checkpoint: other weights
+    _dcp_checkpoint(tmp_path / "run" / "checkpoint-6" / "dcp", model)  # unfinished: no state
+    export(tmp_path / "run", tmp_path / "out", dtype="bfloat16")
+    got, logits = _exported_logits(tmp_path / "out")
+    assert got.dtype == torch.bfloat16 and got.config._attn_implementation == "sdpa"
+    ref = _model(tie=False)
+    for name, tensor in ref.state_dict().items():
+        assert torch.equal(got.state_dict()[name], tensor.to(torch.bfloat16)), name
+
+
+def test_refusals(tmp_path):
+    from arctic.export import export
+
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "notes.txt").write_text("x")
+    with pytest.raises(ValueError, match=r"no checkpoint this exporter reads \(found: notes\.txt"):
+        export(tmp_path / "empty", tmp_path / "out")
+    with pytest.raises(ValueError, match="is not a directory"):
+        export(tmp_path / "missing", tmp_path / "out")
+
+    model = _model(tie=False)
+    _dcp_checkpoint(tmp_path / "a" / "step1", model)
+    with pytest.raises(ValueError, match="no config.json in .*; pass the model's HF config"):
+        export(tmp_path / "a" / "step1", tmp_path / "out")
+    # Names that do not fit the config are named, both ways.
+    _dcp_checkpoint(tmp_path / "b" / "step1", model, {"model.layers.7.extra.weight":
+                                                      torch.zeros(2)})
+    fewer = _config(tie=False)
+    fewer.num_hidden_layers = 1
+    fewer.save_pretrained(tmp_path / "b")
+    with pytest.raises(ValueError, match=r"missing \[\], unexpected \['model.layers.1.input_"
+                                         r"layernorm.weight'.*'model.layers.7.extra.weight'"):
+        export(tmp_path / "b", tmp_path / "out")
+    # A DCP checkpoint without the model.
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"optim": {"x": torch.zeros(1)}}, checkpoint_id=str(tmp_path / "c"), no_dist=True)
+    with pytest.raises(ValueError, match=r"without a 'model' entry \(its keys: \['optim'\]\)"):
+        export(tmp_path / "c", tmp_path / "out", config=tmp_path / "b")
+    with pytest.raises(ValueError, match="dtype must be one of"):
+        export(tmp_path / "a" / "step1", tmp_path / "out", dtype="fp8")
