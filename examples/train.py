@@ -10,8 +10,11 @@ model, SP attention, tiling, loss and ZeRO come from ``arctic.initialize`` and t
 ``"ulysses"`` block. Rank 0 shows a progress bar with the loss, tokens/s and peak memory per
 rank (CUDA allocator peak on GPU, peak RSS on CPU) and, with ``offload_activations``, the
 host memory holding checkpointed layer inputs; ``--log-file`` gets one JSON line per
-step. ``--resume`` continues from the newest checkpoint in ``--save-dir``: same data order,
-same losses, step for step, as a run that was never stopped (fp32, same seed).
+step. ``--resume`` continues from the newest complete checkpoint in ``--save-dir`` (one whose
+writing was interrupted is passed over): same data order, same losses, step for step, as a
+run that was never stopped (fp32, same seed). At another world size or ZeRO stage it loads
+the checkpoint's universal conversion, or names the command that makes it
+(:mod:`arctic.train.ds_checkpoint`, docs/checkpoints.md).
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from _common import (REPO, ByteCorpus, Progress, add_job_args, build_model, gath
                      parse_job_args, save_model_config, resumable_batches, split_cpu_threads)
 
 import arctic  # after _common: from the checkout
+from arctic.train.ds_checkpoint import CheckpointLayout, load_checkpoint, save_checkpoint
 from ulysses import flat_mesh
 
 
@@ -52,18 +56,24 @@ def main() -> None:
                                              training_data=ByteCorpus(args.data, args.seq_len))
     rank, device = dist.get_rank(), next(engine.module.parameters()).device
     offload = getattr(engine.module, "activation_offload", None)
+    layout = CheckpointLayout(world_size=dist.get_world_size(),
+                              sequence_parallel_size=flat_mesh(engine.sp_mesh, "sp").size(),
+                              zero_stage=engine.zero_optimization_stage(), sp_mpu=True)
+    samples_per_batch = engine.train_micro_batch_size_per_gpu() * layout.data_parallel_size
 
     step, epoch, skip = 0, 0, 0
     if args.resume:
-        _, client = engine.load_checkpoint(str(args.save_dir))
-        if client is None:
-            raise ValueError(f"--resume: no checkpoint in {args.save_dir}")
-        step, epoch, skip = client["step"], client["epoch"], client["batches_in_epoch"]
+        plan, client = load_checkpoint(engine, args.save_dir, layout=layout)
+        if rank == 0:
+            print(f"resumed from {args.save_dir / plan.tag} (step {client['step']}"
+                  + (f", universal, saved at {plan.saved.describe()})" if plan.universal
+                     else ")"), flush=True)
+        step, epoch, skip = client["step"], client["epoch"], _batches_to_skip(
+            client["samples_in_epoch"], samples_per_batch)
 
     progress = Progress(desc="train", total=args.max_steps, initial=step,
                         log_file=args.log_file)
-    tokens_per_step = args.seq_len * engine.train_micro_batch_size_per_gpu() * \
-        (dist.get_world_size() // flat_mesh(engine.sp_mesh, "sp").size())
+    tokens_per_step = args.seq_len * samples_per_batch
     batches = resumable_batches(loader, epoch=epoch, skip=skip)
     while step < args.max_steps:
         epoch, i, batch = next(batches)
@@ -85,10 +95,24 @@ def main() -> None:
                 shown["host_mib"] = f"{record['offload_host_peak_mib']:.1f}"
             progress.show(record, **shown)
         if args.save_dir and step % args.save_every == 0:
-            engine.save_checkpoint(str(args.save_dir), tag=f"step{step}", client_state={
-                "step": step, "epoch": epoch, "batches_in_epoch": i + 1})
+            # the data position in samples of the epoch's order, which every layout shares
+            save_checkpoint(engine, args.save_dir, tag=f"step{step}", layout=layout,
+                            client_state={"step": step, "epoch": epoch,
+                                          "samples_in_epoch": (i + 1) * samples_per_batch})
     progress.done(step)
     dist.barrier()
+
+
+def _batches_to_skip(samples_in_epoch: int, samples_per_batch: int) -> int:
+    """The batches of the epoch already trained on: the epoch's order of samples is the same
+    at every layout (``DistributedSampler`` deals one permutation over the dp ranks), so the
+    position is a count of samples, whole batches of this layout's."""
+    if samples_in_epoch % samples_per_batch:
+        raise ValueError(f"--resume: the checkpoint is {samples_in_epoch} samples into its "
+                         f"epoch, not a whole number of this layout's steps of "
+                         f"{samples_per_batch} samples (micro batch x data parallel size); "
+                         f"resume with a data parallel size that divides it")
+    return samples_in_epoch // samples_per_batch
 
 if __name__ == "__main__":
     main()
