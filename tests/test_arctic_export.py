@@ -243,3 +243,78 @@ def test_refusals(tmp_path):
         export(tmp_path / "c", tmp_path / "out", config=tmp_path / "b")
     with pytest.raises(ValueError, match="dtype must be one of"):
         export(tmp_path / "a" / "step1", tmp_path / "out", dtype="fp8")
+
+
+# -- as users run it: the HF Trainer and the example scripts, launched (slow) -----------------
+
+
+def _launch(cmd: list[str], timeout: float = 480) -> None:
+    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
+                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+
+
+def _torchrun(*args: str) -> list[str]:
+    return [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2", *args]
+
+
+def _hf_trainer(tmp_path: Path, *engine: str) -> dict:
+    """examples/hf_trainer.py for 2 steps with a checkpoint at step 2; after training it
+    runs the trained model on a whole sequence (the reference logits) and save_model()s it."""
+    out = tmp_path / "run"
+    _launch(_torchrun(str(REPO / "examples" / "hf_trainer.py"), *engine, "--max-steps", "2",
+                      "--save-steps", "2", "--output-dir", str(out), "--losses-out",
+                      str(tmp_path / "record.json"), "--use-model", str(tmp_path / "model")))
+    return json.loads((tmp_path / "record.json").read_text())
+
+
+def _check_export(checkpoint: Path, out: Path, record: dict) -> float:
+    from transformers import AutoModelForCausalLM
+
+    _export_cli(checkpoint, out)
+    assert "ulysses" not in (out / "config.json").read_text()
+    model = AutoModelForCausalLM.from_pretrained(out)
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(record["ids"])).logits
+    diff = (logits - torch.tensor(record["logits"])).abs().max().item()
+    print(f"{checkpoint}: max abs logit difference {diff:.3g}")
+    assert diff <= TOL, diff
+    return diff
+
+
+@pytest.mark.slow
+def test_hf_trainer_zero3_checkpoint_and_save_model_export(tmp_path):
+    """ZeRO-3 without stage3_gather_16bit_weights_on_model_save: the Trainer's checkpoint-2
+    (global_step2/) and save_model's DeepSpeed checkpoint both export to the trained model."""
+    config = json.loads((REPO / "configs" / "cpu_trainer.json").read_text())
+    config["zero_optimization"] = {"stage": 3}
+    (tmp_path / "ds.json").write_text(json.dumps(config))
+    record = _hf_trainer(tmp_path, "--deepspeed", str(tmp_path / "ds.json"))
+    assert (tmp_path / "run" / "checkpoint-2" / "global_step2").is_dir()
+    _check_export(tmp_path / "run", tmp_path / "out", record)
+    _check_export(tmp_path / "model", tmp_path / "out_model", record)
+
+
+@pytest.mark.slow
+def test_hf_trainer_fsdp2_checkpoint_export(tmp_path):
+    record = _hf_trainer(tmp_path, "--fsdp", str(REPO / "configs" / "cpu_trainer_fsdp.json"))
+    assert (tmp_path / "run" / "checkpoint-2" / "dcp" / ".metadata").is_file()
+    _check_export(tmp_path / "run", tmp_path / "out", record)
+
+
+@pytest.mark.slow
+def test_trainer_save_model_under_zero3_writes_the_weights(tmp_path):
+    """save_model through zero3_full_state_dict (tests/export_zero3_save_model.py: the
+    override the trainer needs) writes HF weights that give the trained model's logits, where
+    transformers alone writes a DeepSpeed checkpoint (no stage3_gather_16bit_weights_on_model_save)."""
+    from transformers import AutoModelForCausalLM
+
+    _launch(_torchrun(str(REPO / "tests" / "export_zero3_save_model.py"), str(tmp_path)))
+    assert not (tmp_path / "model" / "latest").exists()  # not DeepSpeed's fallback
+    record = json.loads((tmp_path / "record.json").read_text())
+    model = AutoModelForCausalLM.from_pretrained(tmp_path / "model")
+    with torch.no_grad():
+        logits = model(input_ids=torch.tensor(record["ids"])).logits
+    diff = (logits - torch.tensor(record["logits"])).abs().max().item()
+    print(f"save_model under ZeRO-3: max abs logit difference {diff:.3g}")
+    assert diff <= TOL, diff
