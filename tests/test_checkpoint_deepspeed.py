@@ -1,0 +1,236 @@
+"""DeepSpeed checkpoints: a write killed half-way leaves the previous checkpoint the one
+resumed, and a checkpoint resumes at another layout through DeepSpeed's universal checkpoint,
+or is refused by name with the conversion command.
+
+- The resume plan, on checkpoint directories written here (no process group).
+- ``examples/train.py`` under ZeRO-3, run as users run it (``deepspeed``): SP=2 on 2 ranks,
+  killed (SIGKILL of the whole launch) while writing its step-4 checkpoint, after rank 0's
+  files; resumed at SP=4 on 4 ranks it is refused on every rank, naming step2 (the newest
+  complete checkpoint) and the command; after the command the resumed steps' losses equal
+  the SP=2 run's.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shlex
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from arctic.train.ds_checkpoint import (
+    LAYOUT_FILE,
+    CheckpointLayout,
+    complete_tags,
+    plan_resume,
+    universal_command,
+    write_layout,
+)
+
+REPO = Path(__file__).resolve().parent.parent
+ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
+TOLERANCE = 1e-5
+"""Resumed against uninterrupted losses, fp32: the SP=4 attention sums its pieces in another
+order than SP=2's (measured: 5e-7 apart)."""
+
+SP2 = CheckpointLayout(world_size=2, sequence_parallel_size=2, zero_stage=3, sp_mpu=True)
+SP4 = CheckpointLayout(world_size=4, sequence_parallel_size=4, zero_stage=3, sp_mpu=True)
+
+
+def _checkpoint(save_dir: Path, tag: str, layout: CheckpointLayout | None, steps: int) -> None:
+    """A tag directory as save_checkpoint leaves it (``layout=None``: its write was killed)."""
+    (save_dir / tag).mkdir(parents=True)
+    (save_dir / tag / "zero_pp_rank_0_mp_rank_00_optim_states.pt").write_bytes(b"shard")
+    if layout is not None:
+        write_layout(save_dir, tag, layout, global_steps=steps)
+        (save_dir / "latest").write_text(tag)
+
+
+def test_the_newest_complete_checkpoint_is_resumed(tmp_path):
+    _checkpoint(tmp_path, "step10", SP2, 10)
+    _checkpoint(tmp_path, "step5", SP2, 5)
+    _checkpoint(tmp_path, "step15", None, 15)  # killed while writing
+    (tmp_path / "step10_universal").mkdir()    # a conversion is no checkpoint of its own
+    assert complete_tags(tmp_path) == ["step5", "step10"]
+    plan = plan_resume(tmp_path, "step10", SP2)
+    assert (plan.tag, plan.universal, plan.saved) == ("step10", False, SP2)
+    with pytest.raises(ValueError, match=rf"step15 holds no {LAYOUT_FILE}"):
+        plan_resume(tmp_path, "step15", SP2)
+
+
+def test_the_sp_degree_alone_loads_natively(tmp_path):
+    """ZeRO shards over every rank: at the same world size only the SP degree differs."""
+    _checkpoint(tmp_path, "step2", SP2, 2)
+    dp2 = CheckpointLayout(world_size=2, sequence_parallel_size=1, zero_stage=3, sp_mpu=True)
+    assert not plan_resume(tmp_path, None, dp2).universal
+
+
+@pytest.mark.parametrize("current", [SP4, CheckpointLayout(world_size=2, sequence_parallel_size=2,
+                                                           zero_stage=2, sp_mpu=True)],
+                         ids=["world", "stage"])
+def test_another_layout_is_refused_with_the_command(tmp_path, current):
+    _checkpoint(tmp_path, "step2", SP2, 2)
+    with pytest.raises(ValueError) as err:
+        plan_resume(tmp_path, None, current)
+    message = str(err.value)
+    assert SP2.describe() in message and current.describe() in message
+    assert universal_command(tmp_path, "step2") in message
+    assert "--input_folder" in message and str(tmp_path / "step2_universal") in message
+
+
+def test_a_finished_conversion_is_loaded(tmp_path):
+    _checkpoint(tmp_path, "step2", SP2, 2)
+    converted = tmp_path / "step2_universal" / "zero"
+    converted.mkdir(parents=True)
+    (converted / "optimizer_state.pt").write_bytes(b"state")
+    with pytest.raises(ValueError, match="does not exist yet"):  # not finished: no latest_universal
+        plan_resume(tmp_path, None, SP4)
+    (tmp_path / "latest_universal").write_text("step2_universal")
+    plan = plan_resume(tmp_path, None, SP4)
+    assert (plan.tag, plan.universal) == ("step2_universal", True)
+    # checkpoint.load_universal in the config: the conversion at the same layout too
+    assert plan_resume(tmp_path, None, SP2, load_universal=True).universal
+    assert not plan_resume(tmp_path, None, SP2).universal
+
+
+def test_zero12_under_the_sp_mpu_is_refused_by_name(tmp_path):
+    """ds_to_universal reads the SP mpu's size as a tensor-parallel degree of ZeRO-1/2
+    checkpoints: such a checkpoint cannot convert, and the message says so."""
+    z2 = CheckpointLayout(world_size=2, sequence_parallel_size=2, zero_stage=2, sp_mpu=True)
+    _checkpoint(tmp_path, "step2", z2, 2)
+    with pytest.raises(ValueError, match="cannot convert a ZeRO-2 checkpoint"):
+        plan_resume(tmp_path, None, CheckpointLayout(world_size=4, sequence_parallel_size=4,
+                                                     zero_stage=2, sp_mpu=True))
+    trainer = CheckpointLayout(world_size=2, sequence_parallel_size=2, zero_stage=2, sp_mpu=False)
+    assert trainer.converts_to_universal()
+
+
+def test_bad_layouts_are_refused():
+    with pytest.raises(ValueError, match="must divide world_size"):
+        CheckpointLayout(world_size=4, sequence_parallel_size=3, zero_stage=3, sp_mpu=True)
+
+
+# -- examples/train.py, launched -------------------------------------------------------------
+
+KILL_HOOK = '''\
+"""Test hook (sitecustomize, on PYTHONPATH for the killed run only): rank 1 writes half of its
+optimizer shard of the tag KILL_IN_SAVE_TAG, once rank 0's is written, and SIGKILLs the whole
+launch (its process group)."""
+import os
+
+if os.environ.get("KILL_IN_SAVE_TAG"):
+    import io
+    import signal
+    import time
+
+    import torch
+
+    _save = torch.save
+
+    def save(obj, f, *args, **kwargs):
+        path = os.fspath(f) if isinstance(f, (str, os.PathLike)) else ""
+        if (os.environ.get("RANK") == "1" and path.endswith("optim_states.pt")
+                and os.path.basename(os.path.dirname(path)) == os.environ["KILL_IN_SAVE_TAG"]):
+            first = os.path.join(os.path.dirname(path), "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+            deadline = time.time() + 120
+            while not os.path.exists(first) and time.time() < deadline:
+                time.sleep(0.05)
+            time.sleep(1.0)
+            buf = io.BytesIO()
+            _save(obj, buf, *args, **kwargs)
+            with open(path, "wb") as out:
+                out.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+                out.flush()
+                os.fsync(out.fileno())
+            os.killpg(os.getpgrp(), signal.SIGKILL)
+        return _save(obj, f, *args, **kwargs)
+
+    torch.save = save
+'''
+
+
+def _launch(args: list[str], *, env: dict | None = None, timeout: float = 600,
+            port: int) -> subprocess.CompletedProcess:
+    """``deepspeed --master_port PORT ARGS`` in its own session (a kill takes all of it)."""
+    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--master_port", str(port), *args]
+    proc = subprocess.Popen(cmd, cwd=REPO, env=env or ENV, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
+    try:
+        out, _ = proc.communicate(timeout=timeout)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
+
+
+def _losses(log: Path) -> dict[int, float]:
+    """step -> loss; a step logged twice keeps its last record."""
+    return {r["step"]: r["loss"] for r in map(json.loads, log.read_text().splitlines())}
+
+
+def _config(tmp_path: Path, sp: int) -> Path:
+    config = json.loads((REPO / "configs" / "cpu_demo.json").read_text())
+    assert config["zero_optimization"]["stage"] == 3
+    config["sequence_parallel_size"] = sp
+    path = tmp_path / f"sp{sp}.json"
+    path.write_text(json.dumps(config))
+    return path
+
+
+def test_killed_mid_write_then_resumed_at_sp4(tmp_path):
+    ckpt, log = tmp_path / "ckpt", tmp_path / "sp2.jsonl"
+    job = ["examples/train.py", "--seq-len", "256", "--max-steps", "4", "--save-dir", str(ckpt),
+           "--save-every", "2"]
+    hook = tmp_path / "hook"
+    hook.mkdir()
+    (hook / "sitecustomize.py").write_text(KILL_HOOK)
+    killed_env = {**ENV, "KILL_IN_SAVE_TAG": "step4",
+                  "PYTHONPATH": os.pathsep.join([str(hook), ENV.get("PYTHONPATH", "")])}
+    start = time.perf_counter()
+    killed = _launch(["--num_gpus", "2", *job, "--deepspeed_config", str(_config(tmp_path, 2)),
+                      "--log-file", str(log)], env=killed_env, port=29531)
+    assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
+    # killed inside step 4's save: rank 0's files there, rank 1's half, no completion record
+    reference = _losses(log)  # the SP=2 run, uninterrupted through step 4
+    assert sorted(reference) == [1, 2, 3, 4]
+    files = {p.name for p in (ckpt / "step4").iterdir()}
+    assert "zero_pp_rank_0_mp_rank_00_optim_states.pt" in files and LAYOUT_FILE not in files
+    assert complete_tags(ckpt) == ["step2"] and (ckpt / "latest").read_text() == "step2"
+    print(f"\nkilled in step4's save after {time.perf_counter() - start:.0f} s; step4 holds "
+          f"{sorted(files)}")
+
+    # SP=4 on 4 ranks: the newest complete checkpoint, step2, is refused on every rank by name
+    sp4 = ["--num_gpus", "4", *job, "--deepspeed_config", str(_config(tmp_path, 4)),
+           "--resume", "--log-file", str(tmp_path / "sp4.jsonl")]
+    refused = _launch(sp4, port=29532)
+    assert refused.returncode != 0
+    for rank in range(4):
+        assert f"[rank{rank}]: ValueError: cannot resume from {ckpt / 'step2'}: it was saved at " \
+               f"{SP2.describe()} and this job runs at {SP4.describe()}" in refused.stdout, \
+            refused.stdout[-3000:]
+    assert not (tmp_path / "sp4.jsonl").exists()
+    command = re.search(r"^(?:\[rank\d\]:)?\s+(python -m deepspeed\.checkpoint\.ds_to_universal .*)$",
+                        refused.stdout, flags=re.M).group(1)
+    assert command == universal_command(ckpt, "step2")
+
+    # the command, as the message gives it, then the same resume
+    argv = shlex.split(command)
+    subprocess.run([sys.executable, *argv[1:]], cwd=REPO, env=ENV, check=True,
+                   capture_output=True, timeout=300)
+    resumed = _launch(sp4, port=29533)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    assert f"resumed from {ckpt / 'step2_universal'} (step 2, universal" in resumed.stdout
+    losses = _losses(tmp_path / "sp4.jsonl")
+    assert sorted(losses) == [3, 4]
+    diffs = {step: abs(losses[step] - reference[step]) for step in losses}
+    print(f"SP=2 {reference}\nSP=4 resumed {losses}\nmax abs diff {max(diffs.values()):.2e}; "
+          f"{time.perf_counter() - start:.0f} s in all")
+    for step, loss in losses.items():
+        assert loss == pytest.approx(reference[step], rel=TOLERANCE, abs=0), step
