@@ -80,7 +80,12 @@ def _is_dcp(path: Path) -> bool:
 
 
 def _is_deepspeed_tag(path: Path) -> bool:
-    return path.is_dir() and any(path.glob("*model_states.pt"))
+    if not (path.is_dir() and any(path.glob("*model_states.pt"))):
+        return False
+    if (path / "zero").is_dir():  # ds_to_universal's layout: one folder per parameter
+        raise ValueError(f"{path} is a DeepSpeed universal checkpoint; export the checkpoint "
+                         f"it was converted from (the tag without '_universal')")
+    return True
 
 
 def _newest(path: Path, prefix: str, finished) -> Path | None:
@@ -136,9 +141,11 @@ def find_checkpoint(path: str | Path) -> Checkpoint:
     entries = sorted(p.name + ("/" if p.is_dir() else "") for p in path.iterdir())
     shown = ", ".join(entries[:20]) + (f", ... ({len(entries)} in all)" if len(entries) > 20
                                        else "")
+    hf = ("; it holds HF weights already, which from_pretrained loads as they are"
+          if any(path.glob("*.safetensors")) or (path / "pytorch_model.bin").is_file() else "")
     raise ValueError(f"{path} is no checkpoint this exporter reads (found: {shown or 'nothing'}; "
                      f"unfinished checkpoints, a step{{N}} without .metadata or a checkpoint-N "
-                     f"without {TRAINER_STATE}, are passed over); accepted: {ACCEPTED}")
+                     f"without {TRAINER_STATE}, are passed over){hf}; accepted: {ACCEPTED}")
 
 
 def read_dcp_model(path: Path) -> dict[str, torch.Tensor]:

@@ -56,9 +56,10 @@ def _trained_logits(model):
         return model(input_ids=_ids(99)).logits.detach().clone()
 
 
-def _rank_zero3(save_dir: str, steps: int):
-    """ZeRO-3 with SP=2, fused projections in head chunks, tiled MLP, checkpointing: train,
-    save as examples/train.py does, and return the trained logits and the live gather."""
+def _rank_deepspeed(save_dir: str, steps: int, stage: int):
+    """ZeRO ``stage`` with SP=2, fused projections in head chunks, tiled MLP, checkpointing:
+    train, save as examples/train.py does, and return the trained logits and, under ZeRO-3,
+    the live gather."""
     import torch.distributed as dist
 
     import arctic
@@ -72,7 +73,7 @@ def _rank_zero3(save_dir: str, steps: int):
         model.config.save_pretrained(save_dir)  # as examples/_common.save_model_config
     dist.barrier()
     config = {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
-              "steps_per_print": 10**6, "zero_optimization": {"stage": 3},
+              "steps_per_print": 10**6, "zero_optimization": {"stage": stage},
               "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "torch_adam": True}},
               "sequence_parallel_size": 2,
               "ulysses": {"head_chunk_size": 1, "fuse_projections": True, "tiled_mlp": 2,
@@ -84,7 +85,7 @@ def _rank_zero3(save_dir: str, steps: int):
         engine.step()
     engine.save_checkpoint(save_dir, tag=f"step{steps}")
     logits = _trained_logits(engine.module)
-    return logits, zero3_full_state_dict(engine)
+    return logits, zero3_full_state_dict(engine) if stage == 3 else None
 
 
 def _rank_fsdp2(save_dir: str, steps: int):
@@ -138,19 +139,24 @@ def _exported_logits(out: Path):
         return model, model(input_ids=_ids(99)).logits
 
 
-def test_zero3_run_exports_the_trained_model(tmp_path):
+@pytest.mark.parametrize("stage", [3, pytest.param(2, marks=pytest.mark.slow),
+                                   pytest.param(0, marks=pytest.mark.slow)])
+def test_deepspeed_run_exports_the_trained_model(tmp_path, stage):
     save = tmp_path / "save"
-    ranks = dist_pool.run(_rank_zero3, str(save), 3, world_size=2, timeout=240)
+    ranks = dist_pool.run(_rank_deepspeed, str(save), 3, stage, world_size=2, timeout=240)
     (trained, gathered), (trained1, other) = ranks
-    assert other == {} and torch.equal(trained, trained1)
+    assert torch.equal(trained, trained1)
     printed = _export_cli(save, tmp_path / "out")  # the save dir: 'latest' names step3
     assert f"{save / 'step3'}" in printed, printed
     model, logits = _exported_logits(tmp_path / "out")
     diff = (logits - trained).abs().max().item()
-    print(f"zero3: max abs logit difference {diff:.3g}")
+    print(f"zero{stage}: max abs logit difference {diff:.3g}")
     assert diff <= TOL, diff
     assert model.dtype == torch.float32  # ZeRO's fp32 master weights
     assert model.lm_head.weight is model.model.embed_tokens.weight  # tied, as trained
+    if stage != 3:
+        return
+    assert other == {}
     # zero3_full_state_dict (for the Trainer's save_model) gathers the same weights live.
     exported = model.state_dict()
     assert sorted(gathered) == sorted(exported)
@@ -219,6 +225,9 @@ def test_refusals(tmp_path):
     (tmp_path / "empty" / "notes.txt").write_text("x")
     with pytest.raises(ValueError, match=r"no checkpoint this exporter reads \(found: notes\.txt"):
         export(tmp_path / "empty", tmp_path / "out")
+    _model(tie=False).save_pretrained(tmp_path / "hf")  # e.g. a save_only_model checkpoint
+    with pytest.raises(ValueError, match="holds HF weights already"):
+        export(tmp_path / "hf", tmp_path / "out")
     with pytest.raises(ValueError, match="is not a directory"):
         export(tmp_path / "missing", tmp_path / "out")
 
@@ -318,3 +327,59 @@ def test_trainer_save_model_under_zero3_writes_the_weights(tmp_path):
     diff = (logits - torch.tensor(record["logits"])).abs().max().item()
     print(f"save_model under ZeRO-3: max abs logit difference {diff:.3g}")
     assert diff <= TOL, diff
+
+
+@pytest.mark.slow
+def test_example_scripts_checkpoints_export(tmp_path):
+    """examples/train.py (deepspeed launcher, cpu_demo.json: ZeRO-3, SP=2) and
+    examples/train_fsdp.py (torchrun, FSDP2, SP=2), each saving at steps 2 and 4: their save
+    directories export the step-4 weights, config.json from the save directory. The DCP
+    export equals torch's own conversion of the checkpoint (format_utils.dcp_to_torch_save);
+    the DeepSpeed one is trained (lower loss than the initial weights on the data)."""
+    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
+    from transformers import AutoModelForCausalLM
+
+    common = ["--seq-len", "256", "--max-steps", "4", "--save-every", "2"]
+    ds = subprocess.Popen([str(Path(sys.executable).parent / "deepspeed"), "--master_port",
+                           "29531", "--num_gpus", "2", "examples/train.py", *common,
+                           "--save-dir", str(tmp_path / "ds")], cwd=REPO, text=True,
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT)
+    try:
+        _launch(_torchrun("--master-port", "29532", "examples/train_fsdp.py",
+                          "--sequence-parallel-size", "2", *common,
+                          "--save-dir", str(tmp_path / "fsdp")))
+        log, _ = ds.communicate(timeout=480)
+    finally:
+        ds.kill()
+    assert ds.returncode == 0, log[-4000:]
+
+    assert f"{tmp_path / 'fsdp' / 'step4'}" in _export_cli(tmp_path / "fsdp", tmp_path / "o1")
+    dcp_to_torch_save(tmp_path / "fsdp" / "step4", tmp_path / "torch.pt")
+    ref = torch.load(tmp_path / "torch.pt", weights_only=True)["model"]
+    got = AutoModelForCausalLM.from_pretrained(tmp_path / "o1").state_dict()
+    assert sorted(ref) == sorted(got)
+    for name, tensor in ref.items():
+        assert torch.equal(got[name], tensor), name
+
+    assert f"{tmp_path / 'ds' / 'step4'}" in _export_cli(tmp_path / "ds", tmp_path / "o2")
+    trained = AutoModelForCausalLM.from_pretrained(tmp_path / "o2")
+    sys.path.insert(0, str(REPO / "examples"))
+    from _common import ByteCorpus, build_model
+
+    torch.manual_seed(0)
+    initial = build_model("tiny-llama", 256)
+    ids = ByteCorpus(REPO / "examples" / "data" / "corpus.txt", 256)[0]["input_ids"][None]
+    with torch.no_grad():
+        losses = [m(input_ids=ids, labels=ids).loss.item() for m in (trained, initial)]
+    assert losses[0] < losses[1] - 0.1, losses
+
+
+def test_universal_checkpoint_refused(tmp_path):
+    from arctic.export import export
+
+    tag = tmp_path / "step2_universal"
+    (tag / "zero" / "lm_head.weight").mkdir(parents=True)
+    (tag / "mp_rank_00_model_states.pt").write_bytes(b"")
+    with pytest.raises(ValueError, match="universal checkpoint; export the checkpoint it was "
+                                         "converted from"):
+        export(tag, tmp_path / "out")
