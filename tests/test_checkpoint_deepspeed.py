@@ -234,3 +234,54 @@ def test_killed_mid_write_then_resumed_at_sp4(tmp_path):
           f"{time.perf_counter() - start:.0f} s in all")
     for step, loss in losses.items():
         assert loss == pytest.approx(reference[step], rel=TOLERANCE, abs=0), step
+
+
+# -- the HF Trainer under DeepSpeed, launched ------------------------------------------------
+
+def _trainer(tmp_path: Path, name: str, nproc: int, config: Path, *extra: str,
+             port: int) -> tuple[subprocess.CompletedProcess, Path]:
+    """``torchrun examples/hf_trainer.py`` (Adam: the universal converter carries Adam's
+    state) with checkpoints every 3 steps; returns the run and its losses file."""
+    out = tmp_path / name / "losses.json"
+    cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(nproc),
+           "--master-port", str(port), str(REPO / "examples" / "hf_trainer.py"),
+           "--deepspeed", str(config), "--train-samples", "4", "--max-steps", "8",
+           "--save-steps", "3", "--shuffle", "--output-dir", str(out.parent),
+           "--losses-out", str(out), *extra]
+    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
+    return subprocess.CompletedProcess(cmd, proc.returncode, proc.stdout + proc.stderr, ""), out
+
+
+@pytest.mark.slow
+def test_trainer_checkpoint_resumes_at_sp4(tmp_path):
+    """SequenceParallelTrainer under ZeRO-3: written at SP=2 on 2 ranks, resumed at SP=4 on
+    4 ranks from checkpoint-6: refused on every rank with the command, then, converted,
+    steps 7-8 equal the uninterrupted SP=2 run's."""
+    def config(sp: int) -> Path:
+        ds = json.loads((REPO / "configs" / "cpu_trainer.json").read_text())
+        ds["sequence_parallel_size"] = sp
+        path = tmp_path / f"trainer_sp{sp}.json"
+        path.write_text(json.dumps(ds))
+        return path
+
+    full, full_out = _trainer(tmp_path, "full", 2, config(2), port=29541)
+    assert full.returncode == 0, full.stdout[-3000:]
+    checkpoint = tmp_path / "full" / "checkpoint-6"
+    resume = ("--resume-from", str(checkpoint))
+    refused, _ = _trainer(tmp_path, "resumed", 4, config(4), *resume, port=29542)
+    assert refused.returncode != 0
+    for rank in range(4):
+        assert f"[rank{rank}]: ValueError: cannot resume from {checkpoint / 'global_step6'}" \
+            in refused.stdout, refused.stdout[-3000:]
+    command = re.search(r"^(?:\[rank\d\]:)?\s+(python -m deepspeed\.checkpoint\.ds_to_universal "
+                        r".*)$", refused.stdout, flags=re.M).group(1)
+    subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=REPO, env=ENV, check=True,
+                   capture_output=True, timeout=300)
+    resumed, resumed_out = _trainer(tmp_path, "resumed", 4, config(4), *resume, port=29543)
+    assert resumed.returncode == 0, resumed.stdout[-3000:]
+    reference = json.loads(full_out.read_text())["loss_by_step"]
+    losses = json.loads(resumed_out.read_text())["loss_by_step"]
+    print(f"\nSP=2 {reference}\nSP=4 resumed {losses}")
+    assert sorted(losses, key=int)[-2:] == ["7", "8"]
+    for step in ("7", "8"):
+        assert losses[step] == pytest.approx(reference[step], rel=TOLERANCE, abs=0), step
