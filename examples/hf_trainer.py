@@ -171,7 +171,9 @@ def main() -> None:
     p.add_argument("--uneven-labels", action="store_true",
                    help="labels on 10 tokens of even samples and 200 of odd ones")
     p.add_argument("--zero-stage", type=int, default=None,
-                   help="override the DeepSpeed config's zero_optimization.stage")
+                   help="the DeepSpeed config's zero_optimization becomes {'stage': N} alone "
+                        "(with 3: save_model gathers the weights without "
+                        "stage3_gather_16bit_weights_on_model_save)")
     p.add_argument("--train-samples", type=int, default=64)
     p.add_argument("--batch-size", type=int, default=1,
                    help="per_device_train_batch_size (and per_device_eval_batch_size)")
@@ -208,8 +210,7 @@ def main() -> None:
     deepspeed = args.deepspeed
     if args.zero_stage is not None:
         deepspeed = json.loads(Path(args.deepspeed).read_text())
-        deepspeed["zero_optimization"] = {**(deepspeed.get("zero_optimization") or {}),
-                                          "stage": args.zero_stage}
+        deepspeed["zero_optimization"] = {"stage": args.zero_stage}
     targs = TrainingArguments(
         output_dir=args.output_dir, per_device_train_batch_size=args.batch_size,
         per_device_eval_batch_size=args.eval_batch_size or args.batch_size,

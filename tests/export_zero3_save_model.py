@@ -1,6 +1,7 @@
 """SequenceParallelTrainer under ZeRO-3 without ``stage3_gather_16bit_weights_on_model_save``,
-with ``save_model`` writing the full HF weights through :func:`arctic.export.zero3_full_state_dict`
-(the override below is what the trainer's own ``save_model`` needs). Launched by
+whose ``save_model`` writes the full HF weights (gathered by
+:func:`arctic.export.zero3_full_state_dict`, where transformers would write a DeepSpeed
+checkpoint). Launched by
 ``tests/test_arctic_export.py`` with torchrun on 2 ranks:
 
     torchrun --nproc-per-node 2 tests/export_zero3_save_model.py OUT_DIR
@@ -23,22 +24,7 @@ from _common import REPO, ByteCorpus, build_model  # noqa: E402  (puts the check
 
 from transformers import TrainingArguments  # noqa: E402
 
-from arctic.export import zero3_full_state_dict  # noqa: E402
 from arctic.train.trainer import SequenceParallelTrainer  # noqa: E402
-
-
-class Zero3SavingTrainer(SequenceParallelTrainer):
-    def save_model(self, output_dir=None, _internal_call=False):
-        engine = self.deepspeed
-        if engine is not None and engine.zero_optimization_partition_weights() and \
-                not engine.zero_gather_16bit_weights_on_model_save():
-            # transformers would write a DeepSpeed checkpoint instead of the weights
-            state = zero3_full_state_dict(engine)  # every rank: each gather is a collective
-            self._save(output_dir or self.args.output_dir, state_dict=state)
-            if self.args.push_to_hub and not _internal_call:
-                self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
-            return
-        return super().save_model(output_dir, _internal_call)
 
 
 def main() -> None:
@@ -53,7 +39,7 @@ def main() -> None:
                              logging_steps=1, save_strategy="no", report_to=[],
                              use_cpu=not torch.cuda.is_available(), deepspeed=ds,
                              train_sampling_strategy="sequential", seed=0)
-    trainer = Zero3SavingTrainer(model=model, args=args,
+    trainer = SequenceParallelTrainer(model=model, args=args,
                                  train_dataset=torch.utils.data.Subset(corpus, range(8)))
     trainer.train()
     trainer.save_model(str(out / "model"))

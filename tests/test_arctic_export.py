@@ -313,8 +313,7 @@ def test_hf_trainer_fsdp2_checkpoint_export(tmp_path):
 
 @pytest.mark.slow
 def test_trainer_save_model_under_zero3_writes_the_weights(tmp_path):
-    """save_model through zero3_full_state_dict (tests/export_zero3_save_model.py: the
-    override the trainer needs) writes HF weights that give the trained model's logits, where
+    """SequenceParallelTrainer.save_model (tests/export_zero3_save_model.py) writes HF weights that give the trained model's logits, where
     transformers alone writes a DeepSpeed checkpoint (without
     stage3_gather_16bit_weights_on_model_save)."""
     from transformers import AutoModelForCausalLM

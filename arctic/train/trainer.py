@@ -89,6 +89,7 @@ from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from arctic.data.batch import IGNORE_INDEX
+from arctic.export import zero3_full_state_dict
 from arctic.data.loader import SequenceParallelDataLoader
 from arctic.hf.batch import cut_documents
 from arctic.hf.vlm import is_vlm, vision_inputs
@@ -352,6 +353,17 @@ class SequenceParallelMixin:
 
     def save_model(self, output_dir=None, _internal_call=False):
         if self._fsdp is None:
+            engine = getattr(self, "deepspeed", None)
+            if engine is not None and engine.zero_optimization_partition_weights() and \
+                    not engine.zero_gather_16bit_weights_on_model_save():
+                # ZeRO-3 without stage3_gather_16bit_weights_on_model_save: the Trainer would
+                # write a DeepSpeed checkpoint instead of the weights. Gathered one parameter
+                # at a time (every rank), the main process writes the full HF weights.
+                state = zero3_full_state_dict(engine)
+                self._save(output_dir or self.args.output_dir, state_dict=state)
+                if self.args.push_to_hub and not _internal_call:
+                    self.push_to_hub(commit_message="Model save", revision=self.args.hub_revision)
+                return None
             return super().save_model(output_dir, _internal_call)
         # Every rank gathers the whole state (a collective); the main process writes it.
         self._full_state = full_state_dict(self.model)
