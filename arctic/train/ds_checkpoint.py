@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch.distributed as dist
 
+from arctic.config import zero_stage
+
 LAYOUT_FILE = "arctic_layout.json"
 """In each tag directory: the layout and global step; for :func:`save_checkpoint`, also the
 mark that every rank's files are written."""
@@ -86,9 +88,8 @@ def layout_of(ds_config: dict, *, world_size: int, sequence_parallel_size: int,
     """The layout of a job running ``ds_config`` (its ZeRO stage) on ``world_size`` ranks;
     ``sp_mpu``: DeepSpeed is given the SP mpu (``arctic.initialize``), not under the
     Trainer."""
-    stage = ds_config.get("zero_optimization", {}).get("stage", 0)
     return CheckpointLayout(world_size=world_size, sequence_parallel_size=sequence_parallel_size,
-                            zero_stage=int(stage), sp_mpu=sp_mpu)
+                            zero_stage=zero_stage(ds_config), sp_mpu=sp_mpu)
 
 
 def _write_atomically(path: Path, text: str) -> None:
@@ -226,18 +227,24 @@ def plan_resume(load_dir: str | os.PathLike, tag: str | None, layout: Checkpoint
            ". Or remove checkpoint.load_universal from the config"))
 
 
+def set_load_universal(engine, universal: bool) -> bool:
+    """Set the engine's ``checkpoint.load_universal`` switch; returns what it was. DeepSpeed
+    reads it only while loading (``engine.load_checkpoint`` and the optimizers'
+    ``load_state_dict``), so it can be set for one load: a later checkpoint written at this
+    layout loads natively without editing the config. (The engine keeps it in its private
+    ``_config``; 0.19.8 has no public setter.)"""
+    before = engine._config.load_universal_checkpoint
+    engine._config.load_universal_checkpoint = universal
+    return before
+
+
 @contextmanager
 def _universal_load(engine, universal: bool):
-    # DeepSpeed reads the load_universal switch only while loading (engine.load_checkpoint
-    # and the optimizers' load_state_dict), so it is set for this one load: a later
-    # checkpoint written at this layout loads natively without editing the config.
-    config = engine._config
-    before = config.load_universal_checkpoint
-    config.load_universal_checkpoint = universal
+    before = set_load_universal(engine, universal)
     try:
         yield
     finally:
-        config.load_universal_checkpoint = before
+        set_load_universal(engine, before)
 
 
 def _rank() -> int:
@@ -298,4 +305,4 @@ def load_checkpoint(engine, save_dir: str | os.PathLike, *, layout: CheckpointLa
 
 __all__ = ["LAYOUT_FILE", "CheckpointLayout", "ResumePlan", "complete_tags", "layout_of",
            "load_checkpoint", "plan_resume", "read_latest", "read_layout", "save_checkpoint",
-           "universal_command", "universal_converted", "write_layout"]
+           "set_load_universal", "universal_command", "universal_converted", "write_layout"]

@@ -101,6 +101,7 @@ from arctic.removal import (
     sequence_parallel_on,
 )
 from arctic.train.deepspeed import host_limit_beside_state
+from arctic.train.ds_checkpoint import layout_of, plan_resume, set_load_universal, write_layout
 from arctic.train.fields import refuse_unsupported_arguments
 from arctic.train.hf_fsdp import (
     ShardedModel,
@@ -193,6 +194,7 @@ class SequenceParallelMixin:
         else:
             _hand_deepspeed_plain_config(args, {k: v for k, v in ds.items() if k not in SP_KEYS})
         self._full_state = None
+        self._universal_resume = False  # a DeepSpeed resume from a universal checkpoint
         self._sp_collate = data_collator or _Collate.of(model, args.remove_unused_columns)
         # a VLM's batches are cut with its vision inputs (each rank's own images)
         self._sp_vision = vision_inputs(model) if is_vlm(model) else None
@@ -295,6 +297,18 @@ class SequenceParallelMixin:
                              "which sequence parallelism is not applied to")
         # the newest complete checkpoint (one whose writing was interrupted is passed over)
         resume_from_checkpoint = resolve_checkpoint(resume_from_checkpoint, self.args.output_dir)
+        if resume_from_checkpoint and self._fsdp is None:
+            # DeepSpeed's shards load at the world size and ZeRO stage they were written at;
+            # at another layout, from their universal conversion, or refused (naming the
+            # conversion command) on every rank before any collective
+            config = self._deepspeed_config()
+            plan = plan_resume(resume_from_checkpoint, None, self._deepspeed_layout(),
+                               load_universal=bool((config.get("checkpoint") or {}).get(
+                                   "load_universal")))
+            if plan.universal and not config.get("checkpoint", {}).get("load_universal"):
+                # read when accelerate builds the engine; switched off after the load
+                config.setdefault("checkpoint", {})["load_universal"] = True
+                self._universal_resume = True
         with self._sequence_parallel():
             return super().train(resume_from_checkpoint,
                                  ignore_keys_for_eval=ignore_keys_for_eval)
@@ -316,6 +330,20 @@ class SequenceParallelMixin:
         # the last file of a checkpoint: its presence is what makes the checkpoint complete
         # (resolve_checkpoint).
         _barrier()
+        if self._fsdp is None and self.args.should_save:
+            # the layout DeepSpeed's shards were written at, which a resume compares with its own
+            write_layout(output_dir, None, self._deepspeed_layout(),
+                         global_steps=self.state.global_step)
+
+    def _deepspeed_config(self) -> dict:
+        """The DeepSpeed config accelerate builds the engine from."""
+        return self.accelerator.state.deepspeed_plugin.deepspeed_config
+
+    def _deepspeed_layout(self):
+        # under the Trainer DeepSpeed has no SP mpu: ZeRO partitions over every rank
+        return layout_of(self._deepspeed_config(), world_size=self.args.world_size,
+                         sequence_parallel_size=self.sp_config.sequence_parallel_size,
+                         sp_mpu=False)
 
     def _save_optimizer_and_scheduler(self, output_dir):
         if self._fsdp is None:
@@ -333,6 +361,10 @@ class SequenceParallelMixin:
 
     def _load_optimizer_and_scheduler(self, checkpoint):
         if self._fsdp is None or checkpoint is None:
+            # (under DeepSpeed the Trainer has just loaded the engine's checkpoint)
+            if self._universal_resume:
+                set_load_universal(self.deepspeed, False)
+                self._universal_resume = False
             return super()._load_optimizer_and_scheduler(checkpoint)
         load_sharded_optimizer(self.model, self.optimizer, checkpoint)
         self.lr_scheduler.load_state_dict(
@@ -340,7 +372,13 @@ class SequenceParallelMixin:
 
     def _load_best_model(self):
         if self._fsdp is None:
-            return super()._load_best_model()
+            # a best checkpoint written before a resume at another layout loads universally
+            plan = plan_resume(self.state.best_model_checkpoint, None, self._deepspeed_layout())
+            before = set_load_universal(self.deepspeed, plan.universal)
+            try:
+                return super()._load_best_model()
+            finally:
+                set_load_universal(self.deepspeed, before)
         load_sharded_model(self.model, self.state.best_model_checkpoint)
 
     def _wrap_model(self, model, training=True, dataloader=None):
