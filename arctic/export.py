@@ -44,13 +44,13 @@ from typing import Literal
 import torch
 
 from arctic.hf.attention import IMPLEMENTATIONS, REGISTERED
+from arctic.train.hf_fsdp import DCP_DIR as TRAINER_DCP_DIR
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 """``--dtype`` choices."""
-TRAINER_DCP_DIR = "dcp"
-"""The DCP directory inside a HF Trainer ``checkpoint-N`` written under FSDP2."""
 TRAINER_STATE = "trainer_state.json"
-"""The Trainer writes it last into a ``checkpoint-N``: a checkpoint without it is unfinished."""
+"""The Trainer writes it last into a ``checkpoint-N``: a checkpoint without it (or with a part
+of it) is unfinished."""
 _WRAPPER_PREFIXES = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.")
 """Path components torch's wrappers add to parameter names (checkpoint_wrapper,
 ``torch.compile``, FSDP1)."""
@@ -106,9 +106,20 @@ def _deepspeed_latest(path: Path) -> Path | None:
     return tag
 
 
+def trainer_checkpoint_complete(path: str | Path) -> bool:
+    """Whether the HF Trainer finished writing the ``checkpoint-N`` at ``path``: its
+    :data:`TRAINER_STATE`, which :class:`arctic.train.trainer.SequenceParallelTrainer`'s main
+    process writes after every rank's files, is there and reads whole."""
+    try:
+        json.loads((Path(path) / TRAINER_STATE).read_text())
+    except (OSError, ValueError):
+        return False
+    return True
+
+
 def _trainer_checkpoint(path: Path) -> Checkpoint | None:
     """A finished HF Trainer ``checkpoint-N`` (FSDP2: ``dcp/``; DeepSpeed: ``latest``)."""
-    if not (path / TRAINER_STATE).is_file():
+    if not trainer_checkpoint_complete(path):
         return None
     if _is_dcp(path / TRAINER_DCP_DIR):
         return Checkpoint("dcp", path / TRAINER_DCP_DIR)

@@ -62,7 +62,12 @@ def _steps_after_resume(run: dict, reference: dict, rel: float) -> None:
 
 
 def test_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_path, uninterrupted):
+    from transformers.trainer import TRAINER_STATE_NAME
+
+    from arctic.export import TRAINER_STATE
     from arctic.train.trainer import resolve_checkpoint
+
+    assert TRAINER_STATE == TRAINER_STATE_NAME  # the file the Trainer writes last
 
     out = tmp_path / "run"
     killed = _launch(out, "--save-total-limit", "1",

@@ -75,7 +75,6 @@ from __future__ import annotations
 
 import dataclasses
 import inspect
-import json
 import os
 import re
 import shutil
@@ -85,11 +84,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from transformers import Trainer, TrainerCallback
-from transformers.trainer import SCHEDULER_NAME, TRAINER_STATE_NAME
+from transformers.trainer import SCHEDULER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from arctic.data.batch import IGNORE_INDEX
-from arctic.export import zero3_full_state_dict
+from arctic.export import TRAINER_STATE, trainer_checkpoint_complete, zero3_full_state_dict
 from arctic.data.loader import SequenceParallelDataLoader
 from arctic.hf.batch import cut_documents
 from arctic.hf.vlm import is_vlm, vision_inputs
@@ -497,18 +496,6 @@ def _barrier() -> None:
         dist.barrier()
 
 
-def checkpoint_complete(path: str | os.PathLike) -> bool:
-    """Whether the Trainer finished writing the checkpoint at ``path``: its
-    ``trainer_state.json``, which the main process writes after every rank's files (the
-    trainer waits for them), is there and reads whole."""
-    try:
-        with open(os.path.join(path, TRAINER_STATE_NAME)) as f:
-            json.load(f)
-    except (OSError, ValueError):
-        return False
-    return True
-
-
 def resolve_checkpoint(resume_from_checkpoint, output_dir: str):
     """What to resume from: ``True`` is the newest complete ``checkpoint-N`` in
     ``output_dir`` (a newer one whose writing was interrupted is passed over); a path must be
@@ -523,14 +510,14 @@ def resolve_checkpoint(resume_from_checkpoint, output_dir: str):
                         os.path.isdir(os.path.join(output_dir, name)))
                        if os.path.isdir(output_dir) else [], reverse=True)
         for _, name in found:
-            if checkpoint_complete(os.path.join(output_dir, name)):
+            if trainer_checkpoint_complete(os.path.join(output_dir, name)):
                 return os.path.join(output_dir, name)
         raise ValueError(f"train(resume_from_checkpoint=True): no complete checkpoint in "
                          f"{output_dir} (found {[name for _, name in found]}; a complete one "
-                         f"has its {TRAINER_STATE_NAME})")
-    if not checkpoint_complete(resume_from_checkpoint):
+                         f"has its {TRAINER_STATE})")
+    if not trainer_checkpoint_complete(resume_from_checkpoint):
         raise ValueError(f"train(resume_from_checkpoint={str(resume_from_checkpoint)!r}): not a "
-                         f"complete checkpoint (no readable {TRAINER_STATE_NAME}; its writing "
+                         f"complete checkpoint (no readable {TRAINER_STATE}; its writing "
                          f"was interrupted, or it is not a checkpoint-N directory); "
                          f"resume_from_checkpoint=True takes the newest complete one")
     return resume_from_checkpoint
