@@ -122,6 +122,20 @@ def gather_peaks(device: torch.device) -> list[float]:
     return [round(p.item(), 1) for p in peaks]
 
 
+def batches_to_skip(samples_in_epoch: int, samples_per_batch: int) -> int:
+    """The batches of the epoch already trained on, for a checkpoint ``samples_in_epoch``
+    samples into its epoch: the epoch's order of samples is the same at every layout
+    (``DistributedSampler`` deals one permutation over the dp ranks), so the position is a
+    count of samples, whole batches of this layout's (``samples_per_batch``: micro batch x
+    data parallel size). ``ValueError`` when it is not."""
+    if samples_in_epoch % samples_per_batch:
+        raise ValueError(f"--resume: the checkpoint is {samples_in_epoch} samples into its "
+                         f"epoch, not a whole number of this layout's steps of "
+                         f"{samples_per_batch} samples (micro batch x data parallel size); "
+                         f"resume with a data parallel size that divides it")
+    return samples_in_epoch // samples_per_batch
+
+
 def resumable_batches(loader, *, epoch: int, skip: int) -> Iterator[tuple[int, int, dict]]:
     """``(epoch, index in the epoch, batch)`` without end, starting at a checkpoint's data
     position: the first ``skip`` batches of ``epoch`` are the ones it had already consumed.

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 # examples/_common.py, beside this file; importing it puts the checkout on sys.path.
 from _common import (REPO, ByteCorpus, Progress, add_job_args, build_model, gather_peaks,
-                     parse_job_args, save_model_config, resumable_batches, split_cpu_threads)
+                     batches_to_skip, parse_job_args, save_model_config, resumable_batches,
+                     split_cpu_threads)
 
 import arctic  # after _common: from the checkout
 from arctic.train.ds_checkpoint import CheckpointLayout, load_checkpoint, save_checkpoint
@@ -68,7 +69,7 @@ def main() -> None:
             print(f"resumed from {args.save_dir / plan.tag} (step {client['step']}"
                   + (f", universal, saved at {plan.saved.describe()})" if plan.universal
                      else ")"), flush=True)
-        step, epoch, skip = client["step"], client["epoch"], _batches_to_skip(
+        step, epoch, skip = client["step"], client["epoch"], batches_to_skip(
             client["samples_in_epoch"], samples_per_batch)
 
     progress = Progress(desc="train", total=args.max_steps, initial=step,
@@ -103,16 +104,6 @@ def main() -> None:
     dist.barrier()
 
 
-def _batches_to_skip(samples_in_epoch: int, samples_per_batch: int) -> int:
-    """The batches of the epoch already trained on: the epoch's order of samples is the same
-    at every layout (``DistributedSampler`` deals one permutation over the dp ranks), so the
-    position is a count of samples, whole batches of this layout's."""
-    if samples_in_epoch % samples_per_batch:
-        raise ValueError(f"--resume: the checkpoint is {samples_in_epoch} samples into its "
-                         f"epoch, not a whole number of this layout's steps of "
-                         f"{samples_per_batch} samples (micro batch x data parallel size); "
-                         f"resume with a data parallel size that divides it")
-    return samples_in_epoch // samples_per_batch
 
 if __name__ == "__main__":
     main()

@@ -38,7 +38,8 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 
 # examples/_common.py, beside this file; importing it puts the checkout on sys.path.
 from _common import (ByteCorpus, Progress, add_job_args, build_model, gather_peaks,
-                     parse_job_args, save_model_config, resumable_batches, split_cpu_threads)
+                     batches_to_skip, parse_job_args, save_model_config, resumable_batches,
+                     split_cpu_threads)
 
 from arctic import SequenceParallelConfig, SequenceParallelDataLoader, apply_fsdp  # noqa: E402
 from arctic.memory import allocator  # noqa: E402
@@ -113,8 +114,9 @@ def newest_checkpoint(save_dir: Path) -> Path | None:
 
 
 def save_checkpoint(path: Path, model, optimizer, progress: list[int]) -> None:
-    """Sharded model + optimizer, ``progress`` = [step, epoch, batches_in_epoch], and this
-    rank's RNG state (under a per-rank key)."""
+    """Sharded model + optimizer, ``progress`` = [step, epoch, samples_in_epoch] (the data
+    position in samples of the epoch's order, which every layout shares), and this rank's RNG
+    state (under a per-rank key)."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     dcp.save({"model": model_sd, "optim": optim_sd, "progress": torch.tensor(progress),
               f"rng_rank{dist.get_rank()}": torch.get_rng_state()}, checkpoint_id=str(path))
@@ -122,7 +124,7 @@ def save_checkpoint(path: Path, model, optimizer, progress: list[int]) -> None:
 
 def load_checkpoint(path: Path, model, optimizer) -> list[int]:
     """Load what :func:`save_checkpoint` wrote into ``model`` and ``optimizer`` (resharded if
-    the world size changed); returns ``[step, epoch, batches_in_epoch]``."""
+    the world size changed); returns ``[step, epoch, samples_in_epoch]``."""
     model_sd, optim_sd = get_state_dict(model, optimizer)
     state = {"model": model_sd, "optim": optim_sd, "progress": torch.zeros(3, dtype=torch.long)}
     rng_key = f"rng_rank{dist.get_rank()}"
@@ -207,7 +209,8 @@ def main() -> None:
         if path is None:
             raise ValueError(f"--resume: no finished checkpoint (step*/.metadata) in "
                              f"{args.save_dir}")
-        step, epoch, skip = load_checkpoint(path, model, optimizer)
+        step, epoch, samples = load_checkpoint(path, model, optimizer)
+        skip = batches_to_skip(samples, args.batch_size * dp)
     first_step = step + 1
 
     progress = Progress(desc="train fsdp", total=args.max_steps, initial=step,
@@ -249,7 +252,7 @@ def main() -> None:
             offload.pool.reset_stats()
         if args.save_dir and step % args.save_every == 0:
             save_checkpoint(args.save_dir / f"step{step}", model, optimizer,
-                            [step, epoch, i + 1])
+                            [step, epoch, (i + 1) * args.batch_size * dp])
     progress.done(step)
     dist.barrier()
     dist.destroy_process_group()
