@@ -88,8 +88,8 @@ from transformers.trainer import SCHEDULER_NAME
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
 from arctic.data.batch import IGNORE_INDEX
-from arctic.export import TRAINER_STATE, trainer_checkpoint_complete, zero3_full_state_dict
 from arctic.data.loader import SequenceParallelDataLoader
+from arctic.export import TRAINER_STATE, trainer_checkpoint_complete, zero3_full_state_dict
 from arctic.hf.batch import cut_documents
 from arctic.hf.vlm import is_vlm, vision_inputs
 from arctic.memory import allocator
@@ -301,12 +301,12 @@ class SequenceParallelMixin:
             # at another layout, from their universal conversion, or refused (naming the
             # conversion command) on every rank before any collective
             config = self._deepspeed_config()
+            given = config.get("checkpoint") or {}
             plan = plan_resume(resume_from_checkpoint, None, self._deepspeed_layout(),
-                               load_universal=bool((config.get("checkpoint") or {}).get(
-                                   "load_universal")))
-            if plan.universal and not config.get("checkpoint", {}).get("load_universal"):
+                               load_universal=bool(given.get("load_universal")))
+            if plan.universal and not given.get("load_universal"):
                 # read when accelerate builds the engine; switched off after the load
-                config.setdefault("checkpoint", {})["load_universal"] = True
+                config["checkpoint"] = {**given, "load_universal": True}
                 self._universal_resume = True
         with self._sequence_parallel():
             return super().train(resume_from_checkpoint,
