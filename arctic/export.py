@@ -43,6 +43,7 @@ from typing import Literal
 
 import torch
 
+from arctic.config import zero_stage
 from arctic.hf.attention import IMPLEMENTATIONS, REGISTERED
 from arctic.train.hf_fsdp import DCP_DIR as TRAINER_DCP_DIR
 
@@ -195,7 +196,7 @@ def read_deepspeed_model(tag: Path) -> dict[str, torch.Tensor]:
                  states[0])
     # DeepSpeed's own pickles (its config and version objects): not loadable weights-only.
     saved = torch.load(first, map_location="cpu", weights_only=False)
-    stage = int((saved.get("ds_config") or {}).get("zero_optimization", {}).get("stage", 0))
+    stage = zero_stage(saved.get("ds_config") or {})
     if stage == 0:
         return {k: v for k, v in saved["module"].items()}
     from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
