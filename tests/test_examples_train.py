@@ -1,8 +1,9 @@
 """The README's main job, run as users run it (``deepspeed --num_gpus 2 examples/train.py``).
 
 - The README's main command runs to completion and the loss decreases.
-- A run killed with SIGKILL mid-way and resumed with ``--resume`` reproduces the loss
-  trajectory of an uninterrupted run, step for step.
+- (slow) A run killed with SIGKILL mid-way and resumed with ``--resume`` reproduces the loss
+  trajectory of an uninterrupted run, step for step (a run killed while saving, resumed at
+  another layout: tests/test_checkpoint_deepspeed.py).
 """
 
 from __future__ import annotations
@@ -61,6 +62,7 @@ def test_readme_main_job_runs_and_loss_decreases(tmp_path):
     assert all(r["offload_host_peak_mib"] > 0 for r in records)
 
 
+@pytest.mark.slow  # killed and resumed in the default run: test_checkpoint_deepspeed.py
 def test_killed_run_resumes_step_for_step(tmp_path):
     # The uninterrupted run and the one to kill start together (their imports overlap).
     common = ["--num_gpus", "2", "examples/train.py", "--seq-len", "256", "--max-steps", "9"]
