@@ -139,7 +139,8 @@ def _exported_logits(out: Path):
         return model, model(input_ids=_ids(99)).logits
 
 
-@pytest.mark.parametrize("stage", [3, pytest.param(2, marks=pytest.mark.slow),
+@pytest.mark.parametrize("stage", [pytest.param(3, marks=pytest.mark.hf_facing),
+                                   pytest.param(2, marks=pytest.mark.slow),
                                    pytest.param(0, marks=pytest.mark.slow)])
 def test_deepspeed_run_exports_the_trained_model(tmp_path, stage):
     save = tmp_path / "save"

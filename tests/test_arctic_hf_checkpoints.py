@@ -61,6 +61,7 @@ def _steps_after_resume(run: dict, reference: dict, rel: float) -> None:
                                                           rel=rel, abs=0), step
 
 
+@pytest.mark.hf_facing  # the Trainer's checkpoint methods, overridden
 def test_killed_while_saving_resumes_from_the_previous_checkpoint(tmp_path, uninterrupted):
     from transformers.trainer import TRAINER_STATE_NAME
 
