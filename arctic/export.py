@@ -3,7 +3,8 @@
     python -m arctic.export CHECKPOINT OUT [--config CONFIG_JSON] [--dtype DTYPE]
 
 writes ``OUT/config.json`` and ``OUT/model.safetensors`` (``save_pretrained``), which
-``AutoModelForCausalLM.from_pretrained(OUT)`` loads on a plain transformers install. It runs
+``AutoModelForCausalLM.from_pretrained(OUT)`` (a vision-language model:
+``AutoModelForImageTextToText``) loads on a plain transformers install. It runs
 in one process, without a process group: each kind of checkpoint is read whole on the host.
 
 The checkpoint kinds, told apart by their files (:func:`find_checkpoint`):
@@ -269,14 +270,34 @@ def strip_wrappers(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return out
 
 
-def build_model(config, state: dict[str, torch.Tensor]):
-    """The HF causal LM of ``config`` holding ``state`` (strictly: a missing or unexpected
-    name raises ``ValueError`` naming it). Tied parameters may appear under one of their
-    names; under several, the values must agree."""
-    from transformers import AutoModelForCausalLM
+def new_model(config):
+    """The model of ``config``, as it was trained, on the meta device: the class its
+    ``architectures`` names (``save_pretrained`` writes the model's class there; a
+    vision-language model's ``...ForConditionalGeneration``), else the causal LM of its type,
+    else its image-text-to-text model (a VLM config without ``architectures``)."""
+    import transformers
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config)
+        for name in getattr(config, "architectures", None) or ():
+            found = getattr(transformers, name, None)
+            if isinstance(found, type) and issubclass(found, transformers.PreTrainedModel):
+                return found(config)
+        for auto in (AutoModelForCausalLM, AutoModelForImageTextToText):
+            try:
+                return auto.from_config(config)
+            except ValueError:  # not a model type of this auto class
+                continue
+    raise ValueError(f"{type(config).__name__} (model_type {config.model_type!r}) is neither a "
+                     f"causal LM's nor a vision-language model's config, and its architectures "
+                     f"{getattr(config, 'architectures', None)} name no transformers class")
+
+
+def build_model(config, state: dict[str, torch.Tensor]):
+    """The HF model of ``config`` (:func:`new_model`) holding ``state`` (strictly: a missing
+    or unexpected name raises ``ValueError`` naming it). Tied parameters may appear under one
+    of their names; under several, the values must agree."""
+    model = new_model(config)
     names: dict[int, list[str]] = {}
     for name, p in model.named_parameters(remove_duplicate=False):
         names.setdefault(id(p), []).append(name)
@@ -374,7 +395,7 @@ def main(argv: list[str] | None = None) -> None:
     found = find_checkpoint(args.checkpoint)
     print(f"exporting the {found.kind} checkpoint {found.path}", flush=True)
     export(args.checkpoint, args.out, config=args.config, dtype=args.dtype)
-    print(f"wrote {args.out} (AutoModelForCausalLM.from_pretrained loads it)", flush=True)
+    print(f"wrote {args.out} (from_pretrained loads it)", flush=True)
 
 
 if __name__ == "__main__":

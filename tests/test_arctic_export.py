@@ -219,6 +219,28 @@ def test_trainer_checkpoint_dcp_and_dtype(tmp_path):
         assert torch.equal(got.state_dict()[name], tensor.to(torch.bfloat16)), name
 
 
+def test_a_vision_language_model_exports_as_its_own_class(tmp_path):
+    """A Qwen2.5-VL checkpoint (DCP, the trained class named in config.json's architectures)
+    exports as Qwen2_5_VLForConditionalGeneration, which AutoModelForImageTextToText loads
+    to the same logits on an image and text."""
+    from test_arctic_vlm import _batch, _model as vlm
+    from transformers import AutoModelForImageTextToText
+
+    from arctic.export import export
+
+    model = vlm("qwen2_5_vl").eval()
+    save = tmp_path / "save"
+    _dcp_checkpoint(save / "step3", model)
+    model.config.save_pretrained(save)
+    export(save, tmp_path / "out")
+    got = AutoModelForImageTextToText.from_pretrained(tmp_path / "out").eval()
+    assert type(got) is type(model)
+    inputs = {k: v for k, v in _batch("qwen2_5_vl").items() if k != "labels"}
+    with torch.no_grad():
+        want, logits = model(**inputs).logits, got(**inputs).logits
+    assert (logits - want).abs().max().item() <= TOL
+
+
 def test_refusals(tmp_path):
     from arctic.export import export
 
