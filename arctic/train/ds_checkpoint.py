@@ -266,9 +266,10 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, *, tag: str, client_sta
     without waiting for the other ranks' shards, so it is not asked to. All ranks call it.
     """
     if engine.checkpoint_engine.is_decoupled():
-        raise NotImplementedError("save_checkpoint: DeepSpeed's decoupled checkpoint engine "
-                                  "writes after save_checkpoint returns, so completeness "
-                                  "cannot be marked; use the default checkpoint engine")
+        raise ValueError(f"save_checkpoint: the DeepSpeed config's checkpoint engine "
+                         f"({type(engine.checkpoint_engine).__name__}) is decoupled: it writes "
+                         f"after save_checkpoint returns, so a complete checkpoint cannot be "
+                         f"marked; use DeepSpeed's default checkpoint engine")
     save_dir = Path(save_dir)
     if _rank() == 0:
         shutil.rmtree(save_dir / tag, ignore_errors=True)
