@@ -186,7 +186,6 @@ def _config(tmp_path: Path, sp: int) -> Path:
     return path
 
 
-@pytest.mark.hf_facing  # DeepSpeed's save order and universal checkpoint
 def test_killed_mid_write_then_resumed_at_sp4(tmp_path):
     ckpt, log = tmp_path / "ckpt", tmp_path / "sp2.jsonl"
     job = ["examples/train.py", "--seq-len", "256", "--max-steps", "4", "--save-dir", str(ckpt),
