@@ -110,6 +110,9 @@ REFUSED = {  # TrainingArguments fields (or, after construction, attributes) -> 
                               "cpu_ram_efficient_loading"),
     "checkpoints on each node": ({"save_strategy": "steps", "save_on_each_node": True},
                                  "save_on_each_node"),
+    "best model from weights only": ({"save_strategy": "steps", "eval_strategy": "steps",
+                                      "save_only_model": True, "load_best_model_at_end": True},
+                                     "save_only_model=True with load_best_model_at_end"),
     "xla": ({"fsdp_config": {"version": 2, "xla": True}}, "XLA"),
 }
 SET_AFTER = {  # fields TrainingArguments checks itself on this machine: set afterwards

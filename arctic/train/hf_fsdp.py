@@ -121,6 +121,11 @@ def read_fsdp(args) -> FsdpSettings | None:
         if getattr(args, name, False):
             raise _refuse(f"{name}=True", "it would cast the sharded float32 parameters "
                           "themselves; evaluation runs in the training precision")
+    if args.save_only_model and args.load_best_model_at_end:
+        # (the Trainer refuses this under its own FSDP, which it does not see here)
+        raise _refuse("save_only_model=True with load_best_model_at_end=True", "the best "
+                      "checkpoint is loaded from its sharded state, which save_only_model does "
+                      "not write")
     if args.save_on_each_node and args.save_strategy != "no":
         raise _refuse("save_on_each_node=True", "every rank writes its shards of the model and "
                       "the optimizer into the checkpoint, so the checkpoint directory must be "
