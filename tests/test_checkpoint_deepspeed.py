@@ -8,8 +8,9 @@ or is refused by name with the conversion command.
   files; at SP=4 on 4 ranks its newest complete checkpoint, step2, needs the universal
   conversion; after the command the message names, the resumed steps' losses equal the SP=2
   run's.
-- (slow) the HF Trainer under ZeRO-3, written at SP=2 on 2 ranks: at SP=4 on 4 ranks refused
-  on every rank naming the command, then resumed from the conversion.
+- The HF Trainer under ZeRO-3, written at SP=2 on 2 ranks, resumed at SP=4 on 4 ranks from
+  the conversion its resume plan names; (slow) without it, refused on every rank naming the
+  command.
 """
 
 from __future__ import annotations
@@ -244,43 +245,60 @@ def _trainer(tmp_path: Path, name: str, nproc: int, config: Path, *extra: str,
     out = tmp_path / name / "losses.json"
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", str(nproc),
            "--master-port", str(port), str(REPO / "examples" / "hf_trainer.py"),
-           "--deepspeed", str(config), "--train-samples", "4", "--max-steps", "8",
+           "--deepspeed", str(config), "--train-samples", "4", "--max-steps", "6",
            "--save-steps", "3", "--shuffle", "--output-dir", str(out.parent),
            "--losses-out", str(out), *extra]
     proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
     return subprocess.CompletedProcess(cmd, proc.returncode, proc.stdout + proc.stderr, ""), out
 
 
-@pytest.mark.slow
+def _trainer_config(tmp_path: Path, sp: int) -> Path:
+    ds = json.loads((REPO / "configs" / "cpu_trainer.json").read_text())
+    ds["sequence_parallel_size"] = sp
+    path = tmp_path / f"trainer_sp{sp}.json"
+    path.write_text(json.dumps(ds))
+    return path
+
+
+def _trainer_written_at_sp2(tmp_path: Path, port: int) -> tuple[dict, Path]:
+    """The Trainer's SP=2 run on 2 ranks, 6 steps; its losses and its checkpoint-3."""
+    full, full_out = _trainer(tmp_path, "full", 2, _trainer_config(tmp_path, 2), port=port)
+    assert full.returncode == 0, full.stdout[-3000:]
+    return json.loads(full_out.read_text())["loss_by_step"], tmp_path / "full" / "checkpoint-3"
+
+
 def test_trainer_checkpoint_resumes_at_sp4(tmp_path):
     """SequenceParallelTrainer under ZeRO-3: written at SP=2 on 2 ranks, resumed at SP=4 on
-    4 ranks from checkpoint-6: refused on every rank with the command, then, converted,
-    steps 7-8 equal the uninterrupted SP=2 run's."""
-    def config(sp: int) -> Path:
-        ds = json.loads((REPO / "configs" / "cpu_trainer.json").read_text())
-        ds["sequence_parallel_size"] = sp
-        path = tmp_path / f"trainer_sp{sp}.json"
-        path.write_text(json.dumps(ds))
-        return path
-
-    full, full_out = _trainer(tmp_path, "full", 2, config(2), port=29541)
-    assert full.returncode == 0, full.stdout[-3000:]
-    checkpoint = tmp_path / "full" / "checkpoint-6"
-    resume = ("--resume-from", str(checkpoint))
-    refused, _ = _trainer(tmp_path, "resumed", 4, config(4), *resume, port=29542)
-    assert refused.returncode != 0
-    for rank in range(4):
-        assert f"[rank{rank}]: ValueError: cannot resume from {checkpoint / 'global_step6'}" \
-            in refused.stdout, refused.stdout[-3000:]
-    command = re.search(r"^(?:\[rank\d\]:)?\s+(python -m deepspeed\.checkpoint\.ds_to_universal "
-                        r".*)$", refused.stdout, flags=re.M).group(1)
+    4 ranks from checkpoint-3 through the conversion its resume plan names: steps 4-6 equal
+    the uninterrupted SP=2 run's."""
+    reference, checkpoint = _trainer_written_at_sp2(tmp_path, 29541)
+    sp4 = CheckpointLayout(world_size=4, sequence_parallel_size=4, zero_stage=3, sp_mpu=False)
+    with pytest.raises(ValueError, match="must be loaded from its universal checkpoint") as e:
+        plan_resume(checkpoint, None, sp4)
+    command = next(line.strip() for line in str(e.value).splitlines()
+                   if line.strip().startswith("python -m deepspeed.checkpoint.ds_to_universal"))
     subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=REPO, env=ENV, check=True,
                    capture_output=True, timeout=300)
-    resumed, resumed_out = _trainer(tmp_path, "resumed", 4, config(4), *resume, port=29543)
+    resumed, resumed_out = _trainer(tmp_path, "resumed", 4, _trainer_config(tmp_path, 4),
+                                    "--resume-from", str(checkpoint), port=29543)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
-    reference = json.loads(full_out.read_text())["loss_by_step"]
     losses = json.loads(resumed_out.read_text())["loss_by_step"]
     print(f"\nSP=2 {reference}\nSP=4 resumed {losses}")
-    assert sorted(losses, key=int)[-2:] == ["7", "8"]
-    for step in ("7", "8"):
+    assert sorted(losses, key=int)[-3:] == ["4", "5", "6"]
+    for step in ("4", "5", "6"):
         assert losses[step] == pytest.approx(reference[step], rel=TOLERANCE, abs=0), step
+
+
+@pytest.mark.slow
+def test_trainer_refuses_another_layout_on_every_rank(tmp_path):
+    """Without the conversion, the resume at SP=4 on 4 ranks stops on every rank, before
+    any collective, naming the checkpoint and the command."""
+    _, checkpoint = _trainer_written_at_sp2(tmp_path, 29544)
+    refused, _ = _trainer(tmp_path, "resumed", 4, _trainer_config(tmp_path, 4),
+                          "--resume-from", str(checkpoint), port=29542)
+    assert refused.returncode != 0
+    for rank in range(4):
+        assert f"[rank{rank}]: ValueError: cannot resume from {checkpoint / 'global_step3'}" \
+            in refused.stdout, refused.stdout[-3000:]
+    assert re.search(r"^(?:\[rank\d\]:)?\s+python -m deepspeed\.checkpoint\.ds_to_universal ",
+                     refused.stdout, flags=re.M)

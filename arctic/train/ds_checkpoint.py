@@ -30,6 +30,7 @@ import shutil
 from contextlib import contextmanager
 from pathlib import Path
 
+import torch
 import torch.distributed as dist
 
 from arctic.config import zero_stage
@@ -238,6 +239,27 @@ def set_load_universal(engine, universal: bool) -> bool:
     return before
 
 
+def untie_optimizer_steps(engine) -> int:
+    """After a universal load: give each optimizer state its own ``step`` tensor; returns how
+    many were shared. DeepSpeed 0.19.8's ZeRO-3 universal load
+    (``load_hp_checkpoint_state_from_checkpoint_dir_stage3``) sets one ``step`` tensor into
+    the state of every sub-group, and torch's Adam increments it in place, once per sub-group
+    and step: with two sub-groups (the HF Trainer's decay and no-decay groups) every resumed
+    step would count twice in Adam's bias correction."""
+    inner = getattr(engine.optimizer, "optimizer", None)
+    if inner is None:
+        return 0
+    seen, shared = set(), 0
+    for state in inner.state.values():
+        step = state.get("step")
+        if torch.is_tensor(step):
+            if id(step) in seen:
+                state["step"] = step.clone()
+                shared += 1
+            seen.add(id(step))
+    return shared
+
+
 @contextmanager
 def _universal_load(engine, universal: bool):
     before = set_load_universal(engine, universal)
@@ -299,6 +321,8 @@ def load_checkpoint(engine, save_dir: str | os.PathLike, *, layout: CheckpointLa
     plan = plan_resume(save_dir, tag, layout, load_universal=engine.load_universal_checkpoint())
     with _universal_load(engine, plan.universal):
         path, client = engine.load_checkpoint(str(save_dir), tag=plan.tag)
+    if plan.universal or engine.load_universal_checkpoint():
+        untie_optimizer_steps(engine)
     if path is None:
         raise ValueError(f"DeepSpeed could not load {Path(save_dir) / plan.tag}")
     return plan, client
@@ -306,4 +330,5 @@ def load_checkpoint(engine, save_dir: str | os.PathLike, *, layout: CheckpointLa
 
 __all__ = ["LAYOUT_FILE", "CheckpointLayout", "ResumePlan", "complete_tags", "layout_of",
            "load_checkpoint", "plan_resume", "read_latest", "read_layout", "save_checkpoint",
-           "set_load_universal", "universal_command", "universal_converted", "write_layout"]
+           "set_load_universal", "universal_command", "universal_converted",
+           "untie_optimizer_steps", "write_layout"]

@@ -100,7 +100,8 @@ from arctic.removal import (
     sequence_parallel_on,
 )
 from arctic.train.deepspeed import host_limit_beside_state
-from arctic.train.ds_checkpoint import layout_of, plan_resume, set_load_universal, write_layout
+from arctic.train.ds_checkpoint import (layout_of, plan_resume, set_load_universal,
+                                        untie_optimizer_steps, write_layout)
 from arctic.train.fields import refuse_unsupported_arguments
 from arctic.train.hf_fsdp import (
     ShardedModel,
@@ -361,8 +362,12 @@ class SequenceParallelMixin:
     def _load_optimizer_and_scheduler(self, checkpoint):
         if self._fsdp is None or checkpoint is None:
             # (under DeepSpeed the Trainer has just loaded the engine's checkpoint)
+            engine = getattr(self, "deepspeed", None)
+            if checkpoint is not None and engine is not None and \
+                    engine.load_universal_checkpoint():
+                untie_optimizer_steps(engine)
             if self._universal_resume:
-                set_load_universal(self.deepspeed, False)
+                set_load_universal(engine, False)
                 self._universal_resume = False
             return super()._load_optimizer_and_scheduler(checkpoint)
         load_sharded_optimizer(self.model, self.optimizer, checkpoint)
