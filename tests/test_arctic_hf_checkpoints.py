@@ -43,8 +43,8 @@ def _launch(out_dir: Path, *args: str, nproc: int = 2, sp_json: Path = SP_JSON,
                             text=True, env={**os.environ, **(env or {})})
 
 
-def _run(out_dir: Path, *args: str, **kwargs) -> dict:
-    return _finish(_launch(out_dir, *args, **kwargs), out_dir / "run.json")
+def _run(out_dir: Path, *args: str, nproc: int = 2, sp_json: Path = SP_JSON) -> dict:
+    return _finish(_launch(out_dir, *args, nproc=nproc, sp_json=sp_json), out_dir / "run.json")
 
 
 @pytest.fixture(scope="module")
