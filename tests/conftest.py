@@ -4,6 +4,7 @@ import pytest
 import torch
 
 import dist_pool
+import launch_pool
 import plan_server
 
 VERSIONED = ("torch", "transformers", "accelerate", "deepspeed")
@@ -56,4 +57,5 @@ def pytest_collection_modifyitems(config, items):
 def _shutdown_pools():
     yield
     dist_pool.shutdown()
+    launch_pool.shutdown()
     plan_server.shutdown()

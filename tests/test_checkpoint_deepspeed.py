@@ -25,6 +25,7 @@ import sys
 import time
 from pathlib import Path
 
+import launch_pool
 import pytest
 
 from arctic.train.ds_checkpoint import (
@@ -222,9 +223,9 @@ def test_killed_mid_write_then_resumed_at_sp4(tmp_path):
 
     # the command, as the message gives it, then the same resume
     argv = shlex.split(command)
-    subprocess.run([sys.executable, *argv[1:]], cwd=REPO, env=ENV, check=True,
-                   capture_output=True, timeout=300)
-    resumed = _launch(sp4, port=29533)
+    converted = launch_pool.run([sys.executable, *argv[1:]], cwd=REPO, env=ENV, timeout=300)
+    assert converted.returncode == 0, converted.stdout[-3000:]
+    resumed = launch_pool.run(["deepspeed", *sp4], cwd=REPO, env=ENV)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert f"resumed from {ckpt / 'step2_universal'} (step 2, universal" in resumed.stdout
     losses = _losses(tmp_path / "sp4.jsonl")
@@ -248,8 +249,7 @@ def _trainer(tmp_path: Path, name: str, nproc: int, config: Path, *extra: str,
            "--deepspeed", str(config), "--train-samples", "4", "--max-steps", "6",
            "--save-steps", "3", "--shuffle", "--output-dir", str(out.parent),
            "--losses-out", str(out), *extra]
-    proc = subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True, timeout=600)
-    return subprocess.CompletedProcess(cmd, proc.returncode, proc.stdout + proc.stderr, ""), out
+    return launch_pool.run(cmd, cwd=REPO, env=ENV), out
 
 
 def _trainer_config(tmp_path: Path, sp: int) -> Path:
@@ -277,8 +277,9 @@ def test_trainer_checkpoint_resumes_at_sp4(tmp_path):
         plan_resume(checkpoint, None, sp4)
     command = next(line.strip() for line in str(e.value).splitlines()
                    if line.strip().startswith("python -m deepspeed.checkpoint.ds_to_universal"))
-    subprocess.run([sys.executable, *shlex.split(command)[1:]], cwd=REPO, env=ENV, check=True,
-                   capture_output=True, timeout=300)
+    converted = launch_pool.run([sys.executable, *shlex.split(command)[1:]], cwd=REPO, env=ENV,
+                                timeout=300)
+    assert converted.returncode == 0, converted.stdout[-3000:]
     resumed, resumed_out = _trainer(tmp_path, "resumed", 4, _trainer_config(tmp_path, 4),
                                     "--resume-from", str(checkpoint), port=29543)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
