@@ -232,11 +232,14 @@ _PORT = {"torchrun": ("--master-port", "--master_port"), "deepspeed": ("--master
 def run(cmd: list[str], *, cwd, env: dict | None = None,
         timeout: float = 600) -> subprocess.CompletedProcess:
     """A command line as a test would give ``subprocess.run``, run through :func:`launch`:
-    ``torchrun --nproc-per-node N [--master-port P] SCRIPT ARGS``, ``deepspeed --num_gpus N
+    ``torchrun [--standalone] --nproc-per-node N [--master-port P] SCRIPT ARGS`` (or
+    ``python -m torch.distributed.run ...``), ``deepspeed --num_gpus N
     [--master_port P] SCRIPT ARGS``, or ``python SCRIPT ARGS`` / ``python -m MODULE ARGS``
     (``sys.executable``). Any other launcher option is refused: run that command for real."""
     cmd = [str(c) for c in cmd]
     name = os.path.basename(cmd[0])
+    if cmd[1:3] == ["-m", "torch.distributed.run"]:
+        cmd, name = ["torchrun", *cmd[3:]], "torchrun"
     if cmd[0] == sys.executable or name.startswith("python"):
         if cmd[1] == "-m":
             return launch(f"-m {cmd[2]}", *cmd[3:], nproc=1, cwd=cwd, env=env,
@@ -247,6 +250,9 @@ def run(cmd: list[str], *, cwd, env: dict | None = None,
         raise ValueError(f"launch_pool.run runs torchrun, deepspeed or python, not {cmd[0]}")
     rest, nproc, port = cmd[1:], 1, None
     while rest and rest[0].startswith("-"):
+        if name == "torchrun" and rest[0] == "--standalone":  # one node, a free port: ours
+            rest = rest[1:]
+            continue
         option, _, value = rest[0].partition("=")
         if not value:
             value, rest = rest[1], rest[1:]
@@ -259,6 +265,29 @@ def run(cmd: list[str], *, cwd, env: dict | None = None,
             raise ValueError(f"launch_pool.run does not emulate {name}'s {option}")
     return launch(rest[0], *rest[1:], nproc=nproc, cwd=cwd, env=env, launcher=name, port=port,
                   timeout=timeout)
+
+
+class Started:
+    """A stand-in for ``subprocess.Popen(cmd, stdout=PIPE, stderr=STDOUT, text=True)`` in
+    tests that start a run and wait on it later: the command runs through :func:`run` when
+    ``communicate`` is called (the server runs one launch at a time)."""
+
+    def __init__(self, cmd: list[str], *, cwd, env: dict | None = None) -> None:
+        self.args, self.cwd, self.env = [str(c) for c in cmd], cwd, env
+        self.returncode: int | None = None
+        self.stdout_text = ""
+
+    def communicate(self, timeout: float = 600) -> tuple[str, None]:
+        if self.returncode is None:
+            done = run(self.args, cwd=self.cwd, env=self.env, timeout=timeout)
+            self.returncode, self.stdout_text = done.returncode, done.stdout
+        return self.stdout_text, None
+
+    def poll(self) -> int | None:
+        return self.returncode
+
+    def kill(self) -> None:
+        """Nothing runs between calls."""
 
 
 def shutdown() -> None:

@@ -18,6 +18,7 @@ import pytest
 import torch
 
 import dist_pool
+import launch_pool
 
 pytest.importorskip("transformers", reason="the exporter needs transformers ([hf])")
 
@@ -122,9 +123,9 @@ def _rank_fsdp2(save_dir: str, steps: int):
 
 
 def _export_cli(checkpoint: Path, out: Path, *extra: str) -> str:
-    proc = subprocess.run([sys.executable, "-m", "arctic.export", str(checkpoint), str(out),
-                           *extra], cwd=REPO, capture_output=True, text=True, timeout=240,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = launch_pool.run([sys.executable, "-m", "arctic.export", str(checkpoint), str(out),
+                            *extra], cwd=REPO, timeout=240,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -281,8 +282,8 @@ def test_refusals(tmp_path):
 
 
 def _launch(cmd: list[str], timeout: float = 480) -> None:
-    proc = subprocess.run(cmd, cwd=REPO, capture_output=True, text=True, timeout=timeout,
-                          env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    proc = launch_pool.run(cmd, cwd=REPO, timeout=timeout,
+                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
 
 

@@ -30,6 +30,7 @@ import pytest
 import torch
 
 import dist_pool
+import launch_pool
 from helpers import count_collectives, get_mesh
 from helpers import value_error_of as _error
 
@@ -59,8 +60,10 @@ def _torchrun(nproc: int, args: list[str], timeout: float = 240, seq_len: int = 
               launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            *launcher, "examples/train_fsdp.py", "--seq-len", str(seq_len), "--lr", str(LR)] + args
-    return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True,
-                          timeout=timeout)
+    if launcher:  # a launcher's own options: the real launch
+        return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True,
+                              timeout=timeout)
+    return launch_pool.run(cmd, cwd=REPO, env=ENV, timeout=timeout)
 
 
 def _train(tmp: Path, nproc: int, args: list[str],

@@ -73,19 +73,45 @@ def test_installed_llama_forwards_bind_the_cache_by_role():
         <= set(cache_kwargs(list(layers)))
 
 
+def _mlp_and_references(x):
+    """A Llama model, its first MLP, that MLP's untiled fp32 output on ``x`` and its fp64
+    one (a copy in fp64)."""
+    model = _model("llama")
+    mlp = model.model.layers[0].mlp
+    want = type(mlp).forward(mlp, x)
+    ref = type(mlp).forward(copy.deepcopy(mlp).double(), x.double())
+    return model, mlp, want, ref
+
+
 def test_tiled_mlp_binds_its_input_by_name_and_refuses_more():
     from arctic import apply_tiled_mlp
 
-    model = _model("llama")
-    mlp = model.model.layers[0].mlp
     x = torch.randn(1, 8, 64)
-    want = type(mlp).forward(mlp, x)
+    model, mlp, want, ref = _mlp_and_references(x)
     apply_tiled_mlp(model, tiles=2)
     name = list(inspect.signature(type(mlp).forward).parameters)[1]
-    torch.testing.assert_close(mlp(**{name: x}), want, atol=0, rtol=0)
-    torch.testing.assert_close(mlp(x), want, atol=0, rtol=0)
+    # Two products of 4 rows against one of 8: a matrix library may add them in another
+    # order (2.8e-9 apart on an AVX-512 CPU, issue 56), so "as exact as the untiled MLP"
+    # against fp64; a misplaced or dropped tile is ~max |ref| off (the test below).
+    assert_fp32_exact(mlp(**{name: x}), want, ref, what="tiled MLP, input by name")
+    assert_fp32_exact(mlp(x), want, ref, what="tiled MLP, input by position")
     with pytest.raises(TypeError):
         mlp(x, x)
+
+
+@pytest.mark.parametrize("wrong", ["tile dropped", "tiles swapped", "shifted a token",
+                                   "scaled by 1 + 1e-5"])
+def test_tiled_mlp_check_rejects_a_wrong_tiling(wrong):
+    """The check above fails each wrong result built from the same MLP's own tiles."""
+    x = torch.randn(1, 8, 64, generator=torch.Generator().manual_seed(0))
+    _, mlp, want, ref = _mlp_and_references(x)
+    tile = lambda part: type(mlp).forward(mlp, part)  # noqa: E731
+    got = {"tile dropped": lambda: torch.cat([tile(x[:, :4]), torch.zeros(1, 4, 64)], 1),
+           "tiles swapped": lambda: torch.cat([tile(x[:, 4:]), tile(x[:, :4])], 1),
+           "shifted a token": lambda: tile(x.roll(1, dims=1)),
+           "scaled by 1 + 1e-5": lambda: want * (1 + 1e-5)}[wrong]()
+    with pytest.raises(AssertionError, match="more than twice the plain path"):
+        assert_fp32_exact(got, want, ref, what=wrong)
 
 
 def _rank_fused_call_names():

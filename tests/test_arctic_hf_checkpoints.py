@@ -16,7 +16,7 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
+import launch_pool
 import sys
 from pathlib import Path
 
@@ -34,13 +34,12 @@ RUN = ["--train-samples", "4", "--max-steps", "6", "--save-steps", "3", "--shuff
 
 
 def _launch(out_dir: Path, *args: str, nproc: int = 2, sp_json: Path = SP_JSON,
-            script: str = SCRIPT, env: dict | None = None) -> subprocess.Popen:
+            script: str = SCRIPT, env: dict | None = None) -> launch_pool.Started:
     cmd = [str(Path(sys.executable).parent / "torchrun"), "--standalone", "--nproc-per-node",
            str(nproc), script, "--fsdp", str(sp_json), *RUN, *args,
            "--output-dir", str(out_dir), "--losses-out", str(out_dir / "run.json"),
            "--use-model", str(out_dir / "model")]
-    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True, env={**os.environ, **(env or {})})
+    return launch_pool.Started(cmd, cwd=REPO, env={**os.environ, **(env or {})})
 
 
 def _run(out_dir: Path, *args: str, nproc: int = 2, sp_json: Path = SP_JSON) -> dict:

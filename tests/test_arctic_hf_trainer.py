@@ -9,6 +9,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import launch_pool
 import pytest
 import torch
 
@@ -22,14 +23,18 @@ _PLAIN: dict[tuple[str, ...], dict] = {}
 """The plain Trainer's record per optimizer arguments: the same run serves every test."""
 
 
-def _start(cmd: list[str], out: Path) -> subprocess.Popen:
-    return subprocess.Popen(cmd + ["--losses-out", str(out), "--output-dir", str(out.parent),
-                                   "--use-model", str(out.parent / "model")],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+def _start(cmd: list[str], out: Path) -> subprocess.Popen | launch_pool.Started:
+    """``cmd`` started: a real ``accelerate launch`` (the launcher is what that test tests);
+    any other command through the warm launch pool, run when it is finished."""
+    cmd = cmd + ["--losses-out", str(out), "--output-dir", str(out.parent),
+                 "--use-model", str(out.parent / "model")]
+    if Path(cmd[0]).name != "accelerate":
+        return launch_pool.Started(cmd, cwd=REPO)
+    return subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)
 
 
-def _finish(proc: subprocess.Popen, out: Path) -> dict:
+def _finish(proc: subprocess.Popen | launch_pool.Started, out: Path) -> dict:
     try:
         log, _ = proc.communicate(timeout=300)
     finally:

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib
 import json
-import subprocess
+import launch_pool
 import sys
 from pathlib import Path
 
@@ -20,14 +20,13 @@ REPO = Path(__file__).resolve().parent.parent
 SCRIPT = str(REPO / "examples" / "trl_sft.py")
 
 
-def _start(cmd: list[str], out: Path) -> tuple[subprocess.Popen, Path]:
+def _start(cmd: list[str], out: Path) -> tuple[launch_pool.Started, Path]:
     out.parent.mkdir(parents=True, exist_ok=True)
-    return subprocess.Popen(cmd + ["--losses-out", str(out), "--output-dir", str(out.parent)],
-                            cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True), out
+    return launch_pool.Started(cmd + ["--losses-out", str(out), "--output-dir",
+                                      str(out.parent)], cwd=REPO), out
 
 
-def _finish(started: tuple[subprocess.Popen, Path]) -> dict:
+def _finish(started: tuple[launch_pool.Started, Path]) -> dict:
     proc, out = started
     try:
         log, _ = proc.communicate(timeout=300)

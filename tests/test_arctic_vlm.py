@@ -469,10 +469,10 @@ def test_vlm_under_sharding_matches_single_device(how):
 
 # --- under the HF Trainer (examples/vlm_trainer.py) ------------------------------------------
 
-def _trainer_run(cmd: list[str], out) -> dict:
-    import json
-    import subprocess
+def _trainer_run(cmd: list[str], out) -> launch_pool.Started:
     import sys
+
+    import launch_pool
     from pathlib import Path
 
     repo = Path(__file__).resolve().parent.parent
@@ -480,11 +480,9 @@ def _trainer_run(cmd: list[str], out) -> dict:
         else [str(Path(sys.executable).parent / "torchrun"), "--nproc-per-node", "2",
               str(repo / "examples" / "vlm_trainer.py")]
     args = ["--plain"] if cmd[0] == "plain" else []
-    proc = subprocess.Popen(full + args + cmd[1:] + ["--losses-out", str(out), "--output-dir",
-                                                     str(out.parent)],
-                            cwd=repo, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)
-    return proc
+    return launch_pool.Started(full + args + cmd[1:] + ["--losses-out", str(out),
+                                                        "--output-dir", str(out.parent)],
+                               cwd=repo)
 
 
 @pytest.mark.parametrize("family", ["qwen2_5_vl", pytest.param("gemma3", marks=pytest.mark.slow)])
