@@ -15,6 +15,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+import launch_pool
 import plan_server
 import pytest
 
@@ -38,8 +39,7 @@ def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
         return plan_server.plan(list(args[2:]), env={"ARCTIC_PLAN_CACHE": _CACHE},
                                 timeout=timeout)
     env = dict(os.environ, ARCTIC_PLAN_CACHE=_CACHE)
-    return subprocess.run([sys.executable, *args], cwd=REPO, capture_output=True, text=True,
-                          timeout=timeout, env=env)
+    return launch_pool.run([sys.executable, *args], cwd=REPO, timeout=timeout, env=env)
 
 
 def _plan(tmp_path: Path, *args: str, name: str = "plan.json") -> dict:
@@ -56,11 +56,10 @@ def test_predicted_peaks_match_the_memory_benchmark_within_10_percent(tmp_path):
     # 4 layers: offload lowers the peak (at 2 the prefetch brings layer 0 back for the peak)
     common = ["--seq", "2048", "--layers", "4"]
     stacks = ["ulysses", "+chunking", "+tiling", "+ckpt+offload"]
-    # the prediction (one thread) runs while the two ranks measure
-    predicting = subprocess.Popen(
+    # the prediction (one thread, fake tensors) and the two ranks that measure
+    predicting = launch_pool.Started(
         [sys.executable, "benchmarks/memory.py", "--predict", "--world", "2", *common,
-         "--stacks", *stacks, "--out", str(tmp_path / "pred.json")],
-        cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+         "--stacks", *stacks, "--out", str(tmp_path / "pred.json")], cwd=REPO)
     try:
         real = _run("-m", "torch.distributed.run", "--nproc_per_node", "2",
                     "benchmarks/memory.py", *common, "--iters", "1", "--stacks", *stacks,
@@ -68,7 +67,7 @@ def test_predicted_peaks_match_the_memory_benchmark_within_10_percent(tmp_path):
         _, err = predicting.communicate(timeout=300)
     finally:
         predicting.kill()
-    assert real.returncode == 0, real.stderr[-3000:]
+    assert real.returncode == 0, real.stdout[-3000:]
     assert predicting.returncode == 0, err[-3000:]
     measured = json.loads((tmp_path / "real.json").read_text())["stacks"]
     predicted = json.loads((tmp_path / "pred.json").read_text())["predicted"]
