@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import dist_pool
+import launch_pool
 from helpers import TOL, get_mesh, value_error_of
 
 pytest.importorskip("transformers", reason="arctic needs transformers ([hf])")
@@ -471,8 +472,6 @@ def test_vlm_under_sharding_matches_single_device(how):
 
 def _trainer_run(cmd: list[str], out) -> launch_pool.Started:
     import sys
-
-    import launch_pool
     from pathlib import Path
 
     repo = Path(__file__).resolve().parent.parent

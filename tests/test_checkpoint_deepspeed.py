@@ -3,7 +3,8 @@ resumed, and a checkpoint resumes at another layout through DeepSpeed's universa
 or is refused by name with the conversion command.
 
 - The resume plan, on checkpoint directories written here (no process group).
-- ``examples/train.py`` under ZeRO-3, run as users run it (``deepspeed``): SP=2 on 2 ranks,
+- ``examples/train.py`` under ZeRO-3, on the ranks the ``deepspeed`` launcher would start
+  (tests/launch_pool.py; the README main job's test launches it for real): SP=2 on 2 ranks,
   killed (SIGKILL of the whole launch) while writing its step-4 checkpoint, after rank 0's
   files; at SP=4 on 4 ranks its newest complete checkpoint, step2, needs the universal
   conversion; after the command the message names, the resumed steps' losses equal the SP=2
@@ -122,56 +123,47 @@ def test_bad_layouts_are_refused():
 
 # -- examples/train.py, launched -------------------------------------------------------------
 
-KILL_HOOK = '''\
-"""Test hook (sitecustomize, on PYTHONPATH for the killed run only): rank 1 writes half of its
-optimizer shard of the tag KILL_IN_SAVE_TAG, once rank 0's is written, and SIGKILLs the whole
-launch (its process group)."""
+KILLED_TRAIN = '''\
+"""examples/train.py whose rank 1 writes half of its optimizer shard of the tag
+KILL_IN_SAVE_TAG, once rank 0's is written, and SIGKILLs the whole launch (its process
+group), as a machine lost mid-save would."""
+import io
 import os
+import runpy
+import signal
+import sys
+import time
 
-if os.environ.get("KILL_IN_SAVE_TAG"):
-    import io
-    import signal
-    import time
+import torch
 
-    import torch
+EXAMPLES = os.path.join(os.environ["ARCTIC_REPO"], "examples")
+sys.path.insert(0, EXAMPLES)  # train.py imports _common from beside it
+_save = torch.save
 
-    _save = torch.save
 
-    def save(obj, f, *args, **kwargs):
-        path = os.fspath(f) if isinstance(f, (str, os.PathLike)) else ""
-        if (os.environ.get("RANK") == "1" and path.endswith("optim_states.pt")
-                and os.path.basename(os.path.dirname(path)) == os.environ["KILL_IN_SAVE_TAG"]):
-            first = os.path.join(os.path.dirname(path), "zero_pp_rank_0_mp_rank_00_optim_states.pt")
-            deadline = time.time() + 120
-            while not os.path.exists(first) and time.time() < deadline:
-                time.sleep(0.05)
-            time.sleep(1.0)
-            buf = io.BytesIO()
-            _save(obj, buf, *args, **kwargs)
-            with open(path, "wb") as out:
-                out.write(buf.getvalue()[: len(buf.getvalue()) // 2])
-                out.flush()
-                os.fsync(out.fileno())
-            os.killpg(os.getpgrp(), signal.SIGKILL)
-        return _save(obj, f, *args, **kwargs)
+def save(obj, f, *args, **kwargs):
+    path = os.fspath(f) if isinstance(f, (str, os.PathLike)) else ""
+    if (os.environ.get("RANK") == "1" and path.endswith("optim_states.pt")
+            and os.path.basename(os.path.dirname(path)) == os.environ["KILL_IN_SAVE_TAG"]):
+        first = os.path.join(os.path.dirname(path), "zero_pp_rank_0_mp_rank_00_optim_states.pt")
+        deadline = time.time() + 120
+        while not os.path.exists(first) and time.time() < deadline:
+            time.sleep(0.05)
+        time.sleep(1.0)
+        buf = io.BytesIO()
+        _save(obj, buf, *args, **kwargs)
+        with open(path, "wb") as out:
+            out.write(buf.getvalue()[: len(buf.getvalue()) // 2])
+            out.flush()
+            os.fsync(out.fileno())
+        os.killpg(os.getpgrp(), signal.SIGKILL)
+    return _save(obj, f, *args, **kwargs)
 
-    torch.save = save
+
+torch.save = save
+sys.argv[0] = os.path.join(EXAMPLES, "train.py")
+runpy.run_path(sys.argv[0], run_name="__main__")
 '''
-
-
-def _launch(args: list[str], *, env: dict | None = None, timeout: float = 600,
-            port: int) -> subprocess.CompletedProcess:
-    """``deepspeed --master_port PORT ARGS`` in its own session (a kill takes all of it)."""
-    cmd = [str(Path(sys.executable).parent / "deepspeed"), "--master_port", str(port), *args]
-    proc = subprocess.Popen(cmd, cwd=REPO, env=env or ENV, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True, start_new_session=True)
-    try:
-        out, _ = proc.communicate(timeout=timeout)
-    finally:
-        if proc.poll() is None:
-            os.killpg(proc.pid, signal.SIGKILL)
-            proc.wait()
-    return subprocess.CompletedProcess(cmd, proc.returncode, out, "")
 
 
 def _losses(log: Path) -> dict[int, float]:
@@ -192,14 +184,13 @@ def test_killed_mid_write_then_resumed_at_sp4(tmp_path):
     ckpt, log = tmp_path / "ckpt", tmp_path / "sp2.jsonl"
     job = ["examples/train.py", "--seq-len", "256", "--max-steps", "4", "--save-dir", str(ckpt),
            "--save-every", "2"]
-    hook = tmp_path / "hook"
-    hook.mkdir()
-    (hook / "sitecustomize.py").write_text(KILL_HOOK)
-    killed_env = {**ENV, "KILL_IN_SAVE_TAG": "step4",
-                  "PYTHONPATH": os.pathsep.join([str(hook), ENV.get("PYTHONPATH", "")])}
+    killing = tmp_path / "train_killed_saving.py"
+    killing.write_text(KILLED_TRAIN)
+    killed_env = {**ENV, "KILL_IN_SAVE_TAG": "step4", "ARCTIC_REPO": str(REPO)}
     start = time.perf_counter()
-    killed = _launch(["--num_gpus", "2", *job, "--deepspeed_config", str(_config(tmp_path, 2)),
-                      "--log-file", str(log)], env=killed_env, port=29531)
+    killed = launch_pool.run(["deepspeed", "--num_gpus", "2", str(killing), *job[1:],
+                              "--deepspeed_config", str(_config(tmp_path, 2)),
+                              "--log-file", str(log)], cwd=REPO, env=killed_env)
     assert killed.returncode == -signal.SIGKILL, killed.stdout[-3000:]
     # killed inside step 4's save: rank 0's files there, rank 1's half, no completion record
     reference = _losses(log)  # the SP=2 run, uninterrupted through step 4
