@@ -454,6 +454,7 @@ def test_the_schedule_puts_the_verdicts_first_and_waits_for_the_planner(tmp_path
     assert (plan_workers(16), plan_workers(2), plan_workers(None)) == (12, 2, 2)
 
 
+@pytest.mark.slow  # the planner's CPU calibration measures for real (20-30 s)
 def test_the_calibration_row_runs_the_planners_calibration_and_reports_its_rates(tmp_path):
     """The step group's last row runs ``python -m arctic.plan --calibrate`` (here on the CPU,
     one rank) and puts the measured rates in the report."""

@@ -43,6 +43,7 @@ def _planner_json(path: Path, sp: dict = OURS, predicted: dict | None = PREDICTE
     return path
 
 
+@pytest.mark.slow  # 2 ranks x 2 depths of the real step; its parts: the tests below
 def test_step_benchmark_at_two_depths_counts_work_and_reads_the_planner(tmp_path):
     """A schedule as gpu_acceptance.py writes it: ours from the planner's JSON once its end
     is marked, beside inline fields."""
@@ -277,7 +278,7 @@ def test_a_schedule_round_trips(tmp_path):
     assert read_schedule(tmp_path / "s.json") == phases
 
 
-@pytest.mark.slow  # 11 s; the counts themselves: test_step_benchmark_at_two_depths_...
+@pytest.mark.slow  # 11 s; the counts themselves: test_step_benchmark_at_two_depths_... (slow)
 def test_flops_only_traces_on_fake_tensors(tmp_path):
     """--flops-only counts the same executed attention FLOPs without running anything."""
     out = tmp_path / "flops.json"

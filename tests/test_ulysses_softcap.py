@@ -91,7 +91,8 @@ def _traced_peak(shortcuts: bool, causal: bool) -> tuple[int, int]:
     return peak, calls[0]
 
 
-@pytest.mark.parametrize("causal", [True, False], ids=["causal", "full"])
+@pytest.mark.parametrize("causal", [True, pytest.param(False, marks=pytest.mark.slow)],
+                         ids=["causal", "full"])  # full: 17 s, the same shortcuts
 def test_memory_trace_shortcuts_keep_the_peak(monkeypatch, causal):
     """In the planner's trace the kernel runs only block iterations whose shapes differ from
     the two before (without it a 1M-token trace would run millions of blocks): the same peak,
