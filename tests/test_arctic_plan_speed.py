@@ -247,6 +247,8 @@ def _write_rates(path: str) -> None:
     _rates().save(Path(path))
 
 
+@pytest.mark.slow  # 35 traced candidates (60-100 s); the search itself on given estimates:
+# the fastest() tests above, in the default run
 def test_seq_len_alone_searches_the_fastest_settings_and_writes_a_config(tmp_path):
     rates = tmp_path / "rates.json"
     _write_rates(str(rates))
