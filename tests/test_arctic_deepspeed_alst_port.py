@@ -191,8 +191,8 @@ def _plain_bf16_logits():
 
 
 def _bf16_loss_bound(logits) -> float:
-    """How far apart two bf16 runs of this model may put the (float32) loss: the runs round
-    each bf16 logit z to a neighbour at most, one ulp (eps |z|, eps = 2^-7) apart; a target's
+    """How far apart two bf16 runs of this model may put the (float32) loss: the runs may
+    round a bf16 logit z to neighbouring values, one ulp (eps |z|, eps = 2^-7) apart; a target's
     cross-entropy has gradient p - onehot in its logits, of l1 norm at most 2, so the mean
     loss moves by at most 2 eps max |z|. Roundings in earlier layers reach the logits through
     lm_head (weights of std 0.02 over 16 inputs), far below that."""
