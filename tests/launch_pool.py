@@ -96,14 +96,12 @@ def _launch(request: dict) -> tuple[int, str, bool]:
     if launcher != "python":
         env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(request["port"] or _free_port()),
                    WORLD_SIZE=str(nproc))
-    if launcher == "python":
-        pass
-    elif launcher == "torchrun":
+    if launcher == "torchrun":
         env.update(LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", ROLE_RANK="0",
                    ROLE_WORLD_SIZE=str(nproc), LOCAL_WORLD_SIZE_ROLE=str(nproc))
         if nproc > 1:
             env.setdefault("OMP_NUM_THREADS", "1")
-    else:
+    elif launcher == "deepspeed":
         env.update(LOCAL_SIZE=str(nproc), CROSS_RANK="0", CROSS_SIZE="1")
     fd, out_path = tempfile.mkstemp(prefix="launch_pool_")
     os.close(fd)
