@@ -290,6 +290,7 @@ def load_ds_config(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
     file with the same message before anything starts.
     """
     if isinstance(path_or_dict, dict):
+        check_top_level_keys(path_or_dict)
         return path_or_dict
     path = Path(path_or_dict)
     if not path.is_file():
@@ -300,4 +301,43 @@ def load_ds_config(path_or_dict: str | Path | dict[str, Any]) -> dict[str, Any]:
         raise ValueError(f"DeepSpeed config {str(path)!r} is not valid JSON: {e}") from None
     if not isinstance(data, dict):
         raise ValueError(f"DeepSpeed config {str(path)!r} must hold a JSON object")
+    check_top_level_keys(data)
     return data
+
+
+SP_KEYS = ("sequence_parallel_size", "seq_parallel_communication_data_type", BLOCK)
+"""The top-level keys that sequence parallelism reads (DeepSpeed's two, and our block)."""
+
+
+def _squeezed(key: str) -> str:
+    return "".join(c for c in key.lower() if c.isalnum())
+
+
+def check_top_level_keys(ds: dict[str, Any]) -> None:
+    """Refuse a top-level key that looks like one of :data:`SP_KEYS` but is not one of them
+    (``"sequence_paralel_size"``, ``"Ulysses"``, ``"ulysses_degree"``): DeepSpeed ignores
+    unknown keys, so the typo would train without sequence parallelism, silently.
+
+    Close means: the same letters and digits whatever the case and separators, the same
+    prefix (``sequence_parallel``, ``seq_parallel``, ``ulysses``), or a
+    :class:`difflib.SequenceMatcher` ratio of at least 0.8 on those letters. DeepSpeed's own
+    top-level keys are all below that (its ``communication_data_type`` is 0.79 from ours)."""
+    import difflib
+
+    prefixes = {"sequence_parallel_size": ("sequenceparallel", "seqparallel"),
+                "seq_parallel_communication_data_type": ("seqparallelcomm",),
+                BLOCK: ("ulysses",)}
+    for key in ds:
+        if not isinstance(key, str) or key in SP_KEYS:
+            continue
+        squeezed = _squeezed(key)
+        ratios = {ours: difflib.SequenceMatcher(None, squeezed, _squeezed(ours)).ratio()
+                  for ours in SP_KEYS}
+        close = [ours for ours in SP_KEYS if squeezed == _squeezed(ours) or ratios[ours] >= 0.8
+                 or squeezed.startswith(prefixes[ours])]
+        if close:
+            ours = max(close, key=ratios.get)
+            raise ValueError(
+                f"unknown top-level key {key!r} in the DeepSpeed config: did you mean "
+                f"{ours!r}? DeepSpeed ignores keys it does not know, so this one would "
+                f"train without its effect; the sequence-parallel keys are {list(SP_KEYS)}")

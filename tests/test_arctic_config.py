@@ -325,3 +325,43 @@ def test_attention_backend_is_checked_when_applied():
     err = _value_error(lambda: SequenceParallelConfig.from_ds_config(
         {"ulysses": {"attention_backend": "fast"}}))
     assert "ulysses.attention_backend must be null or one of" in err, err
+
+
+@pytest.mark.parametrize("key,meant", [
+    ("sequence_paralel_size", "sequence_parallel_size"),
+    ("seq_parallel_size", "sequence_parallel_size"),
+    ("Sequence-Parallel-Size", "sequence_parallel_size"),
+    ("seq_parallel_communication_dtype", "seq_parallel_communication_data_type"),
+    ("ulyses", "ulysses"),
+    ("Ulysses", "ulysses"),
+    ("ulysses_degree", "ulysses"),
+])
+def test_a_mistyped_sequence_parallel_key_is_refused_by_name(tmp_path, key, meant):
+    """DeepSpeed ignores a key it does not know: "sequence_paralel_size": 2 would train as
+    plain data parallelism. Every entry point loads the config through load_ds_config."""
+    ds = {"zero_optimization": {"stage": 3}, key: 2}
+    path = tmp_path / "ds.json"
+    path.write_text(json.dumps(ds))
+    for given in (ds, path):
+        with pytest.raises(ValueError, match=f"unknown top-level key '{key}' .* did you mean "
+                                             f"'{meant}'"):
+            SequenceParallelConfig.from_ds_config(given, world_size=2)
+
+
+def test_no_key_deepspeed_knows_is_taken_for_a_typo():
+    """Each top-level key DeepSpeed's runtime names (its constants modules) passes, with ours:
+    the check cannot refuse a config that DeepSpeed reads."""
+    import re
+
+    import deepspeed
+
+    root = Path(deepspeed.__file__).parent / "runtime"
+    keys = {m.group(1) for f in root.rglob("*.py")
+            for m in re.finditer(r'^[A-Z][A-Z_0-9]* = "([a-z][a-z_0-9]*)"$',
+                                 f.read_text(errors="ignore"), re.M)}
+    assert {"communication_data_type", "zero_optimization",
+            "train_micro_batch_size_per_gpu"} <= keys  # the scan finds DeepSpeed's keys
+    # read by deepspeed.initialize itself (beside sequence_parallel_size, for its mesh)
+    keys.add("data_parallel_size")
+    assert len(keys) > 100
+    load_ds_config(dict.fromkeys(keys, None))
