@@ -12,7 +12,7 @@ framework on first use (``pip install ".[hf]"``).
 """
 
 from arctic.config import SequenceParallelConfig
-from arctic.data import SequenceParallelDataLoader, prepare_sp_batch
+from arctic.data import SequenceParallelDataLoader, prepare_sp_batch, sp_sampler
 from arctic.hf.vlm import vision_inputs
 from arctic.loss import apply_sp_loss, sp_token_loss, tiled_logits_loss
 from arctic.memory import apply_activation_checkpointing
@@ -37,6 +37,7 @@ __all__ = [
     "prepare_sp_batch",
     "remove_sequence_parallel",
     "restore_sequence_parallel",
+    "sp_sampler",
     "sp_token_loss",
     "tiled_logits_loss",
     "vision_inputs",

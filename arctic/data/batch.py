@@ -33,6 +33,7 @@ import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from arctic.data.same_batch import check_same_batch
 from arctic.data.vision import VisionInputs
 from arctic.hf.batch import varlen_documents
 from ulysses.mesh import check_mesh, mesh_dims
@@ -54,6 +55,11 @@ def _pad_right(x: Tensor, length: int, value) -> Tensor:
 def prepare_sp_batch(batch: dict[str, Any], mesh: DeviceMesh, *, pad_token_id: int = 0,
                      vision: VisionInputs | None = None) -> dict[str, Tensor]:
     """This rank's shard of a causal-LM batch; see the module doc for the steps.
+
+    The SP group's ranks must be given the same full batch: a fingerprint of it is
+    all-gathered over the group (a few integers per batch), and a batch that differs is a
+    ``ValueError`` on every rank of the group, naming the sampler to use
+    (:func:`arctic.sp_sampler`).
 
     Args:
         batch: ``input_ids [B, S]`` (required), optional ``labels [B, S]`` (default: the
@@ -83,7 +89,9 @@ def prepare_sp_batch(batch: dict[str, Any], mesh: DeviceMesh, *, pad_token_id: i
         base drops it.
     """
     check_mesh(mesh)
-    return SequenceCut.of(mesh, vision)(batch, pad_token_id)
+    cut = SequenceCut.of(mesh, vision)  # its ValueErrors come before the collective below
+    check_same_batch(batch, mesh)
+    return cut(batch, pad_token_id)
 
 
 @dataclass(frozen=True)

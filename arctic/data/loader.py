@@ -8,17 +8,12 @@ from typing import Callable
 
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
-from torch.utils.data import (
-    BatchSampler,
-    DataLoader,
-    Dataset,
-    DistributedSampler,
-    default_collate,
-)
+from torch.utils.data import BatchSampler, DataLoader, Dataset, default_collate
 
 from arctic.data.batch import SequenceCut
+from arctic.data.same_batch import sp_sampler
 from arctic.data.vision import VisionInputs
-from ulysses.mesh import axis_rank, axis_size, check_mesh
+from ulysses.mesh import check_mesh
 
 
 class _SPCollate:
@@ -74,9 +69,7 @@ class SequenceParallelDataLoader(DataLoader):
         # in_order is DataLoader's from torch 2.6: given only when it is not the default
         ordering = {} if in_order else {"in_order": False}
         self.mesh = mesh
-        sampler = DistributedSampler(dataset, num_replicas=axis_size(mesh, "dp"),
-                                     rank=axis_rank(mesh, "dp"), shuffle=shuffle, seed=seed,
-                                     drop_last=drop_last)
+        sampler = sp_sampler(dataset, mesh, shuffle=shuffle, seed=seed, drop_last=drop_last)
         super().__init__(dataset, batch_sampler=_EpochBatchSampler(sampler, batch_size,
                                                                    drop_last),
                          collate_fn=_SPCollate(collate_fn, SequenceCut.of(mesh, vision),

@@ -45,6 +45,7 @@ from arctic.hf.fused import check_fusable, fuse, unfuse
 from arctic.hf.mixers import (FAMILIES, check_mixers, check_token_mixers, install_mixers,
                               token_mixers)
 from arctic.hf.vlm import image_block_key, install_vision, is_vlm, vision_inputs
+from arctic.loss.reduction import install_sp_gradient_average
 from arctic.loss.token import install_sp_causal_lm_loss
 from arctic.order import record_apply
 from ulysses import BufferPool, shard_sequence, ulysses_attention
@@ -297,4 +298,6 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
         install_vision(model, vision)
     # model(..., labels=) on the pieces: HF's loss of the whole sequence
     install_sp_causal_lm_loss(model, mesh)
+    # any loss of the outputs gets the same gradients whether DeepSpeed adds or averages
+    install_sp_gradient_average(model, axis_size(mesh, "ring") * axis_size(mesh, "ulysses"))
     return model

@@ -16,6 +16,13 @@ after the reduction the gradients are single-device training's. What reduces, an
 | ZeRO-3 with an SP ``mpu``, ``reduce_scatter: false``, contiguous gradients and every parameter within ``reduce_bucket_size`` (what :func:`arctic.initialize` sets): ``__avg_scatter_contiguous_grads`` divides by ``world / sp`` | added |
 | ZeRO-3 with an SP ``mpu`` where a parameter is larger than the bucket, or gradients are not contiguous: some buckets one way, some the other | refused |
 
+Where the reduction adds, :func:`install_sp_gradient_average` makes it average: a forward
+hook on the model scales the gradient of each of its outputs by ``1 / sp``, so that whatever
+loss is computed from them (the SP loss, or a plain mean over this rank's tokens written by
+the user) gets the same gradients at every ZeRO stage: the average over the dp x sp ranks,
+which is single-device training's when the ranks hold equal numbers of labels.
+:func:`resolve_sp_averaging` then answers "averaged" for the SP loss too.
+
 :func:`sp_gradients_averaged` reads the answer off the model when its loss runs, so a loss
 installed before ``deepspeed.initialize`` (``model.loss_function`` on the ALST path) learns
 the engine that wraps it: DeepSpeed's engine hooks the module it wraps, and ZeRO marks the
@@ -28,6 +35,7 @@ from __future__ import annotations
 
 import sys
 
+import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
@@ -94,11 +102,59 @@ def sp_gradients_averaged(model: nn.Module, sp_size: int) -> bool | None:
                      f"leave reduce_scatter at its default (true)")
 
 
+class _ScaleGrad(torch.autograd.Function):
+    """The identity forward; the gradient times ``factor`` backward."""
+
+    @staticmethod
+    def forward(ctx, x, factor):
+        ctx.factor = factor
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.factor, None
+
+
+def _scaled(value, factor: float):
+    if torch.is_tensor(value):
+        return _ScaleGrad.apply(value, factor) \
+            if value.requires_grad and value.is_floating_point() else value
+    if isinstance(value, tuple) and not hasattr(value, "_fields"):
+        return tuple(_scaled(v, factor) for v in value)
+    if isinstance(value, dict):  # a HF ModelOutput (an OrderedDict): its fields in place
+        for k in list(value.keys()):
+            value[k] = _scaled(value[k], factor)
+    return value
+
+
+def install_sp_gradient_average(model: nn.Module, sp_size: int) -> None:
+    """Make a reduction that adds the SP ranks' gradients average them instead: on each
+    forward under grad where :func:`sp_gradients_averaged` finds "added" (DeepSpeed with an
+    SP ``mpu`` at ZeRO-0/1/2, or ZeRO-3 as :func:`arctic.initialize` pins it), the outputs'
+    gradients are scaled by ``1 / sp_size``. Nothing otherwise (DDP, FSDP2, DeepSpeed
+    without an SP ``mpu``, ZeRO-3's default reduce-scatter already average)."""
+    old = getattr(model, "_sp_average_hook", None)
+    if old is not None:
+        old.remove()
+    if sp_size == 1:
+        return
+
+    def average(module, args, output):
+        if torch.is_grad_enabled() and sp_gradients_averaged(module, sp_size) is False:
+            return _scaled(output, 1.0 / sp_size)
+        return output
+
+    model._sp_average_hook = model.register_forward_hook(average)
+
+
 def resolve_sp_averaging(model: nn.Module, sp_size: int, given: bool | None) -> bool:
     """The ``averaged_over_sp`` an SP loss of ``model`` uses: ``given`` when set (checked
     against the reduction found on the model, ``ValueError`` on a contradiction), else what
-    :func:`sp_gradients_averaged` finds, else True (DDP's average)."""
+    :func:`sp_gradients_averaged` finds, else True (DDP's average). A reduction that adds is
+    averaged where :func:`install_sp_gradient_average` hooks the model."""
     found = sp_gradients_averaged(model, sp_size)
+    if found is False and getattr(model, "_sp_average_hook", None) is not None:
+        found = True
     if given is None:
         return True if found is None else found
     if found is not None and found != given:
@@ -110,4 +166,4 @@ def resolve_sp_averaging(model: nn.Module, sp_size: int, given: bool | None) -> 
     return given
 
 
-__all__ = ["resolve_sp_averaging", "sp_gradients_averaged"]
+__all__ = ["install_sp_gradient_average", "resolve_sp_averaging", "sp_gradients_averaged"]

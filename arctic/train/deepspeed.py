@@ -88,9 +88,12 @@ def host_limit_beside_state(ds_config: dict, sp: SequenceParallelConfig, model: 
                               dist.get_world_size(), group=flat_mesh(mesh, "dp_sp").get_group())
 
 
+_LOADER_DEFAULTS = {"collate_fn": None, "shuffle": True, "seed": 0}
+
+
 def initialize(*, model: nn.Module, config: str | Path | dict, model_parameters=None,
                training_data=None, optimizer=None, lr_scheduler=None, collate_fn=None,
-               dist_init_required: bool | None = None):
+               dist_init_required: bool | None = None, shuffle: bool = True, seed: int = 0):
     """``deepspeed.initialize`` for a HF causal LM, with sequence parallelism from ``config``.
 
     Args:
@@ -101,6 +104,9 @@ def initialize(*, model: nn.Module, config: str | Path | dict, model_parameters=
         training_data: a dataset; the returned dataloader is a
             :class:`arctic.data.SequenceParallelDataLoader` with the config's micro batch size
             (for a vision-language model, cutting with :func:`arctic.vision_inputs` of it).
+        shuffle, seed: the loader's, as ``DistributedSampler``'s (over the data-parallel axis;
+            ``loader.set_epoch(e)`` reshuffles). Without ``training_data`` they, and
+            ``collate_fn``, must be left at their defaults.
 
     Returns:
         ``(engine, optimizer, dataloader, lr_scheduler)`` as ``deepspeed.initialize`` does.
@@ -114,6 +120,11 @@ def initialize(*, model: nn.Module, config: str | Path | dict, model_parameters=
     """
     import deepspeed
 
+    loader_settings = {"collate_fn": collate_fn, "shuffle": shuffle, "seed": seed}
+    given = [k for k, v in loader_settings.items() if v != _LOADER_DEFAULTS[k]]
+    if training_data is None and given:
+        raise ValueError(f"{', '.join(given)}: the loader's settings, and initialize() builds "
+                         f"no loader without training_data")
     allocator.use_expandable_segments()  # before DeepSpeed allocates its buffers
     ds_config = dict(load_ds_config(config))
     if not dist.is_initialized():
@@ -125,8 +136,10 @@ def initialize(*, model: nn.Module, config: str | Path | dict, model_parameters=
     device = next(model.parameters()).device
     mesh = sp.dims(dist.get_world_size()).build_mesh(device.type)
 
-    # DeepSpeed, given the SP mpu, sums gradients over the sp ranks and divides by dp only.
-    apply_sp_recipe(model, config=sp, mesh=mesh, averaged_over_sp=False,
+    # DeepSpeed, given the SP mpu, sums gradients over the sp ranks and divides by dp only;
+    # the model's outputs scale their gradients by 1/sp (arctic.loss.reduction), so that any
+    # loss of them, ours or the user's, trains on the average over every rank.
+    apply_sp_recipe(model, config=sp, mesh=mesh,
                     host_memory_limit=host_limit_beside_state(ds_config, sp, model, mesh))
     engine, optimizer, _, lr_scheduler = deepspeed.initialize(
         model=model, config=ds_config,
@@ -139,7 +152,8 @@ def initialize(*, model: nn.Module, config: str | Path | dict, model_parameters=
         # a VLM's batches are cut with its vision inputs (each rank's own images)
         loader = SequenceParallelDataLoader(
             training_data, mesh, batch_size=engine.train_micro_batch_size_per_gpu(),
-            collate_fn=collate_fn, vision=vision_inputs(model) if is_vlm(model) else None)
+            collate_fn=collate_fn, vision=vision_inputs(model) if is_vlm(model) else None,
+            shuffle=shuffle, seed=seed)
     return engine, optimizer, loader, lr_scheduler
 
 

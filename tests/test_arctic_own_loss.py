@@ -1,0 +1,89 @@
+"""A user's own loss (a plain mean over this rank's tokens, backpropagated as it is) gets the
+same gradients at ZeRO 0, 1, 2 and 3: single-device training's when the ranks hold equal
+numbers of labels, on docs/engine.md's path (apply_sequence_parallel, then
+deepspeed.initialize with DeepSpeedMPU), where the model returns its logits. (Under
+arctic.initialize the model's forward is the SP loss itself, whose gradients are
+single-device training's at every stage: tests/test_arctic_engine.py.)"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dist_pool
+from helpers import get_mesh
+
+pytest.importorskip("transformers", reason="arctic needs transformers ([hf])")
+
+S, VOCAB = 32, 128
+
+
+def _model():
+    from test_arctic_engine import _model as model
+
+    return model()
+
+
+def _labels(dp: int) -> torch.Tensor:
+    """dp replica ``dp``'s tokens; the label of position 1 is masked, so that with the end of
+    the sequence masked too each half holds S/2 - 1 targets (equal counts on SP=2)."""
+    ids = torch.randint(0, VOCAB, (1, S), generator=torch.Generator().manual_seed(10 + dp))
+    labels = ids.clone()
+    labels[0, 1] = -100
+    return ids, labels
+
+
+def _config(stage: int) -> dict:
+    return {"train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+            "steps_per_print": 10**6,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+            "zero_optimization": {"stage": stage}, "sequence_parallel_size": 2}
+
+
+def _reference(dps: int) -> dict:
+    """Single-device gradients: the mean over the dp replicas of HF's own token-mean loss."""
+    model = _model()
+    for dp in range(dps):
+        ids, labels = _labels(dp)
+        (model(input_ids=ids, labels=labels).loss / dps).backward()
+    return {n: p.grad for n, p in model.named_parameters()}
+
+
+def _rank_own_loss(stage: int, world: int):
+    import deepspeed
+    import torch.nn.functional as F
+    from deepspeed.utils import safe_get_full_grad
+
+    import arctic
+    from helpers import init_deepspeed_comm
+    from ulysses import DeepSpeedMPU
+
+    init_deepspeed_comm()
+    model = _model()
+    mesh = get_mesh(world, 2)
+    arctic.apply_sequence_parallel(model, mesh=mesh)
+    engine, *_ = deepspeed.initialize(model=model, config=_config(stage),
+                                      model_parameters=model.parameters(),
+                                      mpu=DeepSpeedMPU(mesh))
+    ids, labels = _labels(mesh.get_local_rank("dp"))
+    batch = arctic.prepare_sp_batch({"input_ids": ids, "labels": labels}, mesh)
+    logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
+    targets = batch["shift_labels"].reshape(-1)
+    assert int(targets.ne(-100).sum()) == S // 2 - 1  # equal counts on both SP ranks
+    loss = F.cross_entropy(logits.float().reshape(-1, VOCAB), targets, ignore_index=-100)
+    engine.backward(loss)
+    return {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
+
+
+@pytest.mark.parametrize("stage,world", [
+    (0, 2), (1, 2), (2, 2), (3, 2),
+    pytest.param(2, 4, marks=pytest.mark.slow), pytest.param(3, 4, marks=pytest.mark.slow)],
+    ids=["zero0", "zero1", "zero2", "zero3", "zero2-dp2", "zero3-dp2"])
+def test_a_plain_local_mean_gets_single_device_gradients(stage, world):
+    reference = _reference(world // 2)
+    for grads in dist_pool.run(_rank_own_loss, stage, world, world_size=world):
+        num = sum(float((grads[n] - r).pow(2).sum()) for n, r in reference.items()) ** 0.5
+        norm = sum(float(r.pow(2).sum()) for r in reference.values()) ** 0.5
+        got = sum(float(grads[n].pow(2).sum()) for n in reference) ** 0.5
+        assert abs(got / norm - 1) < 1e-5, (got, norm)  # not sp times too large
+        assert num <= 1e-5 * norm, (num, norm)
