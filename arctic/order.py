@@ -54,6 +54,16 @@ def record_apply(model: nn.Module, stage: str) -> None:
         raise ValueError(f"stage must be one of {STAGES}, got {stage!r}")
     done = applied_stages(model)
     later = [s for s in STAGES[STAGES.index(stage) + 1:] if s in done]
+    if "checkpointing" in later and "checkpointing" not in getattr(model, _ATTR, ()):
+        raise ValueError(
+            f"HF gradient checkpointing is on for {type(model).__name__} "
+            f"(model.gradient_checkpointing_enable(), or TrainingArguments("
+            f"gradient_checkpointing=True) outside the Trainer plugin): arctic checkpoints "
+            f"each decoder layer itself, after sequence parallelism (non-reentrant, with the "
+            f"layer inputs offloaded when asked). Call model.gradient_checkpointing_disable() "
+            f"(or leave out gradient_checkpointing_enable()) and set \"activation_checkpointing\": "
+            f"true in the DeepSpeed config's \"ulysses\" block (arctic.initialize, the recipe), "
+            f"or call arctic.apply_activation_checkpointing(model) after {stage}")
     if later:
         raise ValueError(f"cannot apply {stage} to {type(model).__name__}: {', '.join(later)} "
                          f"is already applied. The order is {' -> '.join(STAGES)}; apply "

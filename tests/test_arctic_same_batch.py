@@ -141,3 +141,4 @@ def test_initialize_takes_the_loader_s_shuffle_and_seed():
     for (got, ref, default), _ in dist_pool.run(_rank_initialize_loader, 0, False,
                                                 world_size=2):
         assert got == ref == [0, 1, 2, 3, 4, 5], got  # in order: not shuffled
+

@@ -1,9 +1,14 @@
-"""A user's own loss (a plain mean over this rank's tokens, backpropagated as it is) gets the
+"""A script of one's own around deepspeed.initialize.
+
+A user's own loss (a plain mean over this rank's tokens, backpropagated as it is) gets the
 same gradients at ZeRO 0, 1, 2 and 3: single-device training's when the ranks hold equal
 numbers of labels, on docs/engine.md's path (apply_sequence_parallel, then
 deepspeed.initialize with DeepSpeedMPU), where the model returns its logits. (Under
 arctic.initialize the model's forward is the SP loss itself, whose gradients are
-single-device training's at every stage: tests/test_arctic_engine.py.)"""
+single-device training's at every stage: tests/test_arctic_engine.py.)
+
+HF's gradient_checkpointing_enable() before arctic.initialize is refused, naming the call and
+the config key that replaces it."""
 
 from __future__ import annotations
 
@@ -11,7 +16,7 @@ import pytest
 import torch
 
 import dist_pool
-from helpers import get_mesh
+from helpers import get_mesh, value_error_of
 
 pytest.importorskip("transformers", reason="arctic needs transformers ([hf])")
 
@@ -87,3 +92,23 @@ def test_a_plain_local_mean_gets_single_device_gradients(stage, world):
         got = sum(float(grads[n].pow(2).sum()) for n in reference) ** 0.5
         assert abs(got / norm - 1) < 1e-5, (got, norm)  # not sp times too large
         assert num <= 1e-5 * norm, (num, norm)
+
+
+def _rank_hf_checkpointing():
+    import arctic.train.deepspeed
+    from helpers import init_deepspeed_comm
+    from test_arctic_engine import _config, _model
+
+    init_deepspeed_comm()
+    model = _model()
+    model.gradient_checkpointing_enable()
+    return value_error_of(lambda: arctic.train.deepspeed.initialize(
+        model=model, config=_config(0, {"activation_checkpointing": True})))
+
+
+def test_hf_gradient_checkpointing_before_initialize_is_refused_naming_both():
+    """A hand-written script's model.gradient_checkpointing_enable() before arctic.initialize:
+    refused on every rank, naming the call and the config key that replaces it."""
+    for msg in dist_pool.run(_rank_hf_checkpointing, world_size=2):
+        assert "gradient_checkpointing_enable()" in msg and "gradient_checkpointing_disable()" \
+            in msg and '"activation_checkpointing": true' in msg, msg
