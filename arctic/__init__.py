@@ -15,7 +15,7 @@ from arctic.config import SequenceParallelConfig
 from arctic.data import SequenceParallelDataLoader, prepare_sp_batch, sp_sampler
 from arctic.hf.vlm import vision_inputs
 from arctic.loss import apply_sp_loss, sp_token_loss, tiled_logits_loss
-from arctic.memory import apply_activation_checkpointing
+from arctic.memory import StepMeter, apply_activation_checkpointing
 from arctic.recipe import apply_sp_recipe
 from arctic.removal import remove_sequence_parallel, restore_sequence_parallel
 from arctic.tiling import TiledMLP, apply_tiled_layers, apply_tiled_mlp
@@ -25,6 +25,7 @@ from arctic.train.fsdp import apply_fsdp
 __all__ = [
     "SequenceParallelConfig",
     "SequenceParallelDataLoader",
+    "StepMeter",
     "TiledMLP",
     "apply_activation_checkpointing",
     "apply_fsdp",

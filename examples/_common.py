@@ -13,7 +13,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import sys
 from collections.abc import Iterator
 from pathlib import Path
@@ -105,21 +104,6 @@ def split_cpu_threads() -> None:
     if not torch.cuda.is_available():
         local = int(os.environ.get("LOCAL_WORLD_SIZE", os.environ.get("LOCAL_SIZE", 1)))
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // local))
-
-
-def peak_memory_mib() -> float:
-    """This rank's peak: the CUDA allocator's on GPU, the process's peak RSS on CPU."""
-    if torch.cuda.is_available():
-        return torch.cuda.max_memory_allocated() / 2**20
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # KiB on Linux
-
-
-def gather_peaks(device: torch.device) -> list[float]:
-    """Every rank's :func:`peak_memory_mib` (MiB, 0.1 precision); a collective, so every rank
-    calls it."""
-    peaks = [torch.zeros((), device=device) for _ in range(dist.get_world_size())]
-    dist.all_gather(peaks, torch.tensor(peak_memory_mib(), device=device))
-    return [round(p.item(), 1) for p in peaks]
 
 
 def batches_to_skip(samples_in_epoch: int, samples_per_batch: int) -> int:

@@ -27,11 +27,12 @@ import torch
 import torch.distributed as dist
 
 # examples/_common.py, beside this file; importing it puts the checkout on sys.path.
-from _common import (REPO, ByteCorpus, Progress, add_job_args, build_model, gather_peaks,
+from _common import (REPO, ByteCorpus, Progress, add_job_args, build_model,
                      batches_to_skip, parse_job_args, save_model_config, resumable_batches,
                      split_cpu_threads)
 
 import arctic  # after _common: from the checkout
+from arctic.memory import gather_peak_memory_mib
 from arctic.train.ds_checkpoint import CheckpointLayout, load_checkpoint, save_checkpoint
 from ulysses import flat_mesh
 
@@ -85,7 +86,7 @@ def main() -> None:
         engine.step()
         step += 1
         elapsed = time.perf_counter() - start
-        peaks = gather_peaks(device)
+        peaks = gather_peak_memory_mib(device)
         if rank == 0:
             record = {"step": step, "loss": loss.item(), "tokens_per_s": tokens_per_step / elapsed,
                       "peak_mib": peaks}

@@ -37,12 +37,12 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.fsdp import CPUOffloadPolicy
 
 # examples/_common.py, beside this file; importing it puts the checkout on sys.path.
-from _common import (ByteCorpus, Progress, add_job_args, build_model, gather_peaks,
+from _common import (ByteCorpus, Progress, add_job_args, build_model,
                      batches_to_skip, parse_job_args, save_model_config, resumable_batches,
                      split_cpu_threads)
 
 from arctic import SequenceParallelConfig, SequenceParallelDataLoader, apply_fsdp  # noqa: E402
-from arctic.memory import allocator  # noqa: E402
+from arctic.memory import allocator, gather_peak_memory_mib  # noqa: E402
 from arctic.config import load_ds_config  # noqa: E402
 from arctic.recipe import apply_sp_recipe  # noqa: E402
 from arctic.train.fsdp import check_no_zero  # noqa: E402
@@ -240,7 +240,7 @@ def main() -> None:
         # The loss is already the SP group's; the mean over dp is the global batch's.
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss, group=dp_group)
-        peaks = gather_peaks(device)
+        peaks = gather_peak_memory_mib(device)
         if rank == 0:
             record = {"step": step, "loss": mean_loss.item() / dp,
                       "grad_norm": norm.item(), "tokens_per_s": tokens_per_step / elapsed,

@@ -112,3 +112,32 @@ def test_hf_gradient_checkpointing_before_initialize_is_refused_naming_both():
     for msg in dist_pool.run(_rank_hf_checkpointing, world_size=2):
         assert "gradient_checkpointing_enable()" in msg and "gradient_checkpointing_disable()" \
             in msg and '"activation_checkpointing": true' in msg, msg
+
+
+def _rank_meter():
+    import time
+
+    import torch.distributed as dist
+
+    import arctic
+    from arctic.memory import peak_memory_mib
+
+    meter = arctic.StepMeter(tokens_per_step=1000, device="cpu")
+    early = value_error_of(meter.stats)
+    with meter:
+        time.sleep(0.05 * (1 + dist.get_rank()))
+    stats = meter.stats()
+    return early, stats, peak_memory_mib("cpu"), value_error_of(
+        lambda: arctic.StepMeter(tokens_per_step=0, device="cpu"))
+
+
+def test_step_meter_gives_tokens_per_second_and_every_rank_s_peak():
+    """The public helper behind the examples' progress line: the step's time and tokens/s,
+    and each rank's peak in rank order."""
+    results = dist_pool.run(_rank_meter, world_size=2)
+    for rank, (early, stats, own_peak, bad) in enumerate(results):
+        assert "before any step" in early and "positive int" in bad
+        assert 0.05 * (1 + rank) <= stats["step_s"] < 5
+        assert stats["tokens_per_s"] == pytest.approx(1000 / stats["step_s"])
+        assert len(stats["peak_mib"]) == 2 and all(p > 0 for p in stats["peak_mib"])
+        assert stats["peak_mib"][rank] <= round(own_peak, 1) + 0.1  # this rank's own

@@ -343,6 +343,52 @@ def test_disk_tier_holds_what_the_host_cannot(tmp_path):
     assert not small["fits"] and "disk" in small["limit"], small
 
 
+def _users_ds_config(tmp_path: Path) -> Path:
+    """A user's own JSON: ZeRO-3, bf16, an optimizer, sequence_parallel_size, no "ulysses"."""
+    cfg = tmp_path / "ds.json"
+    cfg.write_text(json.dumps({
+        "train_micro_batch_size_per_gpu": 1, "gradient_accumulation_steps": 1,
+        "bf16": {"enabled": True}, "zero_optimization": {"stage": 3},
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.001, "torch_adam": True}},
+        "sequence_parallel_size": 2}))
+    return cfg
+
+
+def test_ds_config_search_starts_from_the_least_memory_settings(tmp_path):
+    """--ds-config with --search keeps the JSON's SP size and state, and searches our
+    settings from the least-memory ones (not the JSON's, which check nothing); where even
+    they do not fit, --write-config says it wrote nothing, and why."""
+    out = tmp_path / "merged.json"
+    proc = _run("-m", "arctic.plan", "--model", "tiny-llama", "--gpus", "2", "--ds-config",
+                str(_users_ds_config(tmp_path)), "--seq-len", "16K", "--search",
+                "--gpu-memory", "40MiB", "--write-config", str(out))
+    assert proc.returncode == 1, proc.stderr[-3000:]
+    start = next(line for line in proc.stdout.splitlines() if line.strip().startswith("start"))
+    assert "activation_checkpointing=True, offload_activations=True" in start, start
+    assert f"did not write {out}: no settings fit 16,384 tokens" in proc.stdout, proc.stdout
+    assert not out.exists()
+
+
+@pytest.mark.slow  # a search of 30 candidates, then a launch
+def test_ds_config_search_writes_the_fit_merged_into_the_json_and_it_trains(tmp_path):
+    """The user's JSON (no checkpointing, no offload) does not fit 16K tokens in 64 MiB; the
+    search from the least-memory settings does, and --write-config writes them merged into
+    the JSON, which examples/train.py then runs."""
+    cfg, out = _users_ds_config(tmp_path), tmp_path / "merged.json"
+    args = ["-m", "arctic.plan", "--model", "tiny-llama", "--gpus", "2", "--ds-config", str(cfg),
+            "--seq-len", "16K", "--gpu-memory", "64MiB"]
+    given = _run(*args)  # the JSON's own settings
+    assert "verdict: DOES NOT FIT" in given.stdout, given.stdout[-2000:]
+    proc = _run(*args, "--search", "--write-config", str(out))
+    assert proc.returncode == 0 and "verdict: FITS" in proc.stdout, proc.stdout[-3000:]
+    written, user = json.loads(out.read_text()), json.loads(cfg.read_text())
+    assert {k: v for k, v in written.items() if k != "ulysses"} == user  # the JSON, kept
+    assert written["ulysses"]["activation_checkpointing"] is True
+    ran = launch_pool.run(["deepspeed", "--num_gpus", "2", "examples/train.py", "--seq-len",
+                           "256", "--max-steps", "2", "--deepspeed_config", str(out)], cwd=REPO)
+    assert ran.returncode == 0, ran.stdout[-3000:]
+
+
 def test_ds_config_with_a_disk_tier(tmp_path):
     """A --ds-config with ulysses.offload_dir (the training nodes' directory, which need not
     exist here; nor its offload_io backend) is planned with --disk, refused without it;

@@ -168,6 +168,8 @@ def settings_from_args(args: argparse.Namespace) -> dict:
                                    if k not in ("offload_dir", "offload_io")})
         fields = SequenceParallelConfig.from_ds_config(ds, world_size=world)
         fields = {k: getattr(fields, k) for k in PLANNED_FIELDS}
+        if searches(args):  # the JSON fixes the SP size (and the state); ours are searched
+            fields = {**STACKS["ours"], "sequence_parallel_size": fields["sequence_parallel_size"]}
     else:
         fields = dict(STACKS[args.stack or "ours"])
     ring = args.ring if args.ring is not None else fields.get("ring_degree", 1)
@@ -212,6 +214,16 @@ _SETTING_ARGS = ("stack", "ds_config", "ulysses", "ring", "head_chunk", "tiled_m
 
 def settings_given(args: argparse.Namespace) -> bool:
     return any(getattr(args, a, None) is not None for a in _SETTING_ARGS)
+
+
+def searches(args: argparse.Namespace) -> bool:
+    """Whether the command searches the settings (see ``--search``): from the least-memory
+    ones, with a ``--ds-config``'s ZeRO stage, dtype, optimizer and SP size kept."""
+    if args.find_max:
+        return args.search if args.search is not None else (
+            args.ring is None and args.ulysses is None)
+    return args.seq_len is not None and (
+        args.search if args.search is not None else not settings_given(args))
 
 
 def prediction_line(e: Estimate) -> str:
@@ -333,7 +345,7 @@ def _main(args: argparse.Namespace) -> int:
         raise ValueError("--write-config with --disk: give --offload-dir, the directory the "
                          "written config names as offload_dir")
     config = model_config(args.model, layers=args.layers)  # an unknown model fails here
-    if args.ds_config is None:  # a named stack: off what the model does not support
+    if args.ds_config is None or searches(args):  # off what the model does not support
         for key, why in unsupported_settings(config).items():
             off, arg = UNSUPPORTED_OFF[key]
             if fields.get(key) not in (None, False) and getattr(args, arg, None) is None:
@@ -358,8 +370,7 @@ def _main(args: argparse.Namespace) -> int:
                     "allocator_headroom": args.allocator_headroom,
                     "state_offload": placement.mode}
     estimates: list[Estimate] = []
-    if args.seq_len is not None and not args.find_max and (
-            args.search if args.search is not None else not settings_given(args)):
+    if args.seq_len is not None and not args.find_max and searches(args):
         return _fastest(args, config, fields, placement, plan_at, rates, result)
     if args.seq_len is not None:
         e = plan_at(args.seq_len, with_rates=rates)
@@ -370,9 +381,7 @@ def _main(args: argparse.Namespace) -> int:
     if args.find_max:
         sp = fields.get("sequence_parallel_size", world)
         start = args.seq_len or 1 << 20
-        searching = args.search if args.search is not None else (
-            args.ring is None and args.ulysses is None)
-        if searching:
+        if searches(args):
             print(f"searching the settings ({args.model}, {world} GPUs, SP {sp}):")
             winner, candidates = search(
                 lambda n, f: plan_at(n, f), base=fields, sp_size=sp, granule=1024 * sp,
@@ -466,6 +475,8 @@ def _fastest(args, config, fields: dict, placement: Placement, plan_at, rates,
     if best is None:
         print(f"does not fit: the least-memory settings do not fit {n:,} tokens "
               f"(python -m arctic.plan --find-max finds the longest that does)")
+        if args.write_config is not None:
+            print(f"did not write {args.write_config}: no settings fit {n:,} tokens")
         if args.json is not None:
             args.json.write_text(json.dumps(result, indent=2) + "\n")
         return 1
