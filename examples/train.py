@@ -103,6 +103,7 @@ def main() -> None:
                                           "samples_in_epoch": (i + 1) * samples_per_batch})
     progress.done(step)
     dist.barrier()
+    dist.destroy_process_group()  # before exit: gloo's and NCCL's threads stop here
 
 
 

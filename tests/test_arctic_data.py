@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import dist_pool
-from helpers import get_mesh
+from helpers import get_mesh, value_error_of
 
 
 def _rank_prepare(ulysses, ring, S, packed):
@@ -57,10 +57,8 @@ def _rank_bad_batches():
              "left or inner padding": {"input_ids": ids,
                                        "attention_mask": torch.tensor([[0, 1, 1, 1]])},
              "labels shape": {"input_ids": ids, "labels": torch.zeros(1, 5, dtype=torch.long)},
-             # a key the cut does not read is refused, not dropped (Gemma3's image tokens,
-             # targets already shifted)
+             # a key the cut does not read is refused, not dropped (Gemma3's image tokens)
              "['token_type_ids'] are not read": {"input_ids": ids, "token_type_ids": ids},
-             "['shift_labels'] are not read": {"input_ids": ids, "shift_labels": ids},
              # TRL's padding-free seq_idx must number the documents the positions give
              "seq_idx changes where no document starts": {
                  "input_ids": ids, "position_ids": torch.tensor([[0, 1, 0, 1]]),
@@ -118,3 +116,39 @@ def test_loader_gives_an_sp_group_the_same_samples_and_counts_samples():
         by_dp.setdefault(dp, []).append(seen)
     assert all(a == b for a, b in by_dp.values())  # both SP ranks of a dp replica agree
     assert sorted(by_dp[0][0] + by_dp[1][0]) == list(range(10))
+
+
+def _rank_given_shift_labels():
+    from arctic.data.batch import prepare_sp_batch
+    from ulysses import gather_sequence
+
+    mesh = get_mesh(2, 2)
+    S = 12
+    ids = torch.arange(100, 100 + S)[None]
+    positions = torch.cat([torch.arange(5), torch.arange(S - 5)])[None]  # two documents
+    mask = torch.ones(1, S, dtype=torch.long)
+    mask[0, S - 2:] = 0
+    shift = torch.full((1, S), -100)
+    shift[0, :-1] = ids[0, 1:]  # every next token, across the documents too
+
+    def full(batch):
+        local = prepare_sp_batch(batch, mesh)
+        return gather_sequence(local["shift_labels"], mesh, dim=1)[0, :S].tolist()
+
+    from_labels = full({"input_ids": ids, "position_ids": positions, "attention_mask": mask})
+    given = full({"input_ids": ids, "position_ids": positions, "attention_mask": mask,
+                  "shift_labels": shift})
+    both = value_error_of(lambda: prepare_sp_batch(
+        {"input_ids": ids, "labels": ids, "shift_labels": shift}, mesh))
+    return from_labels, given, both
+
+
+def test_shift_labels_in_the_batch_are_taken_as_given():
+    """HF's pre-shifted shift_labels in the batch: each token keeps its own target (here the
+    one across the document boundary too, which labels would drop), -100 under the
+    attention mask's padding; labels and shift_labels together are refused."""
+    for from_labels, given, both in dist_pool.run(_rank_given_shift_labels, world_size=2):
+        nxt = list(range(101, 112))
+        assert from_labels == nxt[:4] + [-100] + nxt[5:9] + [-100, -100, -100]
+        assert given == nxt[:10] + [-100, -100]
+        assert "labels and shift_labels: give one" in both

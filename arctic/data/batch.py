@@ -9,7 +9,9 @@
    but must not restart inside one).
 2. ``shift_labels``: ``labels[:, 1:]`` moved left, ``-100`` at the end of every row and of
    every document (a document's last token must not predict the next document's first), and
-   wherever ``attention_mask`` is 0.
+   wherever ``attention_mask`` is 0. A batch may give ``shift_labels`` itself instead of
+   ``labels`` (HF's pre-shifted form, each token's own target): they are taken as they are,
+   with ``-100`` where ``attention_mask`` is 0.
 3. Padding up to what the mesh splits evenly (``2 R U`` with a zigzag ring): ``input_ids``
    get ``pad_token_id`` and ``shift_labels`` -100. The padding (this tail, and the tokens
    ``attention_mask`` marks 0) is a document of its own: its positions restart at 0, so no
@@ -43,8 +45,8 @@ from ulysses.trace_shortcuts import is_traced
 IGNORE_INDEX = -100
 
 
-BATCH_KEYS = ("input_ids", "labels", "attention_mask", "position_ids", "cu_seq_lens_q",
-              "cu_seq_lens_k", "max_length_q", "max_length_k")
+BATCH_KEYS = ("input_ids", "labels", "shift_labels", "attention_mask", "position_ids",
+              "cu_seq_lens_q", "cu_seq_lens_k", "max_length_q", "max_length_k")
 """What a batch may hold (``seq_idx`` too, checked and dropped); any other key is refused."""
 
 
@@ -63,7 +65,8 @@ def prepare_sp_batch(batch: dict[str, Any], mesh: DeviceMesh, *, pad_token_id: i
 
     Args:
         batch: ``input_ids [B, S]`` (required), optional ``labels [B, S]`` (default: the
-            input ids), ``attention_mask [B, S]`` (right padding only), ``position_ids``
+            input ids) or ``shift_labels [B, S]`` (pre-shifted: taken as given),
+            ``attention_mask [B, S]`` (right padding only), ``position_ids``
             and flash-attn's varlen arguments (``cu_seq_lens_q``/``_k``,
             ``max_length_q``/``_k``) over the flattened batch.
         mesh: the SP mesh; batches are cut in its sequence layout (zigzag over a ring, or
@@ -125,9 +128,13 @@ class SequenceCut:
             raise ValueError(f"input_ids must be [batch, seq], got shape "
                              f"{tuple(input_ids.shape)}")
         B, S = input_ids.shape
+        if batch.get("labels") is not None and batch.get("shift_labels") is not None:
+            raise ValueError("the batch has labels and shift_labels: give one (labels are "
+                             "shifted here, before the cut; shift_labels are taken as they are)")
         labels = torch.as_tensor(batch.get("labels", input_ids)).clone()
-        checked = ("labels", "attention_mask") + (self.vision.cut_keys if self.vision
-                                                  else ("position_ids",))
+        given_shift = batch.get("shift_labels")
+        checked = ("labels", "shift_labels", "attention_mask") + (
+            self.vision.cut_keys if self.vision else ("position_ids",))
         for name in checked:
             if name in batch and tuple(torch.as_tensor(batch[name]).shape) != (B, S):
                 raise ValueError(f"{name} shape {tuple(torch.as_tensor(batch[name]).shape)} "
@@ -166,10 +173,15 @@ class SequenceCut:
         if "seq_idx" in batch:
             _check_seq_idx(torch.as_tensor(batch["seq_idx"]), breaks)
 
-        shift = torch.full_like(labels, IGNORE_INDEX)
-        shift[:, :-1] = labels[:, 1:]
-        # The last token of a document has no next token of its own.
-        shift[:, :-1][breaks[:, 1:]] = IGNORE_INDEX
+        if given_shift is not None:  # HF's pre-shifted targets, each token's own: as given
+            shift = torch.as_tensor(given_shift).clone()
+            if mask is not None:
+                shift[~mask] = IGNORE_INDEX
+        else:
+            shift = torch.full_like(labels, IGNORE_INDEX)
+            shift[:, :-1] = labels[:, 1:]
+            # The last token of a document has no next token of its own.
+            shift[:, :-1][breaks[:, 1:]] = IGNORE_INDEX
 
         n = -(-S // self.divisor) * self.divisor
         positions = _pad_right(position_ids, n, 0)

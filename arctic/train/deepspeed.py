@@ -18,6 +18,7 @@ backward recompute of tiles.
 
 from __future__ import annotations
 
+import atexit
 from pathlib import Path
 
 import torch
@@ -91,6 +92,12 @@ def host_limit_beside_state(ds_config: dict, sp: SequenceParallelConfig, model: 
 _LOADER_DEFAULTS = {"collate_fn": None, "shuffle": True, "seed": 0}
 
 
+def _destroy_process_group() -> None:
+    """At exit: the process group :func:`initialize` started, if the script left it up."""
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def initialize(*, model: nn.Module, config: str | Path | dict, model_parameters=None,
                training_data=None, optimizer=None, lr_scheduler=None, collate_fn=None,
                dist_init_required: bool | None = None, shuffle: bool = True, seed: int = 0):
@@ -129,6 +136,9 @@ def initialize(*, model: nn.Module, config: str | Path | dict, model_parameters=
     ds_config = dict(load_ds_config(config))
     if not dist.is_initialized():
         deepspeed.init_distributed(dist_backend="nccl" if torch.cuda.is_available() else "gloo")
+        # Ours to end: a process group left to the interpreter's teardown can take its
+        # backend's threads down with std::terminate after training has finished.
+        atexit.register(_destroy_process_group)
     elif not deepspeed.comm.is_initialized():
         deepspeed.comm.init_distributed(dist_backend=dist.get_backend())
     sp = SequenceParallelConfig.from_ds_config(ds_config, world_size=dist.get_world_size())
