@@ -85,8 +85,10 @@ class SequenceParallelConfig:
     holds one hidden-sized gradient where the separately tiled norm and MLP hold three, and
     it saves the attention output instead of the norm's and the MLP's inputs
     (:mod:`arctic.tiling.layer`; Llama, Mistral, Qwen2 and Qwen3 decoder layers)."""
-    loss_tiles: int | Literal["auto"] = "auto"
-    """Sequence tiles of the logits + loss."""
+    loss_tiles: int | Literal["auto"] | None = "auto"
+    """Sequence tiles of the logits + loss. null: no SP loss; the model's forward returns this
+    rank's logits, for a loss of one's own (see docs/own_script.md; ``labels=`` still gives
+    HF's loss of the whole sequence)."""
     activation_checkpointing: bool = False
     """Checkpoint each decoder layer."""
     offload_activations: bool = False
@@ -139,8 +141,6 @@ class SequenceParallelConfig:
         if self.seq_chunk is not None and self.head_chunk_size is None:
             raise ValueError("ulysses.seq_chunk needs ulysses.head_chunk_size (an int or "
                              "\"auto\"): sequence blocks are cut inside a head chunk")
-        if self.loss_tiles is None:
-            raise ValueError("ulysses.loss_tiles must be a positive int or \"auto\", got null")
         _tiles_or_none("loss_tiles", self.loss_tiles)
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(f"ulysses.attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, "

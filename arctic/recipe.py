@@ -68,8 +68,9 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
         if config.tiled_layer:
             # The tail after attention as one tiled unit (its norm and MLP run untiled inside).
             apply_tiled_layers(model, tiles=config.tiled_mlp)
-    apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group(), loss_tiles=config.loss_tiles,
-                  averaged_over_sp=averaged_over_sp)
+    if config.loss_tiles is not None:  # null: the model returns its logits
+        apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group(),
+                      loss_tiles=config.loss_tiles, averaged_over_sp=averaged_over_sp)
     if config.activation_checkpointing:
         # The host limit is agreed over all ranks, so all refuse (or not) together.
         apply_activation_checkpointing(model, offload_to_cpu=config.offload_activations,

@@ -178,7 +178,7 @@ def _rank_fingerprint(ds):
         "tiled_norms": isinstance(norm, TiledForward),
         "tiled_layer": getattr(getattr(ckpt, "forward", ckpt), "__func__", None) is
         _tiled_layer_forward,
-        "loss_tiles": model.lm_head.forward.tiles,
+        "loss_tiles": getattr(model.lm_head.forward, "tiles", None),  # None: no SP loss
         "activation_checkpointing": isinstance(ckpt, _CheckpointedForward),
         "offload_activations": isinstance(ckpt, _CheckpointedForward) and ckpt.session is not None,
         "offload_dir": disk and disk.directory, "offload_io": disk and disk.io,
@@ -216,6 +216,7 @@ KEY_EFFECTS = {
     "tiled_layer": ({"ulysses": {"tiled_mlp": 4, "tiled_layer": True}},
                     {"tiled_mlp": 4, "tiled_norms": True, "tiled_layer": True}),
     "loss_tiles": ({"ulysses": {"loss_tiles": 3}}, {"loss_tiles": 3}),
+    "loss_tiles (null)": ({"ulysses": {"loss_tiles": None}}, {"loss_tiles": None}),
     "activation_checkpointing": ({"ulysses": {"activation_checkpointing": True}},
                                  {"activation_checkpointing": True}),
     "offload_activations": ({"ulysses": {"activation_checkpointing": True,

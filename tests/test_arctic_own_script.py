@@ -2,10 +2,10 @@
 
 A user's own loss (a plain mean over this rank's tokens, backpropagated as it is) gets the
 same gradients at ZeRO 0, 1, 2 and 3: single-device training's when the ranks hold equal
-numbers of labels, on docs/engine.md's path (apply_sequence_parallel, then
-deepspeed.initialize with DeepSpeedMPU), where the model returns its logits. (Under
-arctic.initialize the model's forward is the SP loss itself, whose gradients are
-single-device training's at every stage: tests/test_arctic_engine.py.)
+numbers of labels: on docs/engine.md's path (apply_sequence_parallel, then
+deepspeed.initialize with DeepSpeedMPU), where the model returns its logits, and under
+arctic.initialize with "loss_tiles": null (no SP loss; by default the forward is the SP loss,
+whose gradients are single-device training's at every stage: tests/test_arctic_engine.py).
 
 HF's gradient_checkpointing_enable() before arctic.initialize is refused, naming the call and
 the config key that replaces it."""
@@ -54,7 +54,7 @@ def _reference(dps: int) -> dict:
     return {n: p.grad for n, p in model.named_parameters()}
 
 
-def _rank_own_loss(stage: int, world: int):
+def _rank_own_loss(stage: int, world: int, path: str = "engine_md"):
     import deepspeed
     import torch.nn.functional as F
     from deepspeed.utils import safe_get_full_grad
@@ -65,11 +65,16 @@ def _rank_own_loss(stage: int, world: int):
 
     init_deepspeed_comm()
     model = _model()
-    mesh = get_mesh(world, 2)
-    arctic.apply_sequence_parallel(model, mesh=mesh)
-    engine, *_ = deepspeed.initialize(model=model, config=_config(stage),
-                                      model_parameters=model.parameters(),
-                                      mpu=DeepSpeedMPU(mesh))
+    if path == "initialize":  # "loss_tiles": null: the forward returns the logits
+        engine, *_ = arctic.initialize(model=model, config=dict(
+            _config(stage), ulysses={"loss_tiles": None}))
+        mesh = engine.sp_mesh
+    else:
+        mesh = get_mesh(world, 2)
+        arctic.apply_sequence_parallel(model, mesh=mesh)
+        engine, *_ = deepspeed.initialize(model=model, config=_config(stage),
+                                          model_parameters=model.parameters(),
+                                          mpu=DeepSpeedMPU(mesh))
     ids, labels = _labels(mesh.get_local_rank("dp"))
     batch = arctic.prepare_sp_batch({"input_ids": ids, "labels": labels}, mesh)
     logits = engine(input_ids=batch["input_ids"], position_ids=batch["position_ids"]).logits
@@ -80,13 +85,23 @@ def _rank_own_loss(stage: int, world: int):
     return {n: safe_get_full_grad(p).clone() for n, p in engine.module.named_parameters()}
 
 
-@pytest.mark.parametrize("stage,world", [
-    (0, 2), (1, 2), (2, 2), (3, 2),
-    pytest.param(2, 4, marks=pytest.mark.slow), pytest.param(3, 4, marks=pytest.mark.slow)],
-    ids=["zero0", "zero1", "zero2", "zero3", "zero2-dp2", "zero3-dp2"])
-def test_a_plain_local_mean_gets_single_device_gradients(stage, world):
+def _cases():
+    """Every stage on both paths and at dp2 x SP2; the default run keeps each path at a stage
+    that adds the SP ranks' gradients (2) and one that averages them (3 on the engine path;
+    arctic.initialize pins stage 3 to adding)."""
+    default = {("engine_md", 2, 2), ("engine_md", 3, 2), ("initialize", 2, 2),
+               ("initialize", 3, 2)}
+    for path in ("engine_md", "initialize"):
+        for stage, world in ((0, 2), (1, 2), (2, 2), (3, 2), (0, 4), (1, 4), (2, 4), (3, 4)):
+            yield pytest.param(stage, world, path, id=f"{path}-zero{stage}-w{world}",
+                               marks=[] if (path, stage, world) in default else
+                               [pytest.mark.slow])
+
+
+@pytest.mark.parametrize("stage,world,path", list(_cases()))
+def test_a_plain_local_mean_gets_single_device_gradients(stage, world, path):
     reference = _reference(world // 2)
-    for grads in dist_pool.run(_rank_own_loss, stage, world, world_size=world):
+    for grads in dist_pool.run(_rank_own_loss, stage, world, path, world_size=world):
         num = sum(float((grads[n] - r).pow(2).sum()) for n, r in reference.items()) ** 0.5
         norm = sum(float(r.pow(2).sum()) for r in reference.values()) ** 0.5
         got = sum(float(grads[n].pow(2).sum()) for n in reference) ** 0.5

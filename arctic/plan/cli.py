@@ -20,7 +20,7 @@ from arctic.plan.models import MODELS, model_config, token_mixer_heads, unsuppor
 from arctic.plan.estimate import predict_step, prefetch_work
 from arctic.plan.search import fastest, find_max, search
 from arctic.plan.speed import calibrate, rates_from
-from arctic.plan.step import stack_config
+from arctic.plan.step import check_plannable, stack_config
 from arctic.plan.step import PLANNED_FIELDS, STACKS
 from arctic.plan.units import GiB, format_gib, parse_bytes, parse_tokens
 
@@ -197,6 +197,7 @@ def settings_from_args(args: argparse.Namespace) -> dict:
         fields["offload_activations"] = args.offload
         if args.offload:
             fields["activation_checkpointing"] = True
+    check_plannable(fields)
     SequenceParallelConfig(**{"sequence_parallel_size": world, **fields}).dims(world)
     if (args.disk or args.offload_dir) and not fields.get("offload_activations"):
         raise ValueError("--disk and --offload-dir plan the disk tier of offloaded layer "

@@ -127,4 +127,14 @@ does neither."""
 def stack_config(stack: str | dict, *, world: int) -> SequenceParallelConfig:
     """A named stack (:data:`STACKS`) or a dict of fields as a config over ``world`` ranks."""
     fields = STACKS[stack] if isinstance(stack, str) else stack
+    check_plannable(fields)
     return SequenceParallelConfig(**{"sequence_parallel_size": world, **fields})
+
+
+def check_plannable(fields: dict) -> None:
+    """``ValueError`` for settings the planner's step cannot run: ``loss_tiles`` null (no SP
+    loss, a loss of the user's own, which the planner does not know)."""
+    if "loss_tiles" in fields and fields["loss_tiles"] is None:
+        raise ValueError("loss_tiles is null (no SP loss: the model returns its logits for a "
+                         "loss of your own), which the planner cannot trace; plan with "
+                         "loss_tiles 1, the untiled logits and loss, for a close bound")
