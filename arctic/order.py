@@ -57,12 +57,14 @@ def record_apply(model: nn.Module, stage: str) -> None:
     if "checkpointing" in later and "checkpointing" not in getattr(model, _ATTR, ()):
         raise ValueError(
             f"HF gradient checkpointing is on for {type(model).__name__} "
-            f"(model.gradient_checkpointing_enable(), or TrainingArguments("
+            f"(model.gradient_checkpointing_enable() or, in transformers 5, "
+            f"activation_checkpointing_enable(); or TrainingArguments("
             f"gradient_checkpointing=True) outside the Trainer plugin): arctic checkpoints "
             f"each decoder layer itself, after sequence parallelism (non-reentrant, with the "
             f"layer inputs offloaded when asked). Call model.gradient_checkpointing_disable() "
-            f"(or leave out gradient_checkpointing_enable()) and set \"activation_checkpointing\": "
-            f"true in the DeepSpeed config's \"ulysses\" block (arctic.initialize, the recipe), "
+            f"(activation_checkpointing_disable()), or leave out the call, and set "
+            f"\"activation_checkpointing\": true in the DeepSpeed config's \"ulysses\" block "
+            f"(arctic.initialize, the recipe), "
             f"or call arctic.apply_activation_checkpointing(model) after {stage}")
     if later:
         raise ValueError(f"cannot apply {stage} to {type(model).__name__}: {', '.join(later)} "
