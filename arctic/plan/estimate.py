@@ -23,31 +23,27 @@ reads them back instead of tracing again.
 
 from __future__ import annotations
 
-import contextlib
-import copy
-import multiprocessing
-import os
 import time
 from dataclasses import dataclass, field, replace
 
 from arctic.hf.anatomy import text_config_of
 from arctic.memory.placement import Placement
-from arctic.plan.cache import cache_dir, cached, is_cached, trace_key
 from arctic.plan.models import is_vlm_config, model_config
 from arctic.plan.step import (
     PLANNED_FIELDS,
-    build,
-    init_optimizer_state,
-    make_batch,
     stack_config,
-    train_step,
 )
-from arctic.plan.tracing import KINDS, Peak, buffer_pools, fake_world, track_peak
+from arctic.plan.traces import (  # noqa: F401 - _trace, _Tracer: tests read them here
+    WORKERS,
+    _prefetch,
+    _trace,
+    _Tracer,
+    start_workers,
+)
+from arctic.plan.tracing import KINDS, Peak
 from arctic.plan.units import GiB
 from arctic.plan.speed import Prediction, Rates, predict, rates_from
-from arctic.plan.work import CLASSES, Work, count_work, model_flops
-from ulysses.torch_internals import FakeTensorMode
-from ulysses.trace_shortcuts import memory_trace
+from arctic.plan.work import CLASSES, Work, model_flops
 
 ALLOCATOR_HEADROOM = 1.12
 """Reserved over allocated bytes of the CUDA caching allocator with
@@ -159,173 +155,6 @@ def _along(a: Peak, b: Peak, xa: int, xb: int, x: int) -> Peak:
     values = {k: line(getattr(a, k), getattr(b, k)) for k in _NUMBERS}
     return Peak(by_kind={k: line(a.by_kind[k], b.by_kind[k]) for k in KINDS},
                 largest=(b if abs(x - xb) <= abs(x - xa) else a).largest, **values)
-
-
-def _trace(config, sp, world: int, seq_len: int, *, shard: bool,
-           shortcuts: bool = True) -> dict[str, Peak]:
-    """One traced step: each phase's peak, with the offload pool's host peak (and that of the
-    sequence-chunked attention's host blocks) in ``host``.
-    ``shortcuts``: skip the work that allocates nothing or repeats
-    (:mod:`ulysses.trace_shortcuts`): the peaks are the same, the trace's cost no longer
-    grows with the tile counts."""
-    import torch
-
-    fake_world(world)
-    mesh = sp.dims(world).build_mesh("cpu")  # outside: the mesh reads its rank map
-    skipping = memory_trace() if shortcuts else contextlib.nullcontext()
-    with FakeTensorMode(allow_non_fake_inputs=True), skipping:
-        model, optimizer = build(config, sp, mesh, device="cpu", shard=shard,
-                                 host_memory_limit=1 << 62)  # the host is judged after
-        init_optimizer_state(model, optimizer)
-        batch = make_batch(seq_len, text_config_of(config).vocab_size, mesh, "cpu")
-        session = getattr(model, "activation_offload", None)
-        with track_peak(track=(model, optimizer, *filter(torch.is_tensor, batch.values())),
-                        pools=buffer_pools(model), state=(model, optimizer)) as tracker:
-            train_step(model, optimizer, batch, on_phase=tracker.end_phase)
-    host = session.pool.stats.peak_host_bytes if session is not None else 0
-    # The sequence-chunked attention's parked kv blocks and dk/dv sums (ulysses.seq_chunk).
-    host += sum(pool.stats.peak_host_bytes for pool in buffer_pools(model))
-    return {k: replace(v, host=host) for k, v in tracker.phases.items()}
-
-
-def _work_trace(config, sp, world: int, seq_len: int, *, shard: bool,
-                compute_dtype) -> Work:
-    """One traced step's work (:func:`arctic.plan.work.count_work`), whole: no trace
-    shortcuts (they skip work a memory trace need not repeat). The offload pools' copies are
-    counted from their statistics (a trace copies nothing)."""
-    fake_world(world)
-    mesh = sp.dims(world).build_mesh("cpu")
-    with FakeTensorMode(allow_non_fake_inputs=True):
-        model, optimizer = build(config, sp, mesh, device="cpu", shard=shard,
-                                 host_memory_limit=1 << 62, compute_dtype=compute_dtype)
-        init_optimizer_state(model, optimizer)
-        batch = make_batch(seq_len, text_config_of(config).vocab_size, mesh, "cpu")
-        with count_work() as work:
-            train_step(model, optimizer, batch)
-    session = getattr(model, "activation_offload", None)
-    if session is not None:
-        work.host_copy += session.pool.stats.bytes_offloaded + session.pool.stats.bytes_restored
-    return work
-
-
-WORKERS = int(os.environ.get("ARCTIC_PLAN_WORKERS", "0")) or min(4, os.cpu_count() or 1)
-"""Processes that trace at once when several traces are needed (a trace is one Python
-thread); ``ARCTIC_PLAN_WORKERS`` overrides."""
-
-_PRELOAD = ["arctic.plan.estimate", "arctic.train.deepspeed", "arctic.train.fsdp",
-            "torch.distributed.fsdp", "torch.distributed._tools.mem_tracker",
-            "torch._subclasses.fake_tensor", "torch.testing._internal.distributed.fake_pg",
-            "transformers.models.llama.modeling_llama", "transformers.models.qwen3.modeling_qwen3"]
-"""What every trace imports (about 8 s on a 2-core machine): a tracing process is forked
-from a server that imported them once (:func:`start_workers`)."""
-
-
-def _workers_context():
-    """Tracing processes forked from multiprocessing's fork server, which imports
-    :data:`_PRELOAD` once: a fork of a process that only imported holds no lock (a fork of
-    one that traced could), and each tracer starts in milliseconds instead of importing."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
-
-
-def start_workers() -> None:
-    """Start the tracing processes' fork server now, so that its imports overlap the
-    caller's own work (the CLI calls this first); a no-op when traces run in this process."""
-    if WORKERS >= 2 and cache_dir() is not None:
-        from multiprocessing import forkserver
-
-        _workers_context()
-        forkserver.ensure_running()
-
-
-def _trace_in_worker(job) -> None:
-    config, sp, world, shard, seq_len, layers, work, dtype = job
-    _Tracer(config, sp, world, shard=shard, work=work,
-            compute_dtype=dtype).at(seq_len, layers)  # into the disk cache
-
-
-class _Tracer:
-    """Traces of one setting at any length and depth, through the disk cache: each phase's
-    peak, or with ``work`` the step's work (:func:`_work_trace`)."""
-
-    def __init__(self, config, sp, world: int, *, shard: bool, work: bool = False,
-                 compute_dtype=None) -> None:
-        import torch
-
-        self.config, self.sp, self.world, self.shard = config, sp, world, shard
-        self.work, self.compute_dtype = work, compute_dtype or torch.bfloat16
-        self.fields = {k: getattr(sp, k) for k in PLANNED_FIELDS}
-        if work or self.compute_dtype != torch.bfloat16:
-            self.fields.update(counted="work" if work else "memory",
-                               compute_dtype=str(self.compute_dtype))
-        # the model's own; None: no positions to bound (a state-space model: Mamba2)
-        self.positions = getattr(text_config_of(config), "max_position_embeddings", None)
-
-    def _shaped(self, seq_len: int, layers: int):
-        """A copy of the config with ``layers`` layers and room for ``seq_len`` positions
-        (the traced length's, not the planned one's: the line's traces serve every length).
-        A copy, since building a model writes to its config (``dtype``), which would change
-        the cache keys of every later trace in this process."""
-        config = copy.deepcopy(self.config)
-        text_config_of(config).num_hidden_layers = layers
-        if self.positions is not None:
-            text_config_of(config).max_position_embeddings = max(self.positions, seq_len)
-        return config
-
-    def _key(self, seq_len: int, layers: int) -> str:
-        return trace_key(self._shaped(seq_len, layers), self.fields, world=self.world,
-                         seq_len=seq_len, shard=self.shard)
-
-    def at(self, seq_len: int, layers: int):
-        config = self._shaped(seq_len, layers)
-        key = trace_key(config, self.fields, world=self.world, seq_len=seq_len,
-                        shard=self.shard)
-        if self.work:
-            work, _ = cached(key, lambda: _work_trace(
-                config, self.sp, self.world, seq_len, shard=self.shard,
-                compute_dtype=self.compute_dtype), encode=Work.as_dict,
-                decode=lambda d: Work(**d))
-            return work
-        phases, _ = cached(key, lambda: _trace(config, self.sp, self.world, seq_len,
-                                               shard=self.shard))
-        return phases
-
-    def prefetch(self, jobs: list[tuple[int, int]]) -> None:
-        """Trace the ``(seq_len, layers)`` jobs not yet cached, :data:`WORKERS` at a time in
-        processes of their own (:func:`_workers_context`); each writes the cache, where
-        :meth:`at` then reads it."""
-        _prefetch([(self, n, d) for n, d in jobs])
-
-    def job(self, seq_len: int, layers: int) -> tuple:
-        return (self.config, self.sp, self.world, self.shard, seq_len, layers, self.work,
-                self.compute_dtype)
-
-    def depths(self) -> tuple[int, ...]:
-        depth = text_config_of(self.config).num_hidden_layers
-        traced = trace_layers(self.config)
-        return (depth,) if depth <= traced[1] else traced
-
-    def deep(self, seq_len: int, *, full: bool) -> dict[str, Peak]:
-        """The phases at the model's depth: traced whole, or along :func:`trace_layers`."""
-        depth = text_config_of(self.config).num_hidden_layers
-        la, lb = trace_layers(self.config)
-        if full or depth <= lb:
-            return self.at(seq_len, depth)
-        a, b = self.at(seq_len, la), self.at(seq_len, lb)
-        return {k: _along(a[k], b[k], la, lb, depth) for k in a}
-
-
-def _prefetch(jobs: list[tuple[_Tracer, int, int]]) -> None:
-    """Trace the ``(tracer, seq_len, layers)`` jobs not yet cached, in worker processes
-    (several settings' traces share the workers)."""
-    todo = [(t, n, d) for t, n, d in jobs if not is_cached(t._key(n, d))]
-    todo = list({t._key(n, d): (t, n, d) for t, n, d in todo}.values())
-    todo.sort(key=lambda j: (-j[2], -j[1]))  # deepest first: the workers finish together
-    if len(todo) < 2 or WORKERS < 2 or cache_dir() is None:
-        return
-    with _workers_context().Pool(min(WORKERS, len(todo))) as pool:
-        pool.map(_trace_in_worker, [t.job(n, d) for t, n, d in todo], chunksize=1)
 
 
 WORK_TOKENS = 4096
