@@ -397,11 +397,12 @@ def test_resume_with_ignore_data_skip_is_the_plain_trainer_s(tmp_path):
 def _rank_loader_reads_the_arguments():
     from types import SimpleNamespace
 
-    from arctic.train.trainer import SequenceParallelTrainer, _Collate
+    from arctic.train.trainer import SequenceParallelTrainer
+    from arctic.train.trainer_setup import Collate
     from helpers import get_mesh
 
     trainer = object.__new__(SequenceParallelTrainer)  # the loader reads these fields only
-    trainer.sp_mesh, trainer._sp_collate = get_mesh(1, 1), _Collate(None)
+    trainer.sp_mesh, trainer._sp_collate = get_mesh(1, 1), Collate(None)
     trainer._sp_vision = None
     data = [{"input_ids": torch.arange(8) + i} for i in range(6)]
     found = {}
@@ -447,7 +448,7 @@ def test_the_default_collate_drops_what_hf_drops(tmp_path):
     (tests/test_arctic_data.py)."""
     from transformers import LlamaConfig, LlamaForCausalLM, Trainer, TrainingArguments
 
-    from arctic.train.trainer import _Collate
+    from arctic.train.trainer_setup import Collate
 
     model = LlamaForCausalLM(LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32,
                                          num_hidden_layers=1, num_attention_heads=2,
@@ -458,7 +459,7 @@ def test_the_default_collate_drops_what_hf_drops(tmp_path):
                                                         use_cpu=True))
     plain._set_signature_columns_if_needed()
     hf_kept = {k for k in sample if k in plain._signature_columns}
-    got = _Collate.of(model, True)([sample, sample])
+    got = Collate.of(model, True)([sample, sample])
     assert set(got) == hf_kept == {"input_ids", "labels", "attention_mask"}
     assert got["input_ids"].shape == (2, 4)
-    assert set(_Collate.of(model, False)([sample, sample])) == hf_kept | {"token_type_ids"}
+    assert set(Collate.of(model, False)([sample, sample])) == hf_kept | {"token_type_ids"}

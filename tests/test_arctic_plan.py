@@ -138,11 +138,11 @@ def test_searched_plot_draws_each_factorization(tmp_path):
 
 def _trace_keeps_its_key() -> bool:
     from arctic.plan.cache import is_cached
-    from arctic.plan.estimate import _Tracer
+    from arctic.plan.traces import Tracer
     from arctic.plan.models import model_config
     from arctic.plan.step import stack_config
 
-    t = _Tracer(model_config("tiny-llama"), stack_config("ours", world=2), 2, shard=True)
+    t = Tracer(model_config("tiny-llama"), stack_config("ours", world=2), 2, shard=True)
     key = t._key(4096, 2)
     t.at(4096, 2)
     return t._key(4096, 2) == key and is_cached(key)
@@ -481,7 +481,7 @@ def test_trace_shortcuts_change_no_byte(ring, layers, seq_chunk):
     peaks and breakdown, byte for byte, as the full trace, where most repeats are skipped: 47
     loss tiles; with ring 8 x Ulysses 1, 32 head-chunk steps and 8 ring hops; with 6
     sequence blocks (ulysses.seq_chunk), repeated blocks and a pair's repeated pieces."""
-    from arctic.plan.estimate import _trace
+    from arctic.plan.traces import trace
     from arctic.plan.models import model_config
     from arctic.plan.step import STACKS, stack_config
 
@@ -489,8 +489,8 @@ def test_trace_shortcuts_change_no_byte(ring, layers, seq_chunk):
     config = model_config("llama3-8b", layers=layers)
     sp = stack_config(dict(STACKS["ours"], ring_degree=ring, seq_chunk=seq_chunk), world=world)
     seq_len = 12 * 1024 * world + 3 * world  # uneven tiles (and blocks)
-    full = _trace(config, sp, world, seq_len, shard=True, shortcuts=False)
-    fast = _trace(config, sp, world, seq_len, shard=True, shortcuts=True)
+    full = trace(config, sp, world, seq_len, shard=True, shortcuts=False)
+    fast = trace(config, sp, world, seq_len, shard=True, shortcuts=True)
     assert set(full) == {"forward", "backward", "optimizer"}
     for phase, peak in full.items():
         assert fast[phase] == peak, phase
@@ -703,7 +703,7 @@ def test_a_hybrid_is_traced_along_whole_periods_of_its_layers():
     line runs through 4 and 8 layers, a dense model's through 3 and 4."""
     import transformers as tf
 
-    from arctic.plan.estimate import layer_period, trace_layers
+    from arctic.plan.traces import layer_period, trace_layers
 
     assert layer_period(_hybrid_config()) == 4 and trace_layers(_hybrid_config()) == (4, 8)
     assert trace_layers(tf.LlamaConfig()) == (3, 4)

@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from arctic.plan.speed import DEVICES, Prediction, Rates, predict, rates_from
+from arctic.plan.traces import Tracer
 from arctic.plan.work import BACKWARD_FACTOR, Work, attention_flops, count_work
 
 pytest.importorskip("transformers", reason="the planner builds HF models ([hf])")
@@ -164,7 +165,7 @@ def _extended_against_counted(tokens: int, layers: int) -> tuple[dict, dict]:
     # tensor of tiny-llama, RoPE's cos and sin too, passes the offload's 64 KiB threshold)
     estimate.WORK_TOKENS = 4096
     extended = estimate.step_work(config, sp, 2, tokens)
-    tracer = estimate._Tracer(config, sp, 2, shard=True, work=True)
+    tracer = Tracer(config, sp, 2, shard=True, work=True)
     counted = tracer.at(tokens, layers)
     return extended.as_dict(), counted.as_dict()
 

@@ -37,7 +37,8 @@ length that fits) and :mod:`~arctic.plan.cli` (``python -m arctic.plan``).
 """
 
 from arctic.plan.cli import main, parse_args, plot, report, settings_from_args
-from arctic.plan.estimate import TRACE_LAYERS, Estimate, plan
+from arctic.plan.estimate import Estimate, plan
+from arctic.plan.traces import TRACE_LAYERS
 from arctic.plan.models import MODELS, model_config
 from arctic.plan.search import find_max
 from arctic.plan.step import (

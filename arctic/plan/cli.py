@@ -14,10 +14,11 @@ from pathlib import Path
 from arctic.config import load_ds_config
 from arctic.hf.anatomy import text_config_of
 from arctic.memory.placement import Placement, placement_from_ds_config
-from arctic.plan.estimate import Estimate, plan, start_workers
+from arctic.plan.estimate import Estimate, plan
 from arctic.plan.launch import command_lines, ulysses_block, write_config
 from arctic.plan.models import model_config, token_mixer_heads, unsupported_settings
 from arctic.plan.estimate import predict_step, prefetch_work
+from arctic.plan.traces import start_workers
 from arctic.plan.search import fastest, find_max, search
 from arctic.plan.speed import calibrate, rates_from
 from arctic.plan.step import stack_config

@@ -33,14 +33,8 @@ from arctic.plan.step import (
     PLANNED_FIELDS,
     stack_config,
 )
-from arctic.plan.traces import (  # noqa: F401 - _trace, _Tracer: tests read them here
-    WORKERS,
-    _prefetch,
-    _trace,
-    _Tracer,
-    start_workers,
-)
-from arctic.plan.tracing import KINDS, Peak
+from arctic.plan.traces import Tracer, along, layer_period, prefetch
+from arctic.plan.tracing import Peak
 from arctic.plan.units import GiB
 from arctic.plan.speed import Prediction, Rates, predict, rates_from
 from arctic.plan.work import CLASSES, Work, model_flops
@@ -57,9 +51,6 @@ VISION_NOTE = ("vision tower: its parameters, gradients and optimizer state are 
                "are not (vision towers compute their shapes from the image grid's values, "
                "which a trace without pixel values does not have): keep room for them")
 """What a VLM's plan leaves out: the step is traced on the merged sequence's tokens."""
-
-TRACE_LAYERS = (3, 4)
-"""Layer counts traced when a model's own count is larger (see :func:`plan`)."""
 
 ANCHOR_TOKENS = (49152, 98304)
 """Tokens per rank of the two traces whose line gives longer lengths. Each phase's peak is
@@ -144,19 +135,6 @@ class Estimate:
                 "predicted": self.prediction.as_dict() if self.prediction else None}
 
 
-_NUMBERS = ("total", "host", "stateless", "shard_params", "optimizer_state")
-
-
-def _along(a: Peak, b: Peak, xa: int, xb: int, x: int) -> Peak:
-    """The peak at ``x`` on the line through ``a`` at ``xa`` and ``b`` at ``xb``."""
-    def line(ya: int, yb: int) -> int:
-        return int(round(ya + (yb - ya) * (x - xa) / (xb - xa)))
-
-    values = {k: line(getattr(a, k), getattr(b, k)) for k in _NUMBERS}
-    return Peak(by_kind={k: line(a.by_kind[k], b.by_kind[k]) for k in KINDS},
-                largest=(b if abs(x - xb) <= abs(x - xa) else a).largest, **values)
-
-
 WORK_TOKENS = 4096
 """Tokens per rank up to which a step's work is counted at its own length. Longer steps are
 read off counts at half this and at this: every class but attention is affine in the length
@@ -197,7 +175,7 @@ def step_work(config, sp, world: int, seq_len: int, *, shard: bool = True,
 
 def _work_jobs(config, sp, world: int, seq_len: int, *, shard: bool, compute_dtype):
     """The tracer, lengths and depths :func:`step_work` counts."""
-    tracer = _Tracer(config, sp, world, shard=shard, work=True, compute_dtype=compute_dtype)
+    tracer = Tracer(config, sp, world, shard=shard, work=True, compute_dtype=compute_dtype)
     depth = text_config_of(config).num_hidden_layers
     da, db = work_depths(config)
     depths = (depth,) if depth <= db else (da, db)
@@ -220,7 +198,7 @@ def prefetch_work(config, sps, world: int, seq_len: int, *, shard: bool = True,
         tracer, lengths, depths = _work_jobs(config, sp, world, -(-seq_len // divisor) * divisor,
                                              shard=shard, compute_dtype=compute_dtype)
         jobs += [(tracer, n, d) for n in lengths for d in depths]
-    _prefetch(jobs)
+    prefetch(jobs)
 
 
 def work_depths(config) -> tuple[int, int]:
@@ -231,25 +209,7 @@ def work_depths(config) -> tuple[int, int]:
     return p, 2 * p
 
 
-def layer_period(config) -> int:
-    """The period of a hybrid model's ``layer_types`` (Qwen3.5: 3 linear-attention layers,
-    then an attention layer: 4); 1 when every layer is of one kind."""
-    types = list(getattr(text_config_of(config), "layer_types", None) or ())
-    for p in range(1, len(types) + 1):
-        if all(t == types[i % p] for i, t in enumerate(types)):
-            return p
-    return 1
-
-
-def trace_layers(config) -> tuple[int, int]:
-    """The two depths whose line gives a deeper model's phases: :data:`TRACE_LAYERS`, or for
-    a hybrid model whose layers differ, one and two periods of its ``layer_types`` (each
-    period then adds the same bytes; the model's depth is read along whole periods)."""
-    p = layer_period(config)
-    return TRACE_LAYERS if p == 1 else (p, 2 * p)
-
-
-def _line_checked(tracer: _Tracer, anchors: tuple[int, int], check: int) -> float:
+def _line_checked(tracer: Tracer, anchors: tuple[int, int], check: int) -> float:
     """How far the trace at ``check`` tokens sits from the line through ``anchors``, at the
     shallower traced depth: the largest gap over phases, device figures as a fraction of the
     step's traced device peak, host figures of the traced host peak."""
@@ -259,14 +219,14 @@ def _line_checked(tracer: _Tracer, anchors: tuple[int, int], check: int) -> floa
     scale = max(1, max(t.total for t in traced.values()))
     worst = 0.0
     for k, t in traced.items():
-        guess = _along(a[k], b[k], na, nb, check)
+        guess = along(a[k], b[k], na, nb, check)
         worst = max(worst, *(abs(getattr(guess, f) - getattr(t, f)) / scale
                              for f in ("total", "stateless")),
                     abs(guess.host - t.host) / max(1, t.host))
     return worst
 
 
-def _read_off_the_line(tracer: _Tracer, seq_len: int, snap, *, quick: bool):
+def _read_off_the_line(tracer: Tracer, seq_len: int, snap, *, quick: bool):
     """The phases at ``seq_len`` from the length line, and how they were had.
 
     The line through :data:`ANCHOR_TOKENS` is checked at :data:`CHECK_TOKENS`. A phase's peak
@@ -292,7 +252,7 @@ def _read_off_the_line(tracer: _Tracer, seq_len: int, snap, *, quick: bool):
             a, b = tracer.deep(na, full=False), tracer.deep(nb, full=False)
             how = (f"length line through {ta // 1024}K and {tb // 1024}K tokens/rank" +
                    (" (unchecked: quick)" if quick else f", checked at {tc // 1024}K to {off:.2%}"))
-            return {k: _along(a[k], b[k], na, nb, seq_len) for k in a}, "; ".join(notes + [how])
+            return {k: along(a[k], b[k], na, nb, seq_len) for k in a}, "; ".join(notes + [how])
         notes.append(f"the line through {ta // 1024}K and {tb // 1024}K was {off:.2%} off at "
                      f"{tc // 1024}K")
     return tracer.deep(seq_len, full=False), f"traced ({'; '.join(notes) or 'within anchors'})"
@@ -334,7 +294,7 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
     seq_len = snap(seq_len)
     config = model_config(model, layers=layers)
     start = time.perf_counter()
-    tracer = _Tracer(config, sp, world, shard=shard)
+    tracer = Tracer(config, sp, world, shard=shard)
     per_rank = seq_len // sp.sequence_parallel_size
     if full_trace or not line or per_rank <= CHECK_TOKENS:
         if not full_trace:

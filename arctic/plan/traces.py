@@ -1,7 +1,7 @@
 """Traces of one setting, through the disk cache: a step traced on fake tensors for its
-memory (:func:`_trace`, each phase's peak) or its work (:func:`_work_trace`), at any length and
-depth (:class:`_Tracer`), several at once in processes forked from a server that imported what
-a trace needs once (:func:`start_workers`, :func:`_prefetch`). :mod:`arctic.plan.estimate`
+memory (:func:`trace`, each phase's peak) or its work (:func:`_work_trace`), at any length and
+depth (:class:`Tracer`), several at once in processes forked from a server that imported what
+a trace needs once (:func:`start_workers`, :func:`prefetch`). :mod:`arctic.plan.estimate`
 extends them to the model's depth and the sequence length."""
 
 from __future__ import annotations
@@ -15,13 +15,47 @@ from dataclasses import replace
 from arctic.hf.anatomy import text_config_of
 from arctic.plan.cache import cache_dir, cached, is_cached, trace_key
 from arctic.plan.step import PLANNED_FIELDS, build, init_optimizer_state, make_batch, train_step
-from arctic.plan.tracing import Peak, buffer_pools, fake_world, track_peak
+from arctic.plan.tracing import KINDS, Peak, buffer_pools, fake_world, track_peak
 from arctic.plan.work import Work, count_work
 from ulysses.torch_internals import FakeTensorMode
 from ulysses.trace_shortcuts import memory_trace
 
 
-def _trace(config, sp, world: int, seq_len: int, *, shard: bool,
+TRACE_LAYERS = (3, 4)
+"""Layer counts traced when a model's own count is larger (see :func:`plan`)."""
+
+NUMBERS = ("total", "host", "stateless", "shard_params", "optimizer_state")
+
+
+def along(a: Peak, b: Peak, xa: int, xb: int, x: int) -> Peak:
+    """The peak at ``x`` on the line through ``a`` at ``xa`` and ``b`` at ``xb``."""
+    def line(ya: int, yb: int) -> int:
+        return int(round(ya + (yb - ya) * (x - xa) / (xb - xa)))
+
+    values = {k: line(getattr(a, k), getattr(b, k)) for k in NUMBERS}
+    return Peak(by_kind={k: line(a.by_kind[k], b.by_kind[k]) for k in KINDS},
+                largest=(b if abs(x - xb) <= abs(x - xa) else a).largest, **values)
+
+
+def layer_period(config) -> int:
+    """The period of a hybrid model's ``layer_types`` (Qwen3.5: 3 linear-attention layers,
+    then an attention layer: 4); 1 when every layer is of one kind."""
+    types = list(getattr(text_config_of(config), "layer_types", None) or ())
+    for p in range(1, len(types) + 1):
+        if all(t == types[i % p] for i, t in enumerate(types)):
+            return p
+    return 1
+
+
+def trace_layers(config) -> tuple[int, int]:
+    """The two depths whose line gives a deeper model's phases: :data:`TRACE_LAYERS`, or for
+    a hybrid model whose layers differ, one and two periods of its ``layer_types`` (each
+    period then adds the same bytes; the model's depth is read along whole periods)."""
+    p = layer_period(config)
+    return TRACE_LAYERS if p == 1 else (p, 2 * p)
+
+
+def trace(config, sp, world: int, seq_len: int, *, shard: bool,
            shortcuts: bool = True) -> dict[str, Peak]:
     """One traced step: each phase's peak, with the offload pool's host peak (and that of the
     sequence-chunked attention's host blocks) in ``host``.
@@ -101,11 +135,11 @@ def start_workers() -> None:
 
 def _trace_in_worker(job) -> None:
     config, sp, world, shard, seq_len, layers, work, dtype = job
-    _Tracer(config, sp, world, shard=shard, work=work,
+    Tracer(config, sp, world, shard=shard, work=work,
             compute_dtype=dtype).at(seq_len, layers)  # into the disk cache
 
 
-class _Tracer:
+class Tracer:
     """Traces of one setting at any length and depth, through the disk cache: each phase's
     peak, or with ``work`` the step's work (:func:`_work_trace`)."""
 
@@ -147,7 +181,7 @@ class _Tracer:
                 compute_dtype=self.compute_dtype), encode=Work.as_dict,
                 decode=lambda d: Work(**d))
             return work
-        phases, _ = cached(key, lambda: _trace(config, self.sp, self.world, seq_len,
+        phases, _ = cached(key, lambda: trace(config, self.sp, self.world, seq_len,
                                                shard=self.shard))
         return phases
 
@@ -155,32 +189,28 @@ class _Tracer:
         """Trace the ``(seq_len, layers)`` jobs not yet cached, :data:`WORKERS` at a time in
         processes of their own (:func:`_workers_context`); each writes the cache, where
         :meth:`at` then reads it."""
-        _prefetch([(self, n, d) for n, d in jobs])
+        prefetch([(self, n, d) for n, d in jobs])
 
     def job(self, seq_len: int, layers: int) -> tuple:
         return (self.config, self.sp, self.world, self.shard, seq_len, layers, self.work,
                 self.compute_dtype)
 
     def depths(self) -> tuple[int, ...]:
-        from arctic.plan.estimate import trace_layers  # the depth line is the estimate's
-
         depth = text_config_of(self.config).num_hidden_layers
         traced = trace_layers(self.config)
         return (depth,) if depth <= traced[1] else traced
 
     def deep(self, seq_len: int, *, full: bool) -> dict[str, Peak]:
         """The phases at the model's depth: traced whole, or along :func:`trace_layers`."""
-        from arctic.plan.estimate import _along, trace_layers
-
         depth = text_config_of(self.config).num_hidden_layers
         la, lb = trace_layers(self.config)
         if full or depth <= lb:
             return self.at(seq_len, depth)
         a, b = self.at(seq_len, la), self.at(seq_len, lb)
-        return {k: _along(a[k], b[k], la, lb, depth) for k in a}
+        return {k: along(a[k], b[k], la, lb, depth) for k in a}
 
 
-def _prefetch(jobs: list[tuple[_Tracer, int, int]]) -> None:
+def prefetch(jobs: list[tuple[Tracer, int, int]]) -> None:
     """Trace the ``(tracer, seq_len, layers)`` jobs not yet cached, in worker processes
     (several settings' traces share the workers)."""
     todo = [(t, n, d) for t, n, d in jobs if not is_cached(t._key(n, d))]

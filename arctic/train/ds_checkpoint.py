@@ -273,7 +273,7 @@ def _rank() -> int:
     return dist.get_rank() if dist.is_initialized() else 0
 
 
-def _barrier() -> None:
+def barrier() -> None:
     if dist.is_initialized() and dist.get_world_size() > 1:
         dist.barrier()
 
@@ -296,14 +296,14 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, *, tag: str, client_sta
     if _rank() == 0:
         shutil.rmtree(save_dir / tag, ignore_errors=True)
         save_dir.mkdir(parents=True, exist_ok=True)
-    _barrier()
+    barrier()
     engine.save_checkpoint(str(save_dir), tag=tag, client_state=client_state,
                            save_latest=False)
-    _barrier()  # every rank's files are written
+    barrier()  # every rank's files are written
     if _rank() == 0:
         write_layout(save_dir, tag, layout, global_steps=engine.global_steps)
         _write_atomically(save_dir / "latest", tag)
-    _barrier()
+    barrier()
 
 
 def load_checkpoint(engine, save_dir: str | os.PathLike, *, layout: CheckpointLayout,

@@ -97,11 +97,11 @@ from arctic.removal import (
     sequence_parallel_on,
 )
 from arctic.train.deepspeed import host_limit_beside_state
-from arctic.train.ds_checkpoint import (layout_of, plan_resume, set_load_universal,
+from arctic.train.ds_checkpoint import (barrier, layout_of, plan_resume, set_load_universal,
                                         untie_optimizer_steps, write_layout)
-from arctic.train.trainer_setup import (_barrier, _Collate, _hand_deepspeed_plain_config,
-                                       _refuse_what_sp_cannot_give, _ShuffleLikeTheEpoch,
-                                       _stock_collator, resolve_checkpoint)
+from arctic.train.trainer_setup import (Collate, ShuffleLikeTheEpoch, hand_deepspeed_plain_config,
+                                        refuse_what_sp_cannot_give, resolve_checkpoint,
+                                        stock_collator)
 from arctic.train.hf_fsdp import (
     ShardedModel,
     full_state_dict,
@@ -140,7 +140,7 @@ class SequenceParallelMixin:
                              "or parallelism_config=ParallelismConfig(sp_size=...) beside it), "
                              "or trains under FSDP2: TrainingArguments(fsdp='full_shard', "
                              "fsdp_config={'version': 2}) with sp_config=<SP settings>")
-        _refuse_what_sp_cannot_give(args, kwargs)
+        refuse_what_sp_cannot_give(args, kwargs)
         if model is None:
             raise ValueError("SequenceParallelTrainer needs model= (a HF causal LM)")
         # HF's ALST settings (accelerate's ParallelismConfig) are read here; accelerate gets
@@ -167,10 +167,10 @@ class SequenceParallelMixin:
             shard(model, self.sp_mesh, fsdp)
             hand_accelerate_no_fsdp(args)
         else:
-            _hand_deepspeed_plain_config(args, {k: v for k, v in ds.items() if k not in SP_KEYS})
+            hand_deepspeed_plain_config(args, {k: v for k, v in ds.items() if k not in SP_KEYS})
         self._full_state = None
         self._universal_resume = False  # a DeepSpeed resume from a universal checkpoint
-        self._sp_collate = data_collator or _Collate.of(model, args.remove_unused_columns)
+        self._sp_collate = data_collator or Collate.of(model, args.remove_unused_columns)
         # a VLM's batches are cut with its vision inputs (each rank's own images)
         self._sp_vision = vision_inputs(model) if is_vlm(model) else None
         ours = instance_method(model)
@@ -181,7 +181,7 @@ class SequenceParallelMixin:
             # and entropy logs). Under SP the forward is the tiled SP loss, and compute_loss
             # (here) never asks for the fused head: the SP forward goes back.
             replace_method(model, ours)
-        if data_collator is None and not _stock_collator(self.data_collator):
+        if data_collator is None and not stock_collator(self.data_collator):
             # the trainer class's own collator (TRL's padding-free one makes the packed
             # documents' position ids): the SP loaders cut what it makes
             self._sp_collate = self.data_collator
@@ -190,7 +190,7 @@ class SequenceParallelMixin:
         self.model_accepts_loss_kwargs = True
         # SP runs inside train() and evaluate(); elsewhere the model is the user's own.
         remove_sequence_parallel(model)
-        self.add_callback(_ShuffleLikeTheEpoch())
+        self.add_callback(ShuffleLikeTheEpoch())
         # preprocess_logits_for_metrics runs inside the SP loss, on tiles of the logits; the
         # Trainer's loop must not run it again on what comes out.
         self._sp_preprocess, self.preprocess_logits_for_metrics = \
@@ -296,7 +296,7 @@ class SequenceParallelMixin:
                               f"{PREFIX_CHECKPOINT_DIR}-{self.state.global_step}")
         if self.args.should_save and os.path.isdir(folder):
             shutil.rmtree(folder)
-        _barrier()
+        barrier()
         super()._save_checkpoint(model, trial)
 
     def _save_rng_state(self, output_dir):
@@ -304,7 +304,7 @@ class SequenceParallelMixin:
         # Every rank's files are written before the main process writes trainer_state.json,
         # the last file of a checkpoint: its presence is what makes the checkpoint complete
         # (resolve_checkpoint).
-        _barrier()
+        barrier()
         if self._fsdp is None and self.args.should_save:
             # the layout DeepSpeed's shards were written at, which a resume compares with its own
             write_layout(output_dir, None, self._deepspeed_layout(),

@@ -1,7 +1,7 @@
 """What :class:`arctic.train.trainer.SequenceParallelMixin` reads and checks around the
-Trainer: the default collate (:class:`_Collate`), the checkpoint a resume starts from
+Trainer: the default collate (:class:`Collate`), the checkpoint a resume starts from
 (:func:`resolve_checkpoint`), the arguments SP cannot give their effect
-(:func:`_refuse_what_sp_cannot_give`), the DeepSpeed config handed on without the SP keys,
+(:func:`refuse_what_sp_cannot_give`), the DeepSpeed config handed on without the SP keys,
 and the callback that keeps the loader's epoch."""
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import re
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from transformers import TrainerCallback
 from transformers.trainer_utils import PREFIX_CHECKPOINT_DIR
 
@@ -23,7 +22,7 @@ from arctic.train.fields import refuse_unsupported_arguments
 
 
 @dataclasses.dataclass(frozen=True)
-class _Collate:
+class Collate:
     """The default collate: the samples' values stacked, key by key (strings and None left
     out), as HF's default collator does. With ``remove_unused_columns`` (HF's default) the
     keys that the model's own forward does not name go first, as HF's column removal drops
@@ -33,7 +32,7 @@ class _Collate:
     """The keys kept; None: all."""
 
     @classmethod
-    def of(cls, model, remove_unused_columns: bool) -> "_Collate":
+    def of(cls, model, remove_unused_columns: bool) -> "Collate":
         if not remove_unused_columns:
             return cls(None)
         names = inspect.signature(type(model).forward).parameters
@@ -46,7 +45,7 @@ class _Collate:
                 first[k] is not None and not isinstance(first[k], str)}
 
 
-def _stock_collator(collate) -> bool:
+def stock_collator(collate) -> bool:
     """Whether ``collate`` is the Trainer's own default (no collator of the trainer class's)."""
     from transformers.data.data_collator import (
         DataCollatorWithPadding,
@@ -56,7 +55,7 @@ def _stock_collator(collate) -> bool:
     return collate is default_data_collator or isinstance(collate, DataCollatorWithPadding)
 
 
-class _ShuffleLikeTheEpoch(TrainerCallback):
+class ShuffleLikeTheEpoch(TrainerCallback):
     """Sets the train loader's epoch (its shuffle) at each epoch's start, from the step count
     as the Trainer counts epochs. The Trainer sets it too, on the loader it holds; but to
     resume mid-epoch it iterates a loader that accelerate rebuilt around our batch sampler,
@@ -70,11 +69,6 @@ class _ShuffleLikeTheEpoch(TrainerCallback):
             n = len(train_dataloader)
             per_epoch = max(n // accumulate + int(n % accumulate > 0), 1)
             train_dataloader.set_epoch(state.global_step // per_epoch)
-
-
-def _barrier() -> None:
-    if dist.is_initialized() and dist.get_world_size() > 1:
-        dist.barrier()
 
 
 def resolve_checkpoint(resume_from_checkpoint, output_dir: str):
@@ -104,7 +98,7 @@ def resolve_checkpoint(resume_from_checkpoint, output_dir: str):
     return resume_from_checkpoint
 
 
-def _hand_deepspeed_plain_config(args, ds_config: dict) -> None:
+def hand_deepspeed_plain_config(args, ds_config: dict) -> None:
     """Rebuild the arguments' DeepSpeed config without the SP keys (the way the Trainer
     itself rebuilds it for hyperparameter sweeps)."""
     from accelerate.utils import DeepSpeedPlugin
@@ -116,7 +110,7 @@ def _hand_deepspeed_plain_config(args, ds_config: dict) -> None:
     args.deepspeed_plugin = DeepSpeedPlugin(hf_ds_config=args.hf_deepspeed_config)
 
 
-def _refuse_what_sp_cannot_give(args, kwargs: dict) -> None:
+def refuse_what_sp_cannot_give(args, kwargs: dict) -> None:
     """A ValueError naming the first Trainer argument or ``TrainingArguments`` field that SP
     cannot give its effect (:mod:`arctic.train.fields`)."""
     refuse_unsupported_arguments(args)
