@@ -158,3 +158,38 @@ def test_the_sequence_layout_travels_with_the_mesh():
         assert r["padded"] == (16, 12)
         assert r["dims"] == (True, False)
         assert "SequenceParallelDims" in r["bare"]
+
+
+_EXIT_SCRIPT = """
+import atexit, sys
+import torch.distributed as dist
+from ulysses import SequenceParallelDims
+
+def after_the_mesh():  # registered first, so it runs after the mesh's handler
+    with open(sys.argv[1], "w") as f:
+        f.write(str(dist.is_initialized()))
+
+atexit.register(after_the_mesh)
+dist.init_process_group("gloo", init_method="file://" + sys.argv[1] + ".store", rank=0,
+                        world_size=1)
+if sys.argv[2] == "mesh":
+    SequenceParallelDims(1, 1).build_mesh("cpu")
+"""
+
+
+def test_a_gloo_group_the_mesh_runs_on_is_destroyed_at_exit(tmp_path):
+    """A script that builds the mesh and returns without destroy_process_group() (HF's Trainer,
+    DeepSpeed's documented loops) has its gloo group destroyed by an atexit handler, before
+    interpreter teardown, where gloo's worker threads can abort a finished run. Without the
+    mesh, the group is still up at exit: the check sees the difference."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "exit.py"
+    script.write_text(_EXIT_SCRIPT)
+    seen = {}
+    for mode in ("mesh", "none"):
+        out = tmp_path / mode
+        subprocess.run([sys.executable, str(script), str(out), mode], check=True, timeout=120)
+        seen[mode] = out.read_text()
+    assert seen == {"mesh": "False", "none": "True"}
