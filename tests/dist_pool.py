@@ -1,80 +1,156 @@
 """Run a function on W gloo ranks, with a pool of worker processes kept per W.
 
-Spawning W processes and importing torch costs seconds, so each world size gets one pool for
-the whole pytest session. ``run(fn, *args, world_size=W)`` sends ``fn`` (a module-level,
-picklable function) to every rank, waits for all of them, and returns the per-rank results in
-rank order. A rank that raises fails the call with every failing rank's traceback; a call that
-does not finish within ``timeout`` (a hang) kills the pool and fails, and the next call starts
-a fresh one.
+Starting W processes that import torch, transformers and DeepSpeed costs seconds of CPU per
+process, so the ranks are forked from one long-lived server process that imported them once
+(:data:`PRELOAD`), and each world size keeps its ranks for the whole pytest session.
+``run(fn, *args, world_size=W)`` sends ``fn`` (a module-level, picklable function) to every
+rank, waits for all of them, and returns the per-rank results in rank order. A rank that
+raises fails the call with every failing rank's traceback; a call that does not finish within
+``timeout`` (a hang) kills the pool and fails, and the next call starts a fresh one.
 """
 
 from __future__ import annotations
 
 import os
-import queue
+import signal
+import socket
 import tempfile
+import time
 import traceback
 from datetime import timedelta
+from multiprocessing.connection import Connection, wait
 
 import torch.multiprocessing as mp
 
 _CTX = mp.get_context("spawn")
 _POOLS: dict[int, "_Pool"] = {}
+_SERVER: list = []  # [(process, connection)] while the fork server runs
 # Collectives fail (instead of hanging forever) after this long.
 GLOO_TIMEOUT_S = 45
+PRELOAD = ("torch", "torch.distributed", "numpy", "transformers", "accelerate", "deepspeed",
+           "deepspeed.comm", "deepspeed.runtime.zero.muon.muon_optimizer", "ulysses", "arctic",
+           "offload", "helpers")
+"""What the fork server imports before its first fork (whatever is installed of it); the
+muon module is what ``deepspeed.initialize`` imports to check a ZeRO optimizer, inductor
+with it."""
 
 
-def _worker(rank: int, world_size: int, init_file: str, tasks, results) -> None:
+def _rank_main(rank: int, world_size: int, init_file: str, address: str) -> None:
     import torch
     import torch.distributed as dist
 
+    signal.signal(signal.SIGCHLD, signal.SIG_DFL)  # the server's setting: subprocesses wait
     torch.set_num_threads(1)
     # What torchrun would set; DeepSpeed reads LOCAL_RANK.
     os.environ.update(RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world_size),
                       LOCAL_WORLD_SIZE=str(world_size))
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    sock.connect(address)
+    conn = Connection(sock.detach())
+    conn.send(rank)
     dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank,
                             world_size=world_size, timeout=timedelta(seconds=GLOO_TIMEOUT_S))
     while True:
-        task = tasks.get()
+        try:
+            task = conn.recv()
+        except EOFError:  # the test process is gone
+            break
         if task is None:
             break
         fn, args, kwargs = task
         try:
-            results.put((rank, True, fn(*args, **kwargs)))
+            conn.send((True, fn(*args, **kwargs)))
         except BaseException:  # noqa: BLE001 - reported to the parent verbatim
-            results.put((rank, False, traceback.format_exc()))
+            conn.send((False, traceback.format_exc()))
     dist.destroy_process_group()
+
+
+def _serve(conn) -> None:
+    """The fork server: imports :data:`PRELOAD`, then forks a pool's ranks on request."""
+    import importlib
+
+    signal.signal(signal.SIGCHLD, signal.SIG_IGN)  # forked ranks are reaped as they exit
+    for name in PRELOAD:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
+    while True:
+        request = conn.recv()
+        if request is None:
+            return
+        world_size, init_file, address = request
+        pids = []
+        for rank in range(world_size):
+            pid = os.fork()
+            if pid == 0:
+                code = 0
+                try:
+                    conn.close()
+                    _rank_main(rank, world_size, init_file, address)
+                except BaseException:  # noqa: BLE001 - the pool sees the connection close
+                    traceback.print_exc()
+                    code = 1
+                finally:
+                    os._exit(code)
+            pids.append(pid)
+        conn.send(pids)
+
+
+def _server():
+    if not _SERVER or not _SERVER[0][0].is_alive():
+        ours, theirs = _CTX.Pipe()
+        proc = _CTX.Process(target=_serve, args=(theirs,), daemon=True)
+        proc.start()
+        _SERVER[:] = [(proc, ours)]
+    return _SERVER[0][1]
 
 
 class _Pool:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
-        fd, self._init_file = tempfile.mkstemp(prefix="gloo_init_")
-        os.close(fd)
-        os.unlink(self._init_file)
-        self._tasks = [_CTX.Queue() for _ in range(world_size)]
-        self._results = _CTX.Queue()
-        self._procs = [
-            _CTX.Process(target=_worker, args=(r, world_size, self._init_file, self._tasks[r],
-                                               self._results), daemon=True)
-            for r in range(world_size)
-        ]
-        for p in self._procs:
-            p.start()
+        self._dir = tempfile.mkdtemp(prefix="dist_pool_")
+        init_file = os.path.join(self._dir, "gloo_init")
+        address = os.path.join(self._dir, "sock")
+        listener = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        listener.bind(address)
+        listener.listen(world_size)
+        listener.settimeout(300)  # the server's first imports, then the forks
+        server = _server()
+        server.send((world_size, init_file, address))
+        self._pids = server.recv()
+        self._conns: list[Connection | None] = [None] * world_size
+        try:
+            for _ in range(world_size):
+                sock, _ = listener.accept()
+                sock.setblocking(True)
+                conn = Connection(sock.detach())
+                self._conns[conn.recv()] = conn
+        except OSError:
+            self.close(kill=True)
+            raise
+        finally:
+            listener.close()
 
     def run(self, fn, args, kwargs, timeout: float) -> list:
-        for q in self._tasks:
-            q.put((fn, args, kwargs))
+        for conn in self._conns:
+            conn.send((fn, args, kwargs))
         got: dict[int, tuple[bool, object]] = {}
-        while len(got) < self.world_size:
-            try:
-                rank, ok, value = self._results.get(timeout=timeout)
-            except queue.Empty:
-                missing = sorted(set(range(self.world_size)) - set(got))
+        pending = {conn: rank for rank, conn in enumerate(self._conns)}
+        deadline = time.monotonic() + timeout
+        while pending:
+            ready = wait(list(pending), timeout=max(0.0, deadline - time.monotonic()))
+            if not ready:
+                missing = sorted(pending.values())
                 self.close(kill=True)
                 raise TimeoutError(f"ranks {missing} of {self.world_size} did not finish "
-                                   f"{fn.__name__} within {timeout}s (hang?)") from None
-            got[rank] = (ok, value)
+                                   f"{fn.__name__} within {timeout}s (hang?)")
+            for conn in ready:
+                rank = pending.pop(conn)
+                try:
+                    got[rank] = conn.recv()
+                except EOFError:
+                    got[rank] = (False, f"rank {rank} exited while running {fn.__name__}")
         failed = {r: v for r, (ok, v) in got.items() if not ok}
         if failed:
             report = "\n".join(f"--- rank {r} ---\n{tb}" for r, tb in sorted(failed.items()))
@@ -82,16 +158,37 @@ class _Pool:
         return [got[r][1] for r in range(self.world_size)]
 
     def close(self, kill: bool = False) -> None:
-        _POOLS.pop(self.world_size, None)
-        for p, q in zip(self._procs, self._tasks):
-            if kill:
-                p.kill()
-            elif p.is_alive():
-                q.put(None)
-        for p in self._procs:
-            p.join(timeout=10)
-            if p.is_alive():
-                p.kill()
+        if _POOLS.get(self.world_size) is self:
+            _POOLS.pop(self.world_size)
+        for conn in self._conns:
+            if conn is not None and not kill:
+                try:
+                    conn.send(None)
+                except OSError:
+                    pass
+        deadline = time.monotonic() + (0 if kill else 10)
+        for pid in self._pids:
+            while not kill and time.monotonic() < deadline and _alive(pid):
+                time.sleep(0.05)
+            if _alive(pid):
+                os.kill(pid, signal.SIGKILL)
+        for conn in self._conns:
+            if conn is not None:
+                conn.close()
+        for name in ("gloo_init", "sock"):
+            try:
+                os.unlink(os.path.join(self._dir, name))
+            except OSError:
+                pass
+        os.rmdir(self._dir)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True
 
 
 def run(fn, *args, world_size: int, timeout: float = 120, **kwargs) -> list:
@@ -113,6 +210,13 @@ def run(fn, *args, world_size: int, timeout: float = 120, **kwargs) -> list:
 def shutdown() -> None:
     """End every pool at the end of the session: the workers are killed (each would spend
     about a second of CPU exiting torch, a dozen seconds over the 1-, 2-, 4- and 8-rank
-    pools, with nothing left to do)."""
+    pools, with nothing left to do), and the fork server with them."""
     for pool in list(_POOLS.values()):
         pool.close(kill=True)
+    if _SERVER:
+        proc, conn = _SERVER.pop()
+        if proc.is_alive():
+            conn.send(None)
+            proc.join(timeout=10)
+            if proc.is_alive():
+                proc.kill()

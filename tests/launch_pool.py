@@ -35,8 +35,11 @@ import time
 
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "numpy", "transformers", "accelerate",
            "deepspeed", "deepspeed.comm", "transformers.trainer", "arctic", "arctic.train.trainer",
-           "arctic.train.deepspeed", "arctic.train.fsdp", "trl")
-"""What the server imports before its first fork (whatever is installed of it)."""
+           "arctic.train.deepspeed", "arctic.train.fsdp", "trl",
+           "deepspeed.runtime.zero.muon.muon_optimizer")
+"""What the server imports before its first fork (whatever is installed of it). The last is
+what ``deepspeed.initialize`` imports on every rank to check a ZeRO optimizer: its
+``torch.compile`` decorators import inductor, seconds per rank otherwise."""
 
 _SERVER: tuple[multiprocessing.Process, object] | None = None
 

@@ -7,9 +7,11 @@ other tests."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import json
 import os
+import shutil
 import subprocess
 import sys
 import tempfile
@@ -26,7 +28,8 @@ pytest.importorskip("transformers", reason="the planner builds HF models ([hf])"
 REPO = Path(__file__).resolve().parent.parent
 
 
-_CACHE = tempfile.mkdtemp(prefix="arctic-plan-cache-")  # this run's traces, shared by its tests
+_CACHE = tempfile.mkdtemp(prefix="arctic-plan-cache-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)  # this run's traces, shared by its tests
 
 
 def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:

@@ -8,8 +8,10 @@ Traces that initialize torch's fake process group run in the planner's own proce
 
 from __future__ import annotations
 
+import atexit
 import json
 import math
+import shutil
 import sys
 import tempfile
 from pathlib import Path
@@ -27,6 +29,7 @@ pytest.importorskip("transformers", reason="the planner builds HF models ([hf])"
 
 REPO = Path(__file__).resolve().parent.parent
 _CACHE = tempfile.mkdtemp(prefix="arctic-plan-speed-cache-")
+atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
 _ENV = {"ARCTIC_PLAN_CACHE": _CACHE}
 
 
