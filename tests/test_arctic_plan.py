@@ -369,6 +369,28 @@ def test_ds_config_search_starts_from_the_least_memory_settings(tmp_path):
     assert not out.exists()
 
 
+def test_launch_lines_name_only_a_file_that_was_written(tmp_path):
+    """Given settings: without --write-config no command line names a config (none was
+    written), and the answer says how to get one; with it, the settings are written and the
+    launch lines name that file; where they do not fit, nothing is written, and it says so."""
+    args = ["-m", "arctic.plan", "--model", "tiny-llama", "--gpus", "2", "--seq-len", "4K",
+            "--quick"]
+    bare = _run(*args)
+    assert bare.returncode == 0, bare.stderr[-3000:]
+    assert "launch with:" not in bare.stdout and "--deepspeed_config" not in bare.stdout
+    assert "to launch: add --write-config FILE" in bare.stdout, bare.stdout[-2000:]
+    out = tmp_path / "written.json"
+    wrote = _run(*args, "--write-config", str(out))
+    assert wrote.returncode == 0, wrote.stderr[-3000:]
+    lines = wrote.stdout.split("launch with:", 1)[1].strip().splitlines()
+    assert out.exists() and lines and all(str(out) in line for line in lines), wrote.stdout
+    assert json.loads(out.read_text())["ulysses"]["head_chunk_size"] == 1  # the given stack
+    small = tmp_path / "small.json"
+    refused = _run(*args, "--gpu-memory", "1MiB", "--write-config", str(small))
+    assert f"did not write {small}: these settings do not fit 4,096 tokens" in refused.stdout
+    assert not small.exists()
+
+
 @pytest.mark.slow  # a search of 30 candidates, then a launch
 def test_ds_config_search_writes_the_fit_merged_into_the_json_and_it_trains(tmp_path):
     """The user's JSON (no checkpointing, no offload) does not fit 16K tokens in 64 MiB; the

@@ -42,15 +42,15 @@ def parse_args(argv=None) -> argparse.Namespace:
         prog="python -m arctic.plan",
         description="Trace one training step under FakeTensorMode and say whether it fits.")
     p.add_argument("--model", default="llama3-8b",
-                   help=f"one of {', '.join(MODELS)}, or a config.json path")
+                   help=f"one of {', '.join(MODELS)}, or a config.json path (default llama3-8b)")
     p.add_argument("--seq-len", type=_arg(parse_tokens), default=None,
                    help="tokens in one sequence (5000000, 4M, 512K); needed unless --find-max")
-    p.add_argument("--gpus", type=int, default=8, help="GPUs per node")
-    p.add_argument("--nodes", type=int, default=1)
+    p.add_argument("--gpus", type=int, default=8, help="GPUs per node (default 8)")
+    p.add_argument("--nodes", type=int, default=1, help="nodes (default 1)")
     p.add_argument("--gpu-memory", type=_arg(parse_bytes), default=parse_bytes("80GiB"),
-                   help="memory of one GPU (80GiB, 141GB)")
+                   help="memory of one GPU: 80GiB, 141GB (default 80GiB)")
     p.add_argument("--host-memory", type=_arg(parse_bytes), default=parse_bytes("1.5TiB"),
-                   help="host memory of one node")
+                   help="host memory of one node (default 1.5TiB)")
     p.add_argument("--disk", type=_arg(parse_bytes), default=0,
                    help="disk (NVMe) of one node for the offloaded layer inputs that host "
                         "memory cannot hold: the 'offload_dir' tier (default 0: none)")

@@ -144,9 +144,8 @@ def _main(args: argparse.Namespace) -> int:
     fields = settings_from_args(args)
     placement = _placement(args)
     # The disk tier's directory for the printed and written config, checked before any trace.
-    disk_dir = args.offload_dir or (load_ds_config(args.ds_config).get("ulysses", {})
-                                    .get("offload_dir") if args.ds_config else None)
-    if args.disk and args.find_max and args.write_config is not None and disk_dir is None:
+    disk_dir = _disk_dir(args)
+    if args.disk and args.write_config is not None and disk_dir is None:
         raise ValueError("--write-config with --disk: give --offload-dir, the directory the "
                          "written config names as offload_dir")
     config = model_config(args.model, layers=args.layers)  # an unknown model fails here
@@ -177,12 +176,18 @@ def _main(args: argparse.Namespace) -> int:
     estimates: list[Estimate] = []
     if args.seq_len is not None and not args.find_max and searches(args):
         return _fastest(args, config, fields, placement, plan_at, rates, result)
+    chosen, best, candidates = {"sequence_parallel_size": world, **fields}, None, []
     if args.seq_len is not None:
         e = plan_at(args.seq_len, with_rates=rates)
         estimates.append(e)
         print(report(e))
         result["estimate"] = e.as_dict()
-    chosen, best, candidates = {"sequence_parallel_size": world, **fields}, None, []
+        if not args.find_max and e.fits:  # the given settings, as a config and launch lines
+            _hand_over(args, result, chosen, _with_disk_dir(args, chosen, disk_dir),
+                       args.seq_len, placement)
+        elif not args.find_max and args.write_config is not None:
+            print(f"did not write {args.write_config}: these settings do not fit "
+                  f"{args.seq_len:,} tokens")
     if args.find_max:
         sp = fields.get("sequence_parallel_size", world)
         start = args.seq_len or 1 << 20
@@ -214,12 +219,10 @@ def _main(args: argparse.Namespace) -> int:
             placement = Placement(chosen.pop("offload_state"))
             print(f"training state: {placement.mode} offloaded (ZeRO-3 offload_optimizer)")
             result["state_offload"] = placement.mode
-        shown = chosen  # the settings, with the disk tier's directory when it is planned
-        if args.disk and chosen.get("offload_activations"):
-            shown = dict(chosen, offload_dir=disk_dir or "<a directory on the NVMe>")
         result["max_seq_len"] = best
         result["tried"] = [e.as_dict() for e in estimates]
-        _hand_over(args, result, chosen, shown, best, placement)
+        _hand_over(args, result, chosen, _with_disk_dir(args, chosen, disk_dir), best,
+                   placement)
     if args.plot is not None:
         top = max(e.seq_len for e in estimates)
         lengths = sorted({max(1024 * world, int(top * f) // (1024 * world) * 1024 * world)
@@ -292,10 +295,24 @@ def _fastest(args, config, fields: dict, placement: Placement, plan_at, rates,
     e = plan_at(n, dict(chosen, offload_state=placement.mode), with_rates=rates)
     print(report(e))
     result["estimate"] = e.as_dict()
-    _hand_over(args, result, chosen, chosen, n, placement)
+    _hand_over(args, result, chosen, _with_disk_dir(args, chosen, _disk_dir(args)), n, placement)
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def _disk_dir(args):
+    """The disk tier's directory for the printed and written config: --offload-dir, else the
+    --ds-config's own, else None."""
+    return args.offload_dir or (load_ds_config(args.ds_config).get("ulysses", {})
+                                .get("offload_dir") if args.ds_config else None)
+
+
+def _with_disk_dir(args, chosen: dict, disk_dir) -> dict:
+    """The settings as shown and written: with the disk tier's directory when it is planned."""
+    if args.disk and chosen.get("offload_activations"):
+        return dict(chosen, offload_dir=disk_dir or "<a directory on the NVMe>")
+    return chosen
 
 
 def _hand_over(args, result: dict, chosen: dict, shown: dict, seq_len: int,
@@ -305,12 +322,14 @@ def _hand_over(args, result: dict, chosen: dict, shown: dict, seq_len: int,
     result["settings"] = ulysses_block(shown)
     print("settings, as a DeepSpeed config's SP keys:")
     print(json.dumps(ulysses_block(shown), indent=2))
-    path = str(args.write_config or "plan.json")
-    print("launch with:" + "".join(f"\n  {line}" for line in
-                                  command_lines(args, chosen, seq_len, path, placement)))
-    if args.write_config is not None:
-        write_config(args.write_config, args, shown, placement)
-        print(f"wrote {args.write_config}")
+    if args.write_config is None:  # the launch lines name the file they need: none yet
+        print("to launch: add --write-config FILE, which writes these settings as a DeepSpeed "
+              "JSON and prints the command lines that run it")
+        return
+    write_config(args.write_config, args, shown, placement)
+    print(f"wrote {args.write_config}")
+    print("launch with:" + "".join(f"\n  {line}" for line in command_lines(
+        args, chosen, seq_len, str(args.write_config), placement)))
 
 
 def _calibrate(args: argparse.Namespace) -> int:
