@@ -42,13 +42,14 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
     ``tiled_mlp``, before the model changes. Decoder layers include blocks of one sublayer
     (:func:`arctic.hf.anatomy.decoder_layers`): each is checkpointed, and Nemotron-H's MLP and
     MoE blocks are the MLPs tiled."""
-    from arctic.hf.attention import apply_sequence_parallel
+    from arctic.hf.attention import apply_sequence_parallel, check_model_family
 
     if mesh_dims(mesh).kernel_self_check != config.kernel_self_check:
         raise ValueError(f"kernel_self_check is {config.kernel_self_check} in the config but "
                          f"{mesh_dims(mesh).kernel_self_check} on the mesh, which every "
                          f"attention on it reads; build the mesh from the config: "
                          f"config.dims(world_size).build_mesh(device_type)")
+    check_model_family(model)  # a family SP cannot run: refused before any setting is checked
     # Settings that would have no effect on this model are refused before it changes.
     check_attention_settings(model, config)
     if config.tiled_mlp is not None:

@@ -326,6 +326,31 @@ def test_other_token_mixers_are_still_refused():
     assert message.startswith("ZambaForCausalLM: ") and "supported:" in message, message
 
 
+def _rank_zamba_with_the_trainer_config():
+    import transformers as tf
+    from transformers import AutoModelForCausalLM
+
+    from arctic.config import SequenceParallelConfig
+    from arctic.recipe import apply_sp_recipe
+    from helpers import get_mesh
+
+    config = tf.ZambaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
+                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                            layer_types=["linear_attention", "hybrid", "hybrid"],
+                            attention_head_dim=16, n_mamba_heads=2, mamba_d_state=4,
+                            mamba_dt_rank=8, mamba_expand=2)
+    model = AutoModelForCausalLM.from_config(config)
+    sp = SequenceParallelConfig.from_ds_config("configs/cpu_trainer.json", world_size=2)
+    return value_error_of(lambda: apply_sp_recipe(model, config=sp, mesh=get_mesh(2, 2)))
+
+
+def test_a_family_sp_cannot_run_is_refused_before_any_setting():
+    """Zamba v1 with the shipped Trainer config (tiled_mlp "auto"): the first refusal names
+    its token mixer, which SP does not implement, not a setting (its MLP is not found)."""
+    for message in dist_pool.run(_rank_zamba_with_the_trainer_config, world_size=2):
+        assert message.startswith("ZambaForCausalLM: ") and "supported:" in message, message
+
+
 def _rank_recipe(length: int):
     """Qwen3.5 through apply_sp_recipe at SP=4: head chunks of 1, tiled MLP and norms, the
     tiled loss, checkpointing with the layer inputs offloaded, the cut's padding."""

@@ -173,6 +173,22 @@ def _after_attention(module, args, output):
                          f"arctic.apply_sequence_parallel again after changing it")
 
 
+def check_model_family(model: nn.Module, modules=None) -> None:
+    """``ValueError`` unless sequence parallelism can run ``model``'s family: it has attention
+    or token mixers SP implements, no attention feature SP does not implement, and (a VLM) a
+    vision tower whose inputs it knows. The first check of every entry point, before any
+    setting is checked against the model: a family SP cannot run is the error that matters."""
+    modules = attention_modules(model) if modules is None else modules
+    if not modules and not token_mixers(model):
+        raise ValueError(f"{type(model).__name__} has no attention module with q/k/v "
+                         f"projections (or latent attention's) and no token mixer of "
+                         f"{sorted(FAMILIES)} to make sequence-parallel")
+    check_token_mixers(model)
+    check_model_features(model, modules)
+    if is_vlm(model):
+        vision_inputs(model)  # ValueError for an unsupported family
+
+
 @journaled
 def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
                             head_chunk_size: int | str | None = None,
@@ -227,14 +243,9 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
                          f"{attn_implementation!r}")
     config = text_config(model)
     modules = attention_modules(model)
-    if not modules and not token_mixers(model):
-        raise ValueError(f"{type(model).__name__} has no attention module with q/k/v "
-                         f"projections (or latent attention's) and no token mixer of "
-                         f"{sorted(FAMILIES)} to make sequence-parallel")
-    check_token_mixers(model)
-    check_model_features(model, modules)
+    check_model_family(model, modules)
     vlm = is_vlm(model)
-    vision = vision_inputs(model) if vlm else None  # ValueError for an unsupported family
+    vision = vision_inputs(model) if vlm else None
     chunks = {m: attention_chunk(config, m) for m in modules}
     heads = {m: attention_heads(m, config) for m in modules}
     layouts = {}
