@@ -14,6 +14,7 @@ import argparse
 import json
 import os
 import sys
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -96,6 +97,32 @@ def parse_job_args(p: argparse.ArgumentParser) -> argparse.Namespace:
     if args.resume and args.save_dir is None:
         p.error("--resume needs --save-dir")
     return args
+
+
+REFUSAL_GRACE_S = 5.0
+"""How long a rank other than 0 waits before it reports a refusal of its own: rank 0's
+failure ends the job sooner (the launchers look every 0.1 s to 1 s)."""
+
+
+def run_main(main) -> None:
+    """Run a launched script's ``main``. A ``ValueError`` (a refusal, raised alike on every
+    rank, before any collective) prints one line, ``error: ...``, on rank 0 and no traceback;
+    the script exits 1. A rank other than 0 waits :data:`REFUSAL_GRACE_S`: when rank 0 refused
+    too, the launcher ends it first; if it is still running, the refusal was its own and it
+    prints it, naming its rank. ``ARCTIC_TRACEBACK=1`` shows every rank's traceback instead.
+    Any other exception (a bug, not a refusal) keeps its traceback."""
+    try:
+        main()
+    except ValueError as e:
+        if os.environ.get("ARCTIC_TRACEBACK") == "1":
+            raise
+        rank = int(os.environ.get("RANK", "0"))
+        if rank != 0:
+            time.sleep(REFUSAL_GRACE_S)
+        where = "" if rank == 0 else f" (rank {rank})"
+        print(f"error{where}: {e}\n(ARCTIC_TRACEBACK=1 shows the traceback)", file=sys.stderr,
+              flush=True)
+        sys.exit(1)
 
 
 def split_cpu_threads() -> None:

@@ -26,7 +26,7 @@ import torch
 from transformers import Trainer, TrainerCallback, TrainingArguments
 
 # examples/_common.py, beside this file; importing it puts the checkout on sys.path.
-from _common import REPO, ByteCorpus, build_model
+from _common import REPO, ByteCorpus, build_model, run_main
 
 from arctic.config import SequenceParallelConfig  # after _common: from the checkout
 from arctic.order import applied_stages
@@ -276,4 +276,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -29,7 +29,7 @@ import torch.distributed as dist
 # examples/_common.py, beside this file; importing it puts the checkout on sys.path.
 from _common import (REPO, ByteCorpus, Progress, add_job_args, build_model,
                      batches_to_skip, parse_job_args, save_model_config, resumable_batches,
-                     split_cpu_threads)
+                     split_cpu_threads, run_main)
 
 import arctic  # after _common: from the checkout
 from arctic.memory import gather_peak_memory_mib
@@ -108,4 +108,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

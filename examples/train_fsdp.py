@@ -39,7 +39,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy
 # examples/_common.py, beside this file; importing it puts the checkout on sys.path.
 from _common import (ByteCorpus, Progress, add_job_args, build_model,
                      batches_to_skip, parse_job_args, save_model_config, resumable_batches,
-                     split_cpu_threads)
+                     split_cpu_threads, run_main)
 
 from arctic import SequenceParallelConfig, SequenceParallelDataLoader, apply_fsdp  # noqa: E402
 from arctic.memory import allocator, gather_peak_memory_mib  # noqa: E402
@@ -259,4 +259,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -32,7 +32,7 @@ from pathlib import Path
 import torch
 
 # examples/_common.py, beside this file; importing it puts the checkout on sys.path.
-from _common import REPO, build_model
+from _common import REPO, build_model, run_main
 
 from arctic.trainer import SequenceParallelMixin  # after _common: from the checkout
 
@@ -195,4 +195,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -23,7 +23,7 @@ import torch
 from transformers import Trainer, TrainingArguments
 
 # examples/_common.py, beside this file; importing it puts the checkout on sys.path.
-from _common import REPO, ByteCorpus
+from _common import REPO, ByteCorpus, run_main
 
 from arctic.trainer import SequenceParallelTrainer  # after _common: from the checkout
 
@@ -137,4 +137,4 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    run_main(main)

@@ -57,13 +57,13 @@ def _examples_common():
 
 
 def _torchrun(nproc: int, args: list[str], timeout: float = 240, seq_len: int = SEQ_LEN,
-              launcher: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+              launcher: tuple[str, ...] = (), env: dict = ENV) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", str(nproc),
            *launcher, "examples/train_fsdp.py", "--seq-len", str(seq_len), "--lr", str(LR)] + args
     if launcher:  # a launcher's own options: the real launch
-        return subprocess.run(cmd, cwd=REPO, env=ENV, capture_output=True, text=True,
+        return subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True,
                               timeout=timeout)
-    return launch_pool.run(cmd, cwd=REPO, env=ENV, timeout=timeout)
+    return launch_pool.run(cmd, cwd=REPO, env=env, timeout=timeout)
 
 
 def _train(tmp: Path, nproc: int, args: list[str],
@@ -215,7 +215,8 @@ def test_zero_config_refused_on_every_rank_before_training(tmp_path):
     # 0.1 s), so that a rank a little behind on 2 busy cores still reaches its own refusal.
     proc = _torchrun(2, ["--config", str(REPO / "configs" / "cpu_demo.json"),
                          "--log-file", str(tmp_path / "log.jsonl")], timeout=120,
-                     launcher=("--monitor-interval", "3"))
+                     launcher=("--monitor-interval", "3"),
+                     env={**ENV, "ARCTIC_TRACEBACK": "1"})  # every rank's own refusal
     out = proc.stdout + proc.stderr
     assert proc.returncode != 0, out[-3000:]
     errors = [l for l in out.splitlines()

@@ -231,7 +231,7 @@ def test_killed_mid_write_then_resumed_at_sp4(tmp_path):
 # -- the HF Trainer under DeepSpeed, launched ------------------------------------------------
 
 def _trainer(tmp_path: Path, name: str, nproc: int, config: Path, *extra: str,
-             port: int) -> tuple[subprocess.CompletedProcess, Path]:
+             port: int, env: dict = ENV) -> tuple[subprocess.CompletedProcess, Path]:
     """``torchrun examples/hf_trainer.py`` (Adam: the universal converter carries Adam's
     state) with checkpoints every 3 steps; returns the run and its losses file."""
     out = tmp_path / name / "losses.json"
@@ -240,7 +240,7 @@ def _trainer(tmp_path: Path, name: str, nproc: int, config: Path, *extra: str,
            "--deepspeed", str(config), "--train-samples", "4", "--max-steps", "6",
            "--save-steps", "3", "--shuffle", "--output-dir", str(out.parent),
            "--losses-out", str(out), *extra]
-    return launch_pool.run(cmd, cwd=REPO, env=ENV), out
+    return launch_pool.run(cmd, cwd=REPO, env=env), out
 
 
 def _trainer_config(tmp_path: Path, sp: int) -> Path:
@@ -287,7 +287,8 @@ def test_trainer_refuses_another_layout_on_every_rank(tmp_path):
     any collective, naming the checkpoint and the command."""
     _, checkpoint = _trainer_written_at_sp2(tmp_path, 29544)
     refused, _ = _trainer(tmp_path, "resumed", 4, _trainer_config(tmp_path, 4),
-                          "--resume-from", str(checkpoint), port=29542)
+                          "--resume-from", str(checkpoint), port=29542,
+                          env={**ENV, "ARCTIC_TRACEBACK": "1"})  # every rank's own refusal
     assert refused.returncode != 0
     for rank in range(4):
         assert f"[rank{rank}]: ValueError: cannot resume from {checkpoint / 'global_step3'}" \

@@ -101,3 +101,22 @@ def test_killed_run_resumes_step_for_step(tmp_path):
     assert sorted(resumed) == sorted(reference)
     for step, loss in reference.items():
         assert resumed[step] == pytest.approx(loss, rel=1e-6, abs=0), (step, killed_at)
+
+
+def test_a_refusal_on_every_rank_prints_one_message_and_no_traceback(tmp_path):
+    """4 ranks, a config every rank refuses (SP 3 does not divide 4): one ``error:`` line, from
+    rank 0, no traceback, exit status 1. ``ARCTIC_TRACEBACK=1`` gives the tracebacks back."""
+    import launch_pool
+
+    config = json.loads((REPO / "configs" / "cpu_demo.json").read_text())
+    config["sequence_parallel_size"] = 3
+    (tmp_path / "sp3.json").write_text(json.dumps(config))
+    args = ["--deepspeed_config", str(tmp_path / "sp3.json"), "--max-steps", "1"]
+    proc = launch_pool.launch("examples/train.py", *args, nproc=4, cwd=REPO, env=ENV,
+                              launcher="deepspeed")
+    lines = [l for l in proc.stdout.splitlines() if "must divide" in l]
+    assert proc.returncode == 1 and len(lines) == 1, proc.stdout[-3000:]
+    assert lines[0].startswith("error: ") and "Traceback" not in proc.stdout, proc.stdout[-3000:]
+    asked = launch_pool.launch("examples/train.py", *args, nproc=2, cwd=REPO,
+                               env={**ENV, "ARCTIC_TRACEBACK": "1"}, launcher="deepspeed")
+    assert asked.returncode == 1 and "Traceback" in asked.stdout, asked.stdout[-3000:]
