@@ -33,7 +33,8 @@ from _common import (REPO, ByteCorpus, Progress, add_job_args, build_model,
 
 import arctic  # after _common: from the checkout
 from arctic.memory import gather_peak_memory_mib
-from arctic.train.ds_checkpoint import CheckpointLayout, load_checkpoint, save_checkpoint
+from arctic.train.ds_checkpoint import (LAYOUT_FILE, CheckpointLayout, complete_tags,
+                                        load_checkpoint, save_checkpoint, unfinished_tags)
 from ulysses import flat_mesh
 
 
@@ -50,6 +51,9 @@ def main() -> None:
     args = parse_args()
     torch.manual_seed(args.seed)
     split_cpu_threads()
+    if args.resume and not complete_tags(args.save_dir):  # refused before anything is written
+        raise ValueError(f"--resume: no complete checkpoint in {args.save_dir} (a complete one "
+                         f"holds {LAYOUT_FILE}, written after every rank's files)")
     model = build_model(args.model, args.seq_len)
     save_model_config(model, args.save_dir)  # before SP changes its attention
     if torch.cuda.is_available():
@@ -70,6 +74,9 @@ def main() -> None:
             print(f"resumed from {args.save_dir / plan.tag} (step {client['step']}"
                   + (f", universal, saved at {plan.saved.describe()})" if plan.universal
                      else ")"), flush=True)
+            for tag in unfinished_tags(args.save_dir):
+                print(f"skipped {args.save_dir / tag}: its save did not finish (no "
+                      f"{LAYOUT_FILE})", flush=True)
         step, epoch, skip = client["step"], client["epoch"], batches_to_skip(
             client["samples_in_epoch"], samples_per_batch)
 

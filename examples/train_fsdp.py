@@ -113,6 +113,13 @@ def newest_checkpoint(save_dir: Path) -> Path | None:
     return save_dir / f"step{max(steps)}" if steps else None
 
 
+def unfinished_checkpoints(save_dir: Path) -> list[Path]:
+    """The ``step{N}`` directories a resume skips: DCP did not finish them (no
+    ``.metadata``)."""
+    return sorted(d for d in save_dir.glob("step*")
+                  if d.name[4:].isdigit() and not (d / ".metadata").is_file())
+
+
 def save_checkpoint(path: Path, model, optimizer, progress: list[int]) -> None:
     """Sharded model + optimizer, ``progress`` = [step, epoch, samples_in_epoch] (the data
     position in samples of the epoch's order, which every layout shares), and this rank's RNG
@@ -173,6 +180,9 @@ def main() -> None:
     mesh = config.dims(world).build_mesh(device.type)
 
     torch.manual_seed(args.seed)  # identical initial weights on every rank
+    if args.resume and newest_checkpoint(args.save_dir) is None:  # before anything is written
+        raise ValueError(f"--resume: no finished checkpoint (step*/.metadata) in "
+                         f"{args.save_dir}")
     model = build_model(args.model, args.seq_len).to(device)
     save_model_config(model, args.save_dir)  # before SP changes its attention
     host_limit = None
@@ -206,10 +216,11 @@ def main() -> None:
     step, epoch, skip = 0, 0, 0
     if args.resume:
         path = newest_checkpoint(args.save_dir)
-        if path is None:
-            raise ValueError(f"--resume: no finished checkpoint (step*/.metadata) in "
-                             f"{args.save_dir}")
         step, epoch, samples = load_checkpoint(path, model, optimizer)
+        if rank == 0:
+            print(f"resumed from {path} (step {step})", flush=True)
+            for skipped in unfinished_checkpoints(args.save_dir):
+                print(f"skipped {skipped}: its save did not finish (no .metadata)", flush=True)
         skip = batches_to_skip(samples, args.batch_size * dp)
     first_step = step + 1
 

@@ -194,8 +194,11 @@ def test_stopped_run_resumes_step_for_step(dp1_sp2_run, tmp_path):
     first, _ = _train(tmp_path, 2, common + ["--max-steps", "3"])
     assert sorted(first) == [1, 2, 3] and (tmp_path / "ckpt" / "step3" / ".metadata").is_file()
     shutil.copytree(tmp_path / "ckpt", tmp_path / "sp4" / "ckpt")
+    (tmp_path / "ckpt" / "step6").mkdir()  # a save that did not finish: no .metadata
     resumed, out = _train(tmp_path, 2, common + ["--max-steps", "6", "--resume"])
     assert sorted(resumed) == [1, 2, 3, 4, 5, 6]
+    assert f"resumed from {tmp_path / 'ckpt' / 'step3'} (step 3)" in out, out[-3000:]
+    assert f"skipped {tmp_path / 'ckpt' / 'step6'}: its save did not finish" in out, out[-3000:]
     # Same machine, same kernels, same reduction order: the trajectory is reproduced exactly.
     assert {k: r["loss"] for k, r in resumed.items()} == uninterrupted
     # At another layout: SP=4 on 4 ranks, resharded by DCP, the same samples (dp=1)

@@ -219,6 +219,7 @@ def test_killed_mid_write_then_resumed_at_sp4(tmp_path):
     resumed = launch_pool.run(["deepspeed", *sp4], cwd=REPO, env=ENV)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
     assert f"resumed from {ckpt / 'step2_universal'} (step 2, universal" in resumed.stdout
+    assert f"skipped {ckpt / 'step4'}: its save did not finish" in resumed.stdout
     losses = _losses(tmp_path / "sp4.jsonl")
     assert sorted(losses) == [3, 4]
     diffs = {step: abs(losses[step] - reference[step]) for step in losses}
@@ -295,3 +296,18 @@ def test_trainer_refuses_another_layout_on_every_rank(tmp_path):
             in refused.stdout, refused.stdout[-3000:]
     assert re.search(r"^(?:\[rank\d\]:)?\s+python -m deepspeed\.checkpoint\.ds_to_universal ",
                      refused.stdout, flags=re.M)
+
+
+def test_a_refused_resume_writes_nothing(tmp_path):
+    """--resume with no complete checkpoint in --save-dir is refused before anything is
+    written there (the model's config.json included), by both shipped scripts."""
+    for script, launcher in (("examples/train.py", "deepspeed"),
+                             ("examples/train_fsdp.py", "torchrun")):
+        save = tmp_path / Path(script).stem
+        save.mkdir()
+        (save / "step4").mkdir()  # a save that did not finish: no layout record, no .metadata
+        proc = launch_pool.launch(script, "--save-dir", str(save), "--resume", nproc=1,
+                                  cwd=REPO, env=ENV, launcher=launcher)
+        assert proc.returncode == 1 and "error: --resume: no " in proc.stdout, proc.stdout[-3000:]
+        assert sorted(p.name for p in save.iterdir()) == ["step4"], script
+

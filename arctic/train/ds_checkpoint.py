@@ -143,6 +143,16 @@ def complete_tags(save_dir: str | os.PathLike) -> list[str]:
     return [tag for _, tag in sorted(found)]
 
 
+def unfinished_tags(save_dir: str | os.PathLike) -> list[str]:
+    """The checkpoint directories in ``save_dir`` that a resume skips: those without their
+    layout record, which is written after every rank's files (a save that did not finish).
+    Universal conversions, which hold none, are not among them."""
+    return sorted(child.name for child in (Path(save_dir).iterdir()
+                                           if Path(save_dir).is_dir() else ())
+                  if child.is_dir() and not child.name.endswith(UNIVERSAL_SUFFIX)
+                  and read_layout(child) is None)
+
+
 def universal_command(load_dir: str | os.PathLike, tag: str) -> str:
     """The shell command that converts ``load_dir/tag`` into the universal checkpoint
     ``load_dir/tag_universal`` (and points ``load_dir/latest_universal`` at it)."""
@@ -310,8 +320,9 @@ def load_checkpoint(engine, save_dir: str | os.PathLike, *, layout: CheckpointLa
                     tag: str | None = None) -> tuple[ResumePlan, dict]:
     """Load the newest complete checkpoint in ``save_dir`` (or ``tag``) into ``engine``, at
     ``layout``: natively, or from its universal conversion (:func:`plan_resume`). Returns the
-    plan (which tag was loaded, how) and the client state it was saved with. ``ValueError`` on every rank, before the load's first
-    collective, when there is none or it needs a conversion that was not made."""
+    plan (which tag was loaded, how) and the client state it was saved with. ``ValueError``
+    on every rank, before the load's first collective, when there is none or it needs a
+    conversion that was not made."""
     if tag is None:
         tags = complete_tags(save_dir)
         if not tags:
@@ -330,5 +341,5 @@ def load_checkpoint(engine, save_dir: str | os.PathLike, *, layout: CheckpointLa
 
 __all__ = ["LAYOUT_FILE", "CheckpointLayout", "ResumePlan", "complete_tags", "layout_of",
            "load_checkpoint", "plan_resume", "read_latest", "read_layout", "save_checkpoint",
-           "set_load_universal", "universal_command", "universal_converted",
+           "set_load_universal", "unfinished_tags", "universal_command", "universal_converted",
            "untie_optimizer_steps", "write_layout"]
