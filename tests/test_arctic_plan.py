@@ -751,6 +751,52 @@ def test_plans_a_hybrid_along_whole_periods_of_its_layers(tmp_path):
     assert abs(a / b - 1) < 0.01, (a, b)
 
 
+@pytest.mark.slow  # a fresh hybrid trace; the holding itself: the test below
+def test_tracing_warnings_are_one_line(tmp_path):
+    """A hybrid traced afresh (a config no other test traces) warns while tracing
+    (transformers' reference convolution): the answer carries one line about it, the
+    warnings themselves held back, those of the trace workers too."""
+    import transformers as tf
+
+    tf.Qwen3_5TextConfig(vocab_size=256, hidden_size=96, intermediate_size=192,
+                         num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2,
+                         head_dim=24, linear_num_value_heads=4, linear_num_key_heads=2,
+                         linear_key_head_dim=16, linear_value_head_dim=16,
+                         tie_word_embeddings=False).save_pretrained(tmp_path / "q")
+    proc = _run("-m", "arctic.plan", "--model", str(tmp_path / "q" / "config.json"),
+                "--seq-len", "2K", "--gpus", "2", "--quick")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    about = [line for line in (proc.stdout + proc.stderr).splitlines()
+             if "warning" in line.lower().replace(str(tmp_path).lower(), "")]
+    assert len(about) == 1 and about[0].startswith("note: tracing gave "), about
+
+
+def test_held_warnings_keep_what_tracing_says_and_print_on_request(monkeypatch, capsys):
+    """held_warnings() keeps Python warnings and the transformers logger's records; the
+    summary counts them; ARCTIC_PLAN_WARNINGS=1 prints each distinct one."""
+    import logging
+    import warnings
+
+    from arctic.plan import traces
+    from arctic.plan.cli import print_held
+
+    traces.HELD.clear()
+    with traces.held_warnings():
+        warnings.warn("Module is None. Skipping PRE_BW hook.")
+        warnings.warn("Module is None. Skipping PRE_BW hook.")
+        logging.getLogger("transformers.integrations").warning("falling back")
+    assert sorted(traces.HELD) == ["UserWarning: Module is None. Skipping PRE_BW hook."] * 2 + [
+        "transformers.integrations: falling back"]
+    print_held()
+    assert capsys.readouterr().err.startswith("note: tracing gave 3 warning(s), 2 distinct")
+    monkeypatch.setenv("ARCTIC_PLAN_WARNINGS", "1")
+    print_held()
+    assert sorted(capsys.readouterr().err.splitlines()) == [
+        "warning: UserWarning: Module is None. Skipping PRE_BW hook.",
+        "warning: transformers.integrations: falling back"]
+    traces.HELD.clear()
+
+
 def test_plans_a_state_space_model_without_its_attention_settings(tmp_path):
     """Mamba2 (no attention, no MLP): the default stack's head chunks, sequence blocks and
     tiled MLP are set aside, with a note each (the recipe would refuse them by name); the

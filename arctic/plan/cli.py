@@ -9,26 +9,27 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import sys
 from pathlib import Path
 
 from arctic.config import load_ds_config
 from arctic.hf.anatomy import text_config_of
 from arctic.memory.placement import Placement, placement_from_ds_config
-from arctic.plan.estimate import Estimate, plan
-from arctic.plan.launch import command_lines, ulysses_block, write_config
-from arctic.plan.models import model_config, token_mixer_heads, unsupported_settings
-from arctic.plan.estimate import predict_step, prefetch_work
-from arctic.plan.traces import start_workers
-from arctic.plan.search import fastest, find_max, search
-from arctic.plan.speed import calibrate, rates_from
-from arctic.plan.step import stack_config
-from arctic.plan.step import STACKS
-from arctic.plan.units import GiB, format_gib
 from arctic.plan.args import (  # noqa: F401 - parse_args, settings_from_args: the package's
     parse_args,
     searches,
     settings_from_args,
 )
+from arctic.plan.estimate import Estimate, plan, predict_step, prefetch_work
+from arctic.plan.launch import command_lines, ulysses_block, write_config
+from arctic.plan.models import model_config, token_mixer_heads, unsupported_settings
+from arctic.plan.search import fastest, find_max, search
+from arctic.plan.speed import calibrate, rates_from
+from arctic.plan.step import STACKS, stack_config
+from arctic.plan import traces
+from arctic.plan.traces import held_summary, start_workers
+from arctic.plan.units import GiB, format_gib
 
 
 def prediction_line(e: Estimate) -> str:
@@ -97,12 +98,25 @@ def plot(path: Path, series: dict[str, list[Estimate]], *, budget: int, title: s
 
 
 def main(argv=None) -> int:
+    del traces.HELD[:]  # this answer's warnings only (a process may answer several)
     try:
         args = parse_args(argv)
         start_workers()  # the tracers' imports run while this process reads the model
         return _main(args)
     except ValueError as e:  # bad settings: say what, no traceback
         raise SystemExit(f"error: {e}")
+    finally:
+        print_held()
+
+
+def print_held() -> None:
+    """The tracing's warnings (:data:`arctic.plan.traces.HELD`) on stderr: one line, or with
+    ``ARCTIC_PLAN_WARNINGS=1`` each distinct one."""
+    if os.environ.get("ARCTIC_PLAN_WARNINGS") == "1":
+        for line in dict.fromkeys(traces.HELD):
+            print(f"warning: {line}", file=sys.stderr)
+    elif (line := held_summary()) is not None:
+        print(line, file=sys.stderr)
 
 
 def _placement(args: argparse.Namespace) -> Placement:

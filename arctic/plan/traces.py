@@ -8,18 +8,25 @@ from __future__ import annotations
 
 import contextlib
 import copy
+import logging
 import multiprocessing
 import os
+import warnings
 from dataclasses import replace
 
 from arctic.hf.anatomy import text_config_of
 from arctic.plan.cache import cache_dir, cached, is_cached, trace_key
-from arctic.plan.step import PLANNED_FIELDS, build, init_optimizer_state, make_batch, train_step
+from arctic.plan.step import (
+    PLANNED_FIELDS,
+    build,
+    init_optimizer_state,
+    make_batch,
+    train_step,
+)
 from arctic.plan.tracing import KINDS, Peak, buffer_pools, fake_world, track_peak
 from arctic.plan.work import Work, count_work
 from ulysses.torch_internals import FakeTensorMode
 from ulysses.trace_shortcuts import memory_trace
-
 
 TRACE_LAYERS = (3, 4)
 """Layer counts traced when a model's own count is larger (see :func:`plan`)."""
@@ -102,12 +109,51 @@ def _work_trace(config, sp, world: int, seq_len: int, *, shard: bool,
     return work
 
 
+HELD: list[str] = []
+"""The warnings the traces of this process and of its workers gave (:func:`held_warnings`):
+the planner's answer carries their count in one line, not the warnings themselves."""
+
+
+class _Hold(logging.Handler):
+    def emit(self, record: logging.LogRecord) -> None:
+        HELD.append(f"{record.name}: {record.getMessage()}")
+
+
+@contextlib.contextmanager
+def held_warnings():
+    """Python warnings, and the ``transformers`` and ``torch`` loggers' records, given while
+    tracing (a kernel's reference fallback, MemTracker's skipped hooks on fake tensors): kept
+    in :data:`HELD` instead of printed."""
+    loggers = [logging.getLogger(name) for name in ("transformers", "torch")]
+    saved = [(lg, lg.handlers, lg.propagate) for lg in loggers]
+    for lg in loggers:
+        lg.handlers, lg.propagate = [_Hold(logging.WARNING)], False
+    try:
+        with warnings.catch_warnings(record=True) as caught:
+            try:
+                yield
+            finally:
+                HELD.extend(f"{w.category.__name__}: {w.message}" for w in caught)
+    finally:
+        for lg, handlers, propagate in saved:
+            lg.handlers, lg.propagate = handlers, propagate
+
+
+def held_summary() -> str | None:
+    """One line on :data:`HELD`, or None when the traces gave no warning."""
+    if not HELD:
+        return None
+    distinct = list(dict.fromkeys(HELD))
+    return (f"note: tracing gave {len(HELD)} warning(s), {len(distinct)} distinct, held back "
+            f"(ARCTIC_PLAN_WARNINGS=1 prints them); the first: {distinct[0][:160]}")
+
+
 WORKERS = int(os.environ.get("ARCTIC_PLAN_WORKERS", "0")) or min(4, os.cpu_count() or 1)
 """Processes that trace at once when several traces are needed (a trace is one Python
 thread); ``ARCTIC_PLAN_WORKERS`` overrides."""
 
-_PRELOAD = ["arctic.plan.estimate", "arctic.plan.traces", "arctic.train.deepspeed", "arctic.train.fsdp",
-            "torch.distributed.fsdp", "torch.distributed._tools.mem_tracker",
+_PRELOAD = ["arctic.plan.estimate", "arctic.plan.traces", "arctic.train.deepspeed",
+            "arctic.train.fsdp", "torch.distributed.fsdp", "torch.distributed._tools.mem_tracker",
             "torch._subclasses.fake_tensor", "torch.testing._internal.distributed.fake_pg",
             "transformers.models.llama.modeling_llama", "transformers.models.qwen3.modeling_qwen3"]
 """What every trace imports (about 8 s on a 2-core machine): a tracing process is forked
@@ -133,10 +179,13 @@ def start_workers() -> None:
         forkserver.ensure_running()
 
 
-def _trace_in_worker(job) -> None:
+def _trace_in_worker(job) -> list[str]:
+    """Trace ``job`` into the disk cache; returns the warnings it gave (:data:`HELD`)."""
     config, sp, world, shard, seq_len, layers, work, dtype = job
+    del HELD[:]
     Tracer(config, sp, world, shard=shard, work=work,
-            compute_dtype=dtype).at(seq_len, layers)  # into the disk cache
+           compute_dtype=dtype).at(seq_len, layers)
+    return list(HELD)
 
 
 class Tracer:
@@ -175,15 +224,16 @@ class Tracer:
         config = self._shaped(seq_len, layers)
         key = trace_key(config, self.fields, world=self.world, seq_len=seq_len,
                         shard=self.shard)
-        if self.work:
-            work, _ = cached(key, lambda: _work_trace(
-                config, self.sp, self.world, seq_len, shard=self.shard,
-                compute_dtype=self.compute_dtype), encode=Work.as_dict,
-                decode=lambda d: Work(**d))
-            return work
-        phases, _ = cached(key, lambda: trace(config, self.sp, self.world, seq_len,
-                                               shard=self.shard))
-        return phases
+        with held_warnings():
+            if self.work:
+                work, _ = cached(key, lambda: _work_trace(
+                    config, self.sp, self.world, seq_len, shard=self.shard,
+                    compute_dtype=self.compute_dtype), encode=Work.as_dict,
+                    decode=lambda d: Work(**d))
+                return work
+            phases, _ = cached(key, lambda: trace(config, self.sp, self.world, seq_len,
+                                                  shard=self.shard))
+            return phases
 
     def prefetch(self, jobs: list[tuple[int, int]]) -> None:
         """Trace the ``(seq_len, layers)`` jobs not yet cached, :data:`WORKERS` at a time in
@@ -219,4 +269,6 @@ def prefetch(jobs: list[tuple[Tracer, int, int]]) -> None:
     if len(todo) < 2 or WORKERS < 2 or cache_dir() is None:
         return
     with _workers_context().Pool(min(WORKERS, len(todo))) as pool:
-        pool.map(_trace_in_worker, [t.job(n, d) for t, n, d in todo], chunksize=1)
+        for held in pool.map(_trace_in_worker, [t.job(n, d) for t, n, d in todo],
+                             chunksize=1):
+            HELD.extend(held)
