@@ -44,7 +44,7 @@ what ``deepspeed.initialize`` imports on every rank to check a ZeRO optimizer: i
 _SERVER: tuple[multiprocessing.Process, object] | None = None
 
 
-def _free_port() -> int:
+def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
@@ -97,7 +97,7 @@ def _launch(request: dict) -> tuple[int, str, bool]:
     nproc, launcher = request["nproc"], request["launcher"]
     env = dict(request["env"])
     if launcher != "python":
-        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(request["port"] or _free_port()),
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(request["port"] or free_port()),
                    WORLD_SIZE=str(nproc))
     if launcher == "torchrun":
         env.update(LOCAL_WORLD_SIZE=str(nproc), GROUP_RANK="0", ROLE_RANK="0",

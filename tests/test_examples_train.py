@@ -120,3 +120,20 @@ def test_a_refusal_on_every_rank_prints_one_message_and_no_traceback(tmp_path):
     asked = launch_pool.launch("examples/train.py", *args, nproc=2, cwd=REPO,
                                env={**ENV, "ARCTIC_TRACEBACK": "1"}, launcher="deepspeed")
     assert asked.returncode == 1 and "Traceback" in asked.stdout, asked.stdout[-3000:]
+
+
+def test_a_cpu_job_leaves_no_shared_memory_behind(tmp_path):
+    """DeepSpeed's CPU shared-memory all-reduce creates one 69 MB /dev/shm file per rank and
+    never removes it; arctic.initialize unlinks each once every rank has mapped them all, so a
+    finished job leaves none (here: none under its port)."""
+    import launch_pool
+
+    shm = Path("/dev/shm")
+    if not shm.is_dir():
+        pytest.skip("no /dev/shm")
+    port = launch_pool.free_port()
+    proc = launch_pool.launch("examples/train.py", "--max-steps", "1", "--seq-len", "256",
+                              nproc=2, cwd=REPO, env=ENV, launcher="deepspeed", port=port)
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    assert "deepspeed_shm_comm" in proc.stdout  # the op was built: the files were made
+    assert not list(shm.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))

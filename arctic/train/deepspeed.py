@@ -31,6 +31,7 @@ from arctic.hf.vlm import is_vlm, vision_inputs
 from arctic.memory import allocator
 from arctic.memory.placement import offload_pool_limit, placement_from_ds_config
 from arctic.recipe import apply_sp_recipe
+from arctic.train.ds_shm import release_deepspeed_shm
 from ulysses import DeepSpeedMPU, flat_mesh
 
 
@@ -141,6 +142,7 @@ def initialize(*, model: nn.Module, config: str | Path | dict, model_parameters=
         atexit.register(_destroy_process_group)
     elif not deepspeed.comm.is_initialized():
         deepspeed.comm.init_distributed(dist_backend=dist.get_backend())
+    release_deepspeed_shm()  # a CPU job's shared-memory buffers: mapped, their names go
     sp = SequenceParallelConfig.from_ds_config(ds_config, world_size=dist.get_world_size())
     ds_config = _zero3_reduction_settings(ds_config, model, sp.sequence_parallel_size)
     device = next(model.parameters()).device

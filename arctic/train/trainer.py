@@ -97,6 +97,7 @@ from arctic.removal import (
     sequence_parallel_on,
 )
 from arctic.train.deepspeed import host_limit_beside_state
+from arctic.train.ds_shm import release_deepspeed_shm
 from arctic.train.ds_checkpoint import (barrier, layout_of, plan_resume, set_load_universal,
                                         untie_optimizer_steps, write_layout)
 from arctic.train.trainer_setup import (Collate, ShuffleLikeTheEpoch, hand_deepspeed_plain_config,
@@ -175,6 +176,8 @@ class SequenceParallelMixin:
         self._sp_vision = vision_inputs(model) if is_vlm(model) else None
         ours = instance_method(model)
         super().__init__(model=model, args=args, data_collator=data_collator, **kwargs)
+        if fsdp is None:
+            release_deepspeed_shm()  # a CPU job's shared-memory buffers: mapped, names go
         if instance_method(model) is not ours:
             # The trainer class after this one replaced the forward: TRL's SFTTrainer puts its
             # fused LM head there (log-probabilities in chunks, for its loss and its accuracy
