@@ -463,3 +463,31 @@ def test_the_default_collate_drops_what_hf_drops(tmp_path):
     assert set(got) == hf_kept == {"input_ids", "labels", "attention_mask"}
     assert got["input_ids"].shape == (2, 4)
     assert set(Collate.of(model, False)([sample, sample])) == hf_kept | {"token_type_ids"}
+
+
+_WITHOUT_USE_CPU = """
+import sys
+from transformers import AutoModelForCausalLM, LlamaConfig, TrainingArguments
+from arctic.trainer import SequenceParallelTrainer
+
+args = TrainingArguments(output_dir=sys.argv[1], deepspeed=sys.argv[2], report_to=[])
+model = AutoModelForCausalLM.from_config(LlamaConfig(
+    vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+    num_attention_heads=4, num_key_value_heads=2))
+SequenceParallelTrainer(model=model, args=args)
+"""
+
+
+def test_a_trainer_that_sees_one_process_of_several_says_use_cpu(tmp_path):
+    """torchrun starts 2 ranks on a machine without GPUs; TrainingArguments without
+    use_cpu=True leaves the Trainer a world of 1: the refusal says so, and what to set (not
+    that the SP size does not divide 1)."""
+    if torch.cuda.is_available():
+        pytest.skip("the CPU case")
+    script = tmp_path / "no_use_cpu.py"
+    script.write_text(_WITHOUT_USE_CPU)
+    proc = launch_pool.launch(str(script), str(tmp_path / "out"),
+                              str(REPO / "configs" / "cpu_trainer.json"), nproc=2, cwd=REPO)
+    assert proc.returncode != 0, proc.stdout[-3000:]
+    assert "the Trainer sees a world of 1 process(es), but the launcher started 2" in \
+        proc.stdout and "TrainingArguments(use_cpu=True)" in proc.stdout, proc.stdout[-3000:]

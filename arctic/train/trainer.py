@@ -100,9 +100,9 @@ from arctic.train.deepspeed import host_limit_beside_state
 from arctic.train.ds_shm import release_deepspeed_shm
 from arctic.train.ds_checkpoint import (barrier, layout_of, plan_resume, set_load_universal,
                                         untie_optimizer_steps, write_layout)
-from arctic.train.trainer_setup import (Collate, ShuffleLikeTheEpoch, hand_deepspeed_plain_config,
-                                        refuse_what_sp_cannot_give, resolve_checkpoint,
-                                        stock_collator)
+from arctic.train.trainer_setup import (Collate, ShuffleLikeTheEpoch, check_trainer_world,
+                                        hand_deepspeed_plain_config, refuse_what_sp_cannot_give,
+                                        resolve_checkpoint, stock_collator)
 from arctic.train.hf_fsdp import (
     ShardedModel,
     full_state_dict,
@@ -142,6 +142,7 @@ class SequenceParallelMixin:
                              "or trains under FSDP2: TrainingArguments(fsdp='full_shard', "
                              "fsdp_config={'version': 2}) with sp_config=<SP settings>")
         refuse_what_sp_cannot_give(args, kwargs)
+        check_trainer_world(args)
         if model is None:
             raise ValueError("SequenceParallelTrainer needs model= (a HF causal LM)")
         # HF's ALST settings (accelerate's ParallelismConfig) are read here; accelerate gets

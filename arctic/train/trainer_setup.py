@@ -71,6 +71,18 @@ class ShuffleLikeTheEpoch(TrainerCallback):
             train_dataloader.set_epoch(state.global_step // per_epoch)
 
 
+def check_trainer_world(args) -> None:
+    """``ValueError`` when the launcher started more processes than the Trainer trains on: on a
+    machine without GPUs, ``TrainingArguments`` without ``use_cpu=True`` makes each process a
+    world of its own (the SP size would not divide it, and the error would not say why)."""
+    launched = int(os.environ.get("WORLD_SIZE", "1"))
+    if launched > 1 and args.world_size != launched:
+        hint = ("; on a machine without GPUs, TrainingArguments(use_cpu=True) makes the "
+                "Trainer run on every process (gloo)" if not torch.cuda.is_available() else "")
+        raise ValueError(f"the Trainer sees a world of {args.world_size} process(es), but the "
+                         f"launcher started {launched} (WORLD_SIZE){hint}")
+
+
 def resolve_checkpoint(resume_from_checkpoint, output_dir: str):
     """What to resume from: ``True`` is the newest complete ``checkpoint-N`` in
     ``output_dir`` (a newer one whose writing was interrupted is passed over); a path must be
