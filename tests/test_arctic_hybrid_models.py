@@ -308,38 +308,36 @@ def test_refused_before_any_collective(ulysses, ring, what, expected):
         assert expected in message, message
 
 
-def test_other_token_mixers_are_still_refused():
-    """A state-space hybrid whose mixer is not one of FAMILIES (Zamba's, which scans its
-    heads one call each) is refused by name."""
+def _zamba():
+    """A tiny Zamba v1: its Mamba mixer scans its heads one call each (not one of FAMILIES)."""
     import transformers as tf
     from transformers import AutoModelForCausalLM
 
+    return AutoModelForCausalLM.from_config(tf.ZambaConfig(
+        vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+        num_attention_heads=4, num_key_value_heads=2,
+        layer_types=["linear_attention", "hybrid", "hybrid"], attention_head_dim=16,
+        n_mamba_heads=2, mamba_d_state=4, mamba_dt_rank=8, mamba_expand=2))
+
+
+def test_other_token_mixers_are_still_refused():
+    """A state-space hybrid whose mixer is not one of FAMILIES (Zamba's, which scans its
+    heads one call each) is refused by name."""
+
     from arctic.hf.mixers import check_token_mixers
 
-    config = tf.ZambaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                            layer_types=["linear_attention", "hybrid", "hybrid"],
-                            attention_head_dim=16, n_mamba_heads=2, mamba_d_state=4,
-                            mamba_dt_rank=8, mamba_expand=2)
-    model = AutoModelForCausalLM.from_config(config)
+    model = _zamba()
     message = value_error_of(lambda: check_token_mixers(model))
     assert message.startswith("ZambaForCausalLM: ") and "supported:" in message, message
 
 
 def _rank_zamba_with_the_trainer_config():
-    import transformers as tf
-    from transformers import AutoModelForCausalLM
 
     from arctic.config import SequenceParallelConfig
     from arctic.recipe import apply_sp_recipe
     from helpers import get_mesh
 
-    config = tf.ZambaConfig(vocab_size=VOCAB, hidden_size=64, intermediate_size=96,
-                            num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                            layer_types=["linear_attention", "hybrid", "hybrid"],
-                            attention_head_dim=16, n_mamba_heads=2, mamba_d_state=4,
-                            mamba_dt_rank=8, mamba_expand=2)
-    model = AutoModelForCausalLM.from_config(config)
+    model = _zamba()
     sp = SequenceParallelConfig.from_ds_config("configs/cpu_trainer.json", world_size=2)
     return value_error_of(lambda: apply_sp_recipe(model, config=sp, mesh=get_mesh(2, 2)))
 
