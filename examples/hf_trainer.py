@@ -11,7 +11,11 @@ ParallelismConfig(sp_backend="deepspeed", sp_size=<world>, ...))`` beside a Deep
 whose ``"ulysses"`` block adds tiling and offload. With ``--fsdp SP_JSON`` the Trainer runs
 FSDP2 instead of DeepSpeed (``TrainingArguments(fsdp="full_shard", fsdp_config={"version":
 2})``) and the SP settings are ``SequenceParallelTrainer(sp_config=SP_JSON)``.
-``--losses-out`` writes the logged training losses (and the eval loss) as JSON. After
+``--documents N`` packs N documents of varied lengths into each sequence (train and eval),
+in HF's packed convention (as ``DataCollatorWithFlattening`` makes it): ``position_ids``
+restart at 0 at each document and a document's first token is no label, so that attention
+and loss stay within documents; ``--plain --documents N`` trains the plain Trainer on the same packed
+batches. ``--losses-out`` writes the logged training losses (and the eval loss) as JSON. After
 training the model is the user's own again: ``--use-model DIR`` saves it to ``DIR``, runs it
 on a whole sequence (logits) and generates from it, on every rank, and writes those too.
 """
@@ -38,9 +42,11 @@ class _Plain(Trainer):
 
 
 def _plain_collate(features):
-    ids = torch.stack([f["input_ids"] for f in features])
-    labels = torch.stack([f["labels"] for f in features]) if "labels" in features[0] else ids
-    return {"input_ids": ids, "labels": labels}
+    """The samples stacked (``position_ids`` too, with ``--documents``); labels default to
+    the inputs."""
+    batch = {k: torch.stack([f[k] for f in features]) for k in features[0]}
+    batch.setdefault("labels", batch["input_ids"])
+    return batch
 
 
 class _UnevenLabels(torch.utils.data.Dataset):
@@ -59,6 +65,52 @@ class _UnevenLabels(torch.utils.data.Dataset):
         labels = torch.full_like(ids, -100)
         labels[1:k + 1] = ids[1:k + 1]
         return {"input_ids": ids, "labels": labels}
+
+
+MIN_DOCUMENT = 2
+"""The fewest tokens a packed document holds: its first is no label, so one more is its
+first target."""
+
+
+def check_documents(n: int | None, seq_len: int) -> None:
+    """``ValueError`` unless ``n`` documents of at least :data:`MIN_DOCUMENT` tokens fit in a
+    sequence of ``seq_len`` (``None``: no packing)."""
+    if n is not None and not 1 <= n <= seq_len // MIN_DOCUMENT:
+        raise ValueError(f"--documents {n}: give 1 to {seq_len // MIN_DOCUMENT} documents per "
+                         f"sequence of --seq-len {seq_len} (each holds at least "
+                         f"{MIN_DOCUMENT} tokens), or a longer --seq-len")
+
+
+class _PackedDocuments(torch.utils.data.Dataset):
+    """Each sample's sequence cut into ``n`` documents of varied lengths (at least
+    :data:`MIN_DOCUMENT` tokens each), packed as ``DataCollatorWithFlattening`` packs them:
+    ``position_ids`` restart at 0 at each document, and each document's first token is no
+    label (-100), so that no target is predicted across a boundary. The cuts are drawn from a
+    generator seeded by the sample's index: every rank and every run packs alike. ``n`` is
+    checked by :func:`check_documents` first."""
+
+    def __init__(self, samples, n: int) -> None:
+        self.samples, self.n = samples, n
+
+    def __len__(self) -> int:
+        return len(self.samples)
+
+    def __getitem__(self, i: int) -> dict:
+        sample = self.samples[i]
+        ids = sample["input_ids"]
+        seq_len, n = len(ids), self.n
+        # n - 1 cuts, each document MIN_DOCUMENT tokens and a random share of the rest.
+        g = torch.Generator().manual_seed(i)
+        spare = torch.randint(0, seq_len - MIN_DOCUMENT * n + 1, (n - 1,), generator=g)
+        starts = torch.cat([torch.zeros(1, dtype=torch.long),
+                            spare.sort().values + MIN_DOCUMENT * torch.arange(1, n)])
+        document = torch.zeros(seq_len, dtype=torch.long)
+        document[starts[1:]] = 1
+        document = document.cumsum(0)  # [S]: the document each token is in
+        labels = sample.get("labels", ids).clone()
+        labels[starts] = -100
+        return {"input_ids": ids, "labels": labels,
+                "position_ids": torch.arange(seq_len) - starts[document]}
 
 
 def _argmax(logits, labels):
@@ -168,6 +220,9 @@ def main() -> None:
     p.add_argument("--gradient-checkpointing", action="store_true",
                    help="TrainingArguments(gradient_checkpointing=True)")
     p.add_argument("--grad-accum", type=int, default=1, help="gradient_accumulation_steps")
+    p.add_argument("--documents", type=int, default=None, metavar="N",
+                   help="pack N documents of varied lengths into each sequence (position_ids "
+                        "restarting at each, HF's packed convention)")
     p.add_argument("--uneven-labels", action="store_true",
                    help="labels on 10 tokens of even samples and 200 of odd ones")
     p.add_argument("--zero-stage", type=int, default=None,
@@ -199,6 +254,7 @@ def main() -> None:
     p.add_argument("--use-model", type=Path, default=None, metavar="DIR",
                    help="after training: save_model(DIR), whole-sequence logits, generate()")
     args = p.parse_args()
+    check_documents(args.documents, args.seq_len)
 
     torch.manual_seed(0)
     model = build_model(args.model, args.seq_len)
@@ -207,6 +263,9 @@ def main() -> None:
     evaluation = torch.utils.data.Subset(corpus, range(64, 72))
     if args.uneven_labels:
         train, evaluation = _UnevenLabels(train), _UnevenLabels(evaluation)
+    if args.documents is not None:
+        train = _PackedDocuments(train, args.documents)
+        evaluation = _PackedDocuments(evaluation, args.documents)
     deepspeed = args.deepspeed
     if args.zero_stage is not None:
         deepspeed = json.loads(Path(args.deepspeed).read_text())
