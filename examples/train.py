@@ -2,7 +2,7 @@
 
     deepspeed --num_gpus 2 examples/train.py --deepspeed_config configs/cpu_demo.json \
         [--model tiny-llama | path/to/config.json] [--seq-len 1024] [--max-steps 30] \
-        [--save-dir checkpoints/demo --save-every 10] [--resume]
+        [--save-dir checkpoints/demo --save-every 10] [--resume [--convert-universal]]
 
 The CPU default is a tiny Llama built from a config (random weights), trained on byte-level
 tokens (vocab 256) of ``examples/data/corpus.txt``, a generated text shipped in the repo. The
@@ -14,7 +14,8 @@ step. ``--resume`` continues from the newest complete checkpoint in ``--save-dir
 writing was interrupted is passed over): same data order, same losses, step for step, as a
 run that was never stopped (fp32, same seed). At another world size or ZeRO stage it loads
 the checkpoint's universal conversion, or names the command that makes it
-(:mod:`arctic.train.ds_checkpoint`, docs/checkpoints.md).
+(:mod:`arctic.train.ds_checkpoint`, docs/checkpoints.md); with ``--convert-universal`` the
+resume runs that command itself first, on rank 0, while the other ranks wait.
 """
 
 from __future__ import annotations
@@ -37,12 +38,19 @@ from arctic.train.ds_checkpoint import (LAYOUT_FILE, CheckpointLayout, complete_
                                         load_checkpoint, save_checkpoint, unfinished_tags)
 from ulysses import flat_mesh
 
+CONVERT_FLAG = "--convert-universal"
+
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--deepspeed_config", "--deepspeed-config", default=str(REPO / "configs" /
                                                                             "cpu_demo.json"))
     add_job_args(p, seq_len=1024)
+    p.add_argument(CONVERT_FLAG, action="store_true",
+                   help="with --resume: when the checkpoint loads from its universal "
+                        "conversion (at another world size or ZeRO stage) and that does not "
+                        "exist yet, rank 0 makes it first (DeepSpeed's ds_to_universal) while "
+                        "the other ranks wait")
     p.add_argument("--local_rank", "--local-rank", type=int, default=None, help=argparse.SUPPRESS)
     return parse_job_args(p)
 
@@ -51,6 +59,9 @@ def main() -> None:
     args = parse_args()
     torch.manual_seed(args.seed)
     split_cpu_threads()
+    if args.convert_universal and not args.resume:
+        raise ValueError(f"{CONVERT_FLAG} converts the checkpoint that --resume loads: pass "
+                         f"--resume too")
     if args.resume and not complete_tags(args.save_dir):  # refused before anything is written
         raise ValueError(f"--resume: no complete checkpoint in {args.save_dir} (a complete one "
                          f"holds {LAYOUT_FILE}, written after every rank's files)")
@@ -69,7 +80,8 @@ def main() -> None:
 
     step, epoch, skip = 0, 0, 0
     if args.resume:
-        plan, client = load_checkpoint(engine, args.save_dir, layout=layout)
+        plan, client = load_checkpoint(engine, args.save_dir, layout=layout,
+                                       convert=args.convert_universal, convert_flag=CONVERT_FLAG)
         if rank == 0:
             print(f"resumed from {args.save_dir / plan.tag} (step {client['step']}"
                   + (f", universal, saved at {plan.saved.describe()})" if plan.universal

@@ -2,13 +2,14 @@
 resumed, and a checkpoint resumes at another layout through DeepSpeed's universal checkpoint,
 or is refused by name with the conversion command.
 
-- The resume plan, on checkpoint directories written here (no process group).
+- The resume plan, on checkpoint directories written here (no process group); rank 0's
+  conversion failing on 2 gloo ranks stops both.
 - ``examples/train.py`` under ZeRO-3, on the ranks the ``deepspeed`` launcher would start
   (tests/launch_pool.py; the README main job's test launches it for real): SP=2 on 2 ranks,
   killed (SIGKILL of the whole launch) while writing its step-4 checkpoint, after rank 0's
   files; at SP=4 on 4 ranks its newest complete checkpoint, step2, needs the universal
-  conversion; after the command the message names, the resumed steps' losses equal the SP=2
-  run's.
+  conversion; without ``--convert-universal`` the resume is refused naming the command and the
+  flag, and with it rank 0 converts once and the resumed steps' losses equal the SP=2 run's.
 - The HF Trainer under ZeRO-3, written at SP=2 on 2 ranks, resumed at SP=4 on 4 ranks from
   the conversion its resume plan names; (slow) without it, refused on every rank naming the
   command.
@@ -26,6 +27,7 @@ import sys
 import time
 from pathlib import Path
 
+import dist_pool
 import launch_pool
 import pytest
 
@@ -35,8 +37,10 @@ from arctic.train.ds_checkpoint import (
     complete_tags,
     plan_resume,
     universal_command,
+    universal_converted,
     write_layout,
 )
+from arctic.train.ds_universal import convert_on_rank0, read_latest
 
 REPO = Path(__file__).resolve().parent.parent
 ENV = {**os.environ, "PYTHONUNBUFFERED": "1"}
@@ -89,6 +93,23 @@ def test_another_layout_is_refused_with_the_command(tmp_path, current):
     assert "--input_folder" in message and str(tmp_path / "step2_universal") in message
 
 
+def test_the_conversion_is_planned_when_asked_for(tmp_path):
+    """``convert=True``: a missing conversion is planned (``convert_from``) instead of
+    refused; without it the refusal names the caller's flag beside the command."""
+    _checkpoint(tmp_path, "step2", SP2, 2)
+    plan = plan_resume(tmp_path, None, SP4, convert=True)
+    assert (plan.tag, plan.universal, plan.convert_from) == ("step2_universal", True, "step2")
+    assert plan_resume(tmp_path, None, SP2, convert=True).convert_from is None  # loads natively
+    with pytest.raises(ValueError) as err:
+        plan_resume(tmp_path, None, SP4, convert_flag="--convert-universal")
+    assert universal_command(tmp_path, "step2") in str(err.value)
+    assert "or resume with --convert-universal, which runs that command" in str(err.value)
+    (tmp_path / "step2_universal" / "zero").mkdir(parents=True)
+    (tmp_path / "step2_universal" / "zero" / "optimizer_state.pt").write_bytes(b"state")
+    (tmp_path / "latest_universal").write_text("step2_universal")
+    assert plan_resume(tmp_path, None, SP4, convert=True).convert_from is None  # converted
+
+
 def test_a_finished_conversion_is_loaded(tmp_path):
     _checkpoint(tmp_path, "step2", SP2, 2)
     converted = tmp_path / "step2_universal" / "zero"
@@ -114,6 +135,29 @@ def test_zero12_under_the_sp_mpu_is_refused_by_name(tmp_path):
                                                      zero_stage=2, sp_mpu=True))
     trainer = CheckpointLayout(world_size=2, sequence_parallel_size=2, zero_stage=2, sp_mpu=False)
     assert trainer.converts_to_universal()
+
+
+def _convert_broken(save_dir: str) -> str:
+    try:
+        convert_on_rank0(save_dir, "step2")
+    except RuntimeError as e:
+        return str(e)
+    return "converted"
+
+
+def test_a_failed_conversion_stops_every_rank(tmp_path):
+    """Rank 0's converter fails (a shard that is no torch file): every rank raises, none
+    waits on; what an earlier, interrupted conversion left is gone, not taken as finished."""
+    _checkpoint(tmp_path, "step2", SP2, 2)
+    (tmp_path / "step2_universal" / "zero").mkdir(parents=True)  # interrupted before
+    (tmp_path / "step2_universal" / "zero" / "leftover.pt").write_bytes(b"part")
+    (tmp_path / "latest_universal").write_text("step2_universal")
+    rank0, rank1 = dist_pool.run(_convert_broken, str(tmp_path), world_size=2)
+    assert rank0.startswith(f"the universal conversion of {tmp_path / 'step2'} failed: "
+                            f"{universal_command(tmp_path, 'step2')} exited with status 1")
+    assert rank1 == f"rank 0 could not convert {tmp_path / 'step2'}: RuntimeError: {rank0}"
+    assert read_latest(tmp_path, "latest_universal") is None
+    assert not (tmp_path / "step2_universal" / "zero" / "leftover.pt").exists()
 
 
 def test_bad_layouts_are_refused():
@@ -201,23 +245,25 @@ def test_killed_mid_write_then_resumed_at_sp4(tmp_path):
     print(f"\nkilled in step4's save after {time.perf_counter() - start:.0f} s; step4 holds "
           f"{sorted(files)}")
 
-    # SP=4 on 4 ranks: the newest complete checkpoint, step2, needs its universal conversion
-    # (the refusal on every rank, naming the command, is launched in
-    # test_trainer_checkpoint_resumes_at_sp4 and read in test_another_layout_is_refused_...)
+    # SP=4 on 4 ranks: the newest complete checkpoint, step2, needs its universal conversion;
+    # without --convert-universal every rank refuses, naming the command and the flag (the
+    # refusal on every rank is read in test_trainer_refuses_another_layout_on_every_rank)
     sp4 = ["--num_gpus", "4", *job, "--deepspeed_config", str(_config(tmp_path, 4)),
            "--resume", "--log-file", str(tmp_path / "sp4.jsonl")]
-    with pytest.raises(ValueError, match="must be loaded from its universal checkpoint") as e:
-        plan_resume(ckpt, "step2", SP4)
-    command = next(line.strip() for line in str(e.value).splitlines()
-                   if line.strip().startswith("python -m deepspeed.checkpoint.ds_to_universal"))
-    assert command == universal_command(ckpt, "step2")
+    refused = launch_pool.run(["deepspeed", *sp4], cwd=REPO, env=ENV)
+    assert refused.returncode == 1, refused.stdout[-3000:]
+    assert f"    {universal_command(ckpt, 'step2')}\n" in refused.stdout, refused.stdout[-3000:]
+    assert "or resume with --convert-universal, which runs that command" in refused.stdout
+    assert not (ckpt / "step2_universal").exists()
 
-    # the command, as the message gives it, then the same resume
-    argv = shlex.split(command)
-    converted = launch_pool.run([sys.executable, *argv[1:]], cwd=REPO, env=ENV, timeout=300)
-    assert converted.returncode == 0, converted.stdout[-3000:]
-    resumed = launch_pool.run(["deepspeed", *sp4], cwd=REPO, env=ENV)
+    # with it, rank 0 runs that command once, the others wait, and every rank loads it
+    resumed = launch_pool.run(["deepspeed", *sp4, "--convert-universal"], cwd=REPO, env=ENV)
     assert resumed.returncode == 0, resumed.stdout[-3000:]
+    progress = f"converting {ckpt / 'step2'} to a universal checkpoint (ds_to_universal) ..."
+    assert resumed.stdout.count(progress) == 1, resumed.stdout[-3000:]
+    assert resumed.stdout.count("*** Done!") == 1  # the converter's last line: it ran once
+    assert len(re.findall(r"^converted in \d+ s: ", resumed.stdout, flags=re.M)) == 1
+    assert universal_converted(ckpt, "step2")
     assert f"resumed from {ckpt / 'step2_universal'} (step 2, universal" in resumed.stdout
     assert f"skipped {ckpt / 'step4'}: its save did not finish" in resumed.stdout
     losses = _losses(tmp_path / "sp4.jsonl")
@@ -296,6 +342,16 @@ def test_trainer_refuses_another_layout_on_every_rank(tmp_path):
             in refused.stdout, refused.stdout[-3000:]
     assert re.search(r"^(?:\[rank\d\]:)?\s+python -m deepspeed\.checkpoint\.ds_to_universal ",
                      refused.stdout, flags=re.M)
+
+
+def test_convert_universal_needs_resume(tmp_path):
+    proc = launch_pool.launch("examples/train.py", "--save-dir", str(tmp_path / "ckpt"),
+                              "--convert-universal", nproc=1, cwd=REPO, env=ENV,
+                              launcher="deepspeed")
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    assert ("error: --convert-universal converts the checkpoint that --resume loads: pass "
+            "--resume too") in proc.stdout
+    assert not (tmp_path / "ckpt").exists()
 
 
 def test_a_refused_resume_writes_nothing(tmp_path):

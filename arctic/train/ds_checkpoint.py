@@ -13,11 +13,8 @@ dp x sp ranks under ``arctic.initialize``, all ranks under the Trainer. A checkp
 loads natively only at the world size and ZeRO stage it was written at; the sequence-parallel
 degree alone does not matter to DeepSpeed. At another world size or stage the state is read
 from a universal checkpoint, which ``python -m deepspeed.checkpoint.ds_to_universal`` converts
-from the native one (:func:`plan_resume` finds it, or refuses with that command).
-
-The conversion is not run in-process: it reads every rank's shards on one host (all the
-optimizer state in host memory), writes a second copy of the checkpoint, and at scale takes
-longer than a collective's timeout would let the other ranks wait.
+from the native one (:func:`plan_resume` finds it, or refuses with that command). Asked to,
+:func:`load_checkpoint` runs that conversion first, on rank 0 (:mod:`arctic.train.ds_universal`).
 """
 
 from __future__ import annotations
@@ -25,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shlex
 import shutil
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,12 +30,12 @@ import torch
 import torch.distributed as dist
 
 from arctic.config import zero_stage
+from arctic.train.ds_universal import (UNIVERSAL_SUFFIX, convert_on_rank0, read_latest,
+                                       universal_command, universal_converted)
 
 LAYOUT_FILE = "arctic_layout.json"
 """In each tag directory: the layout and global step; for :func:`save_checkpoint`, also the
 mark that every rank's files are written."""
-UNIVERSAL_SUFFIX = "_universal"
-"""The universal conversion of tag ``T`` is the tag ``T_universal`` beside it."""
 
 
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
@@ -103,14 +99,6 @@ def _write_atomically(path: Path, text: str) -> None:
     os.replace(tmp, path)
 
 
-def read_latest(load_dir: str | os.PathLike, name: str = "latest") -> str | None:
-    """The tag DeepSpeed's ``latest`` (or ``latest_universal``) file in ``load_dir`` names."""
-    try:
-        return (Path(load_dir) / name).read_text().strip() or None
-    except OSError:
-        return None
-
-
 def write_layout(load_dir: str | os.PathLike, tag: str | None, layout: CheckpointLayout, *,
                  global_steps: int) -> None:
     """Record ``layout`` in ``load_dir/tag`` (``tag=None``: the one ``latest`` names). Call it
@@ -153,23 +141,6 @@ def unfinished_tags(save_dir: str | os.PathLike) -> list[str]:
                   and read_layout(child) is None)
 
 
-def universal_command(load_dir: str | os.PathLike, tag: str) -> str:
-    """The shell command that converts ``load_dir/tag`` into the universal checkpoint
-    ``load_dir/tag_universal`` (and points ``load_dir/latest_universal`` at it)."""
-    src, dst = Path(load_dir) / tag, Path(load_dir) / f"{tag}{UNIVERSAL_SUFFIX}"
-    return (f"python -m deepspeed.checkpoint.ds_to_universal --input_folder "
-            f"{shlex.quote(str(src))} --output_folder {shlex.quote(str(dst))} "
-            f"--inject_missing_state")
-
-
-def universal_converted(load_dir: str | os.PathLike, tag: str) -> bool:
-    """Whether the conversion of ``load_dir/tag`` finished: ``ds_to_universal`` points
-    ``latest_universal`` at its output last of all."""
-    converted = f"{tag}{UNIVERSAL_SUFFIX}"
-    return read_latest(load_dir, "latest_universal") == converted and \
-        (Path(load_dir) / converted / "zero" / "optimizer_state.pt").is_file()
-
-
 @dataclasses.dataclass(kw_only=True, slots=True, frozen=True)
 class ResumePlan:
     """What :func:`plan_resume` decided."""
@@ -180,10 +151,14 @@ class ResumePlan:
     """Whether DeepSpeed must load it as a universal checkpoint (``load_universal``)."""
     saved: CheckpointLayout
     """The layout the checkpoint was written at."""
+    convert_from: str | None = None
+    """The native tag to convert into ``tag`` before the load (``plan_resume(...,
+    convert=True)`` and no finished conversion); ``None``: nothing to convert."""
 
 
 def plan_resume(load_dir: str | os.PathLike, tag: str | None, layout: CheckpointLayout, *,
-                load_universal: bool = False) -> ResumePlan:
+                load_universal: bool = False, convert: bool = False,
+                convert_flag: str | None = None) -> ResumePlan:
     """How to load checkpoint ``load_dir/tag`` (``tag=None``: the one ``latest`` names) into a
     job laid out as ``layout``. It reads files only, the same on every rank, so every rank
     returns the same plan or raises the same ``ValueError``, before any collective.
@@ -194,10 +169,15 @@ def plan_resume(load_dir: str | os.PathLike, tag: str | None, layout: Checkpoint
         layout: the resuming job's layout.
         load_universal: the DeepSpeed config's ``checkpoint.load_universal``; when set, the
             universal conversion is loaded at any layout.
+        convert: when the universal checkpoint is needed and not converted yet, plan its
+            conversion (``convert_from``) instead of refusing.
+        convert_flag: the caller's option that sets ``convert`` (``--convert-universal``),
+            named in the refusal beside the command.
 
     Returns:
         The native tag when it loads at ``layout``; its universal conversion when the layout
-        differs (or ``load_universal`` is set) and the conversion exists.
+        differs (or ``load_universal`` is set) and the conversion exists, or ``convert`` is
+        set (then with ``convert_from``).
 
     Raises:
         ValueError: no layout record in the checkpoint, or a universal checkpoint is needed
@@ -225,6 +205,9 @@ def plan_resume(load_dir: str | os.PathLike, tag: str | None, layout: Checkpoint
             f"sequence-parallel mpu (it reads the SP degree as a tensor-parallel degree). "
             f"Resume at world_size={saved.world_size} with zero_stage={saved.zero_stage}, or "
             f"train with ZeRO-3, whose checkpoints convert")
+    if convert:
+        return ResumePlan(tag=f"{tag}{UNIVERSAL_SUFFIX}", universal=True, saved=saved,
+                          convert_from=tag)
     why = ("the DeepSpeed config sets checkpoint.load_universal, and" if native else
            f"it was saved at {saved.describe()} and this job runs at {layout.describe()}: "
            f"ZeRO's shards depend on the world size and stage, so")
@@ -234,6 +217,8 @@ def plan_resume(load_dir: str | os.PathLike, tag: str | None, layout: Checkpoint
         f"GPU needed):\n    {universal_command(load_dir, tag)}\nthen resume again: the "
         f"conversion is found and loaded"
         + ("" if native else " (no config change needed)")
+        + (f"; or resume with {convert_flag}, which runs that command on rank 0 first"
+           if convert_flag else "")
         + (". Or resume at the saved layout" if not native else
            ". Or remove checkpoint.load_universal from the config"))
 
@@ -317,19 +302,25 @@ def save_checkpoint(engine, save_dir: str | os.PathLike, *, tag: str, client_sta
 
 
 def load_checkpoint(engine, save_dir: str | os.PathLike, *, layout: CheckpointLayout,
-                    tag: str | None = None) -> tuple[ResumePlan, dict]:
+                    tag: str | None = None, convert: bool = False,
+                    convert_flag: str | None = None) -> tuple[ResumePlan, dict]:
     """Load the newest complete checkpoint in ``save_dir`` (or ``tag``) into ``engine``, at
     ``layout``: natively, or from its universal conversion (:func:`plan_resume`). Returns the
     plan (which tag was loaded, how) and the client state it was saved with. ``ValueError``
     on every rank, before the load's first collective, when there is none or it needs a
-    conversion that was not made."""
+    conversion that was not made. With ``convert``, a missing conversion is made first, by
+    rank 0 while the others wait (:func:`~arctic.train.ds_universal.convert_on_rank0`);
+    ``convert_flag`` is named in the refusal without it (:func:`plan_resume`)."""
     if tag is None:
         tags = complete_tags(save_dir)
         if not tags:
             raise ValueError(f"no complete checkpoint in {save_dir} (a complete one holds "
                              f"{LAYOUT_FILE}, written after every rank's files)")
         tag = tags[-1]
-    plan = plan_resume(save_dir, tag, layout, load_universal=engine.load_universal_checkpoint())
+    plan = plan_resume(save_dir, tag, layout, load_universal=engine.load_universal_checkpoint(),
+                       convert=convert, convert_flag=convert_flag)
+    if plan.convert_from is not None:
+        convert_on_rank0(save_dir, plan.convert_from)
     with _universal_load(engine, plan.universal):
         path, client = engine.load_checkpoint(str(save_dir), tag=plan.tag)
     if plan.universal or engine.load_universal_checkpoint():
