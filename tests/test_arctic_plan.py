@@ -521,6 +521,57 @@ def test_trace_shortcuts_change_no_byte(ring, layers, seq_chunk):
         assert fast[phase] == peak, phase
 
 
+@pytest.mark.parametrize("ring,heads_per_chunk", [
+    (1, 1),
+    # 40 s: 32 head-chunk steps (period 1) of 8 ring hops each, counted in full
+    pytest.param(8, 1, marks=pytest.mark.slow),
+    pytest.param(2, 2, marks=pytest.mark.slow)])
+def test_work_trace_shortcuts_change_no_count(ring, heads_per_chunk):
+    """A work trace that leaves repeated tiles, head-chunk periods and ring hops out and
+    weighs the iteration before each left-out run (ulysses.trace_shortcuts.work_trace)
+    counts every class of work the full trace counts: the same FLOPs, bytes, collective
+    bytes and kernel launches."""
+    import torch
+
+    from arctic.plan.models import model_config
+    from arctic.plan.step import STACKS, stack_config
+    from arctic.plan.traces import _work_trace
+
+    world = 8
+    config = model_config("llama3-8b", layers=1)
+    sp = stack_config(dict(STACKS["ours"], ring_degree=ring, head_chunk_size=heads_per_chunk,
+                           tiled_mlp=5, loss_tiles=7), world=world)
+    seq_len = 2 * 1024 * world + 6 * world  # uneven tiles
+    counts = [_work_trace(config, sp, world, seq_len, shard=True, compute_dtype=torch.bfloat16,
+                          shortcuts=shortcuts).as_dict() for shortcuts in (False, True)]
+    assert counts[0]["ops"] > 0 and counts[0]["collective"] > 0
+    for k, full in counts[0].items():
+        assert counts[1][k] == pytest.approx(full, rel=1e-12, abs=0), k
+
+
+def test_work_trace_weighs_what_it_leaves_out():
+    """In a work trace over fake tensors, a loop leaves out the same iterations as in a memory
+    trace, and the iteration before each left-out run counts for it; over real tensors every
+    iteration runs once."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from arctic.tiling.tiles import tile_rows
+    from ulysses.trace_shortcuts import work_trace, work_weight
+
+    def run(x):
+        return [(i, n, work_weight()) for i, _, n in tile_rows(x, 10, 7)]
+
+    with work_trace():
+        assert run(torch.zeros(10)) == [(i, n, 1) for i, n in
+                                        enumerate((2, 2, 2, 1, 1, 1, 1))]
+        with FakeTensorMode():
+            fake = torch.zeros(10)
+            # sizes 2, 2, 2, 1, 1, 1, 1: tile 1 stands for tile 2, tile 4 for tile 5
+            assert run(fake) == [(0, 2, 1), (1, 2, 2), (3, 1, 1), (4, 1, 2), (6, 1, 1)]
+    assert work_weight() == 1
+
+
 def test_trace_shortcuts_never_touch_real_tensors():
     """Inside memory_trace(), tile loops over real tensors still run every tile (and the tiled
     loss is the same); over fake tensors they skip the repeats but keep the last tile."""

@@ -173,24 +173,34 @@ def _finish(src: ChunkSource, sent) -> None:
 #   anything new is acquired, and kernel outputs are dropped as soon as they are packed;
 # - a source's tensors (a projected chunk, say) live only until they are packed.
 
-def steps_run(steps: Sequence[Step], x: Tensor) -> list[int]:
-    """The indices of the steps a loop runs: all of them; in a memory trace
-    (:func:`ulysses.trace_shortcuts.skip` of ``x``), the schedule less its middle periods.
+def steps_run(steps: Sequence[Step], x: Tensor, *,
+              weighed: bool = True) -> list[tuple[int, int]]:
+    """``(index, times)`` of the steps a loop runs: all of them, once; in a memory or work
+    trace (:func:`ulysses.trace_shortcuts.skip_repeats` of ``x``), the schedule less its
+    middle periods.
 
     Steps differ only in which heads they take when their shapes (every rank's q and kv head
     counts, and which ranks send or return kv) repeat with a period p; the first two periods
     and the last then allocate and free all that the whole schedule does (the second shows
-    a period following another), and the periods between are left out."""
+    a period following another), and the periods between are left out. In a work trace the
+    second period's steps count for them (``times``: 1 + the periods left out): each loop
+    iteration finishes the step before it and starts the next one's exchange, so a run of
+    whole periods in phase does the work of as many periods, whichever step it starts at.
+    ``weighed=False``: a loop that does not weigh its steps, shortened in memory traces only
+    (:func:`ulysses.trace_shortcuts.skip`)."""
     n = len(steps)
-    if n < 4 or not trace_shortcuts.skip(x):
-        return list(range(n))
+    shortened = trace_shortcuts.skip_repeats(x) if weighed else trace_shortcuts.skip(x)
+    if n < 4 or not shortened:
+        return [(j, 1) for j in range(n)]
     shape = [(tuple(c for _, c in st.q), tuple(c for _, c in st.kv), st.kv_new, st.kv_done)
              for st in steps]
     for p in range(1, n // 3 + 1):
         if all(shape[j] == shape[j - p] for j in range(p, n)):
             tail = max(2 * p, (n - p) // p * p)  # a period's start: the run goes on in phase
-            return list(range(2 * p)) + list(range(tail, n))
-    return list(range(n))
+            times = 1 + (tail - 2 * p) // p
+            return ([(j, 1) for j in range(p)] + [(j, times) for j in range(p, 2 * p)] +
+                    [(j, 1) for j in range(tail, n)])
+    return [(j, 1) for j in range(n)]
 
 
 def run_forward(src: ChunkSource, out: Tensor, cfg: ChunkConfig, pool: BufferPool,
@@ -205,37 +215,39 @@ def run_forward(src: ChunkSource, out: Tensor, cfg: ChunkConfig, pool: BufferPoo
     def launch(j):
         return _send(src, "q", j, steps[j], steps[j].q[me][1], cfg, pool)
 
-    order = steps_run(steps, out)
+    run = steps_run(steps, out)
+    order = [j for j, _ in run]
     kv, pend_out, nxt = None, None, launch(order[0])
-    for i, j in enumerate(order):
-        st = steps[j]
-        if pend_out is not None:
-            _finish_out(pend_out, out)
-        kv = _exchange_kv(src, j, st, cfg, pool, (s, B, D), out.dtype) or kv
-        pq, n = nxt, st.q[me][1]
-        q_j = as_BSnD(pq, (s, B, n, D), U).to(out.dtype)  # waits before the next launch
-        nxt = launch(order[i + 1]) if cfg.overlap and i + 1 < len(order) else None
-        o_j = out.new_empty(B, s * U, 0, D)
-        if n:
-            k_j, v_j = kv[1]
-            o_j, lse_j = cfg.attn.forward(q_j, k_j, v_j)
-            if sinks is not None:
-                o_j, lse_j = apply_sinks(o_j, lse_j, sinks[j * n:(j + 1) * n])
-            lse[:, j * n:(j + 1) * n] = lse_j
-            del lse_j
-        del q_j
-        pq.release()
-        if st.kv_done[me]:
-            _release(kv)
-            kv = None
-        if nxt is not None:
-            nxt.arrive()  # ran during the kernel; frees its send buffer
-        pend_out = (to_seq(o_j, st.q, cfg.group, pool, cfg.comm_dtype), st.q)
-        del o_j
-        if not cfg.overlap:
-            _finish_out(pend_out, out)
-            pend_out = None
-            nxt = launch(order[i + 1]) if i + 1 < len(order) else None
+    for i, (j, times) in enumerate(run):
+        with trace_shortcuts.weighted(times):  # left-out periods' work, in a trace
+            st = steps[j]
+            if pend_out is not None:
+                _finish_out(pend_out, out)
+            kv = _exchange_kv(src, j, st, cfg, pool, (s, B, D), out.dtype) or kv
+            pq, n = nxt, st.q[me][1]
+            q_j = as_BSnD(pq, (s, B, n, D), U).to(out.dtype)  # waits before the next launch
+            nxt = launch(order[i + 1]) if cfg.overlap and i + 1 < len(order) else None
+            o_j = out.new_empty(B, s * U, 0, D)
+            if n:
+                k_j, v_j = kv[1]
+                o_j, lse_j = cfg.attn.forward(q_j, k_j, v_j)
+                if sinks is not None:
+                    o_j, lse_j = apply_sinks(o_j, lse_j, sinks[j * n:(j + 1) * n])
+                lse[:, j * n:(j + 1) * n] = lse_j
+                del lse_j
+            del q_j
+            pq.release()
+            if st.kv_done[me]:
+                _release(kv)
+                kv = None
+            if nxt is not None:
+                nxt.arrive()  # ran during the kernel; frees its send buffer
+            pend_out = (to_seq(o_j, st.q, cfg.group, pool, cfg.comm_dtype), st.q)
+            del o_j
+            if not cfg.overlap:
+                _finish_out(pend_out, out)
+                pend_out = None
+                nxt = launch(order[i + 1]) if i + 1 < len(order) else None
     if pend_out is not None:
         _finish_out(pend_out, out)
     _release(kv)
@@ -263,57 +275,60 @@ def run_backward(src: ChunkSource, out: Tensor, lse: Tensor, cfg: ChunkConfig,
         st = steps[j]
         return [_send(src, kind, j, st, st.q[me][1], cfg, pool) for kind in ("q", "dout")]
 
-    order = steps_run(steps, out)
+    run = steps_run(steps, out)
+    order = [j for j, _ in run]
     kv, dkv_sum, sent, nxt = None, None, [], launch(order[0])
-    for i, j in enumerate(order):
-        st = steps[j]
-        _finish(src, sent)
-        kv = _exchange_kv(src, j, st, cfg, pool, (s, B, D), out.dtype) or kv
-        n = st.q[me][1]
-        p_out = to_heads(out, st.q, n, cfg.group, pool, cfg.comm_dtype)
-        out_j = as_BSnD(p_out, (s, B, n, D), U).to(out.dtype)  # waits: frees its send buffer
-        pqs = nxt + [p_out]
-        # waits before the next launch
-        q_j, dout_j = (as_BSnD(p, (s, B, n, D), U).to(out.dtype) for p in pqs[:2])
-        nxt = launch(order[i + 1]) if cfg.overlap and i + 1 < len(order) else None
-        dq_j = out.new_empty(B, s * U, 0, D)
-        if n:
-            k_j, v_j = kv[1]
-            lse_j = lse[:, j * n:(j + 1) * n].contiguous()
-            dq_j, dk_j, dv_j = cfg.attn.backward(dout_j, q_j, k_j, v_j, out_j, lse_j)
-            if sinks is not None:
-                dsinks[j * n:(j + 1) * n] = sinks_grad(dout_j, out_j, lse_j,
-                                                       sinks[j * n:(j + 1) * n])
-            del lse_j
-            # Sum dk/dv over the q chunks sharing this kv chunk (in place); send once, when done.
-            if st.kv_new[me]:
-                dkv_sum = (dk_j.to(acc), dv_j.to(acc))
-            else:
-                dkv_sum[0].add_(dk_j), dkv_sum[1].add_(dv_j)
-            del dk_j, dv_j
-        del q_j, out_j, dout_j
-        for p in pqs:
-            p.release()
-        if st.kv_done[me]:
-            _release(kv)
-            kv = None
-        for p in nxt or ():
-            p.arrive()
-        sent = [(to_seq(dq_j, st.q, cfg.group, pool, cfg.comm_dtype), "q", j, st)]
-        del dq_j
-        ranges = st.kv_returned()
-        if ranges is not None:
-            empty = out.new_empty(B, s * U, 0, D)
-            sends = dkv_sum if st.kv_done[me] else (empty, empty)
-            sent += [(to_seq(d, ranges, cfg.group, pool, cfg.comm_dtype), kind, j, st)
-                     for d, kind in zip(sends, ("k", "v"))]
-            if st.kv_done[me]:
-                dkv_sum = None
-            del sends
-        if not cfg.overlap:
+    for i, (j, times) in enumerate(run):
+        with trace_shortcuts.weighted(times):  # left-out periods' work, in a trace
+            st = steps[j]
             _finish(src, sent)
-            sent = []
-            nxt = launch(order[i + 1]) if i + 1 < len(order) else None
+            kv = _exchange_kv(src, j, st, cfg, pool, (s, B, D), out.dtype) or kv
+            n = st.q[me][1]
+            p_out = to_heads(out, st.q, n, cfg.group, pool, cfg.comm_dtype)
+            out_j = as_BSnD(p_out, (s, B, n, D), U).to(out.dtype)  # waits: frees its send buffer
+            pqs = nxt + [p_out]
+            # waits before the next launch
+            q_j, dout_j = (as_BSnD(p, (s, B, n, D), U).to(out.dtype) for p in pqs[:2])
+            nxt = launch(order[i + 1]) if cfg.overlap and i + 1 < len(order) else None
+            dq_j = out.new_empty(B, s * U, 0, D)
+            if n:
+                k_j, v_j = kv[1]
+                lse_j = lse[:, j * n:(j + 1) * n].contiguous()
+                dq_j, dk_j, dv_j = cfg.attn.backward(dout_j, q_j, k_j, v_j, out_j, lse_j)
+                if sinks is not None:
+                    dsinks[j * n:(j + 1) * n] = sinks_grad(dout_j, out_j, lse_j,
+                                                           sinks[j * n:(j + 1) * n])
+                del lse_j
+                # Sum dk/dv over the q chunks sharing this kv chunk (in place); send once,
+                # when done.
+                if st.kv_new[me]:
+                    dkv_sum = (dk_j.to(acc), dv_j.to(acc))
+                else:
+                    dkv_sum[0].add_(dk_j), dkv_sum[1].add_(dv_j)
+                del dk_j, dv_j
+            del q_j, out_j, dout_j
+            for p in pqs:
+                p.release()
+            if st.kv_done[me]:
+                _release(kv)
+                kv = None
+            for p in nxt or ():
+                p.arrive()
+            sent = [(to_seq(dq_j, st.q, cfg.group, pool, cfg.comm_dtype), "q", j, st)]
+            del dq_j
+            ranges = st.kv_returned()
+            if ranges is not None:
+                empty = out.new_empty(B, s * U, 0, D)
+                sends = dkv_sum if st.kv_done[me] else (empty, empty)
+                sent += [(to_seq(d, ranges, cfg.group, pool, cfg.comm_dtype), kind, j, st)
+                         for d, kind in zip(sends, ("k", "v"))]
+                if st.kv_done[me]:
+                    dkv_sum = None
+                del sends
+            if not cfg.overlap:
+                _finish(src, sent)
+                sent = []
+                nxt = launch(order[i + 1]) if i + 1 < len(order) else None
     _finish(src, sent)
     _release(kv)
     return dsinks

@@ -202,19 +202,19 @@ class Hop:
         return self.recv
 
 
-def _hops_run(cfg: RingAttention, L: int, x: Tensor) -> list[int]:
-    """The ring steps a loop runs: all; in a memory trace (:func:`ulysses.trace_shortcuts.skip`
-    of ``x``), a step whose kernel calls have the shapes of the two before it is left out
-    unless it is the last, as it allocates and frees what they did. Hops 0 to 3 always run:
-    the first hops allocate the receive buffers that later hops reuse."""
-    if not trace_shortcuts.skip(x):
-        return list(range(cfg.size))
+def _hops_run(cfg: RingAttention, L: int, x: Tensor) -> list[tuple[int, int]]:
+    """``(step, times)`` of the ring steps a loop runs: all, once; in a memory or work trace
+    (:func:`ulysses.trace_shortcuts.repeats` of ``x``), a step whose kernel calls have the
+    shapes of the two before it is left out unless it is the last, as it allocates and frees
+    what they did, and the step run before it counts its work. Hops 0 to 3 always run: the
+    first hops allocate the receive buffers that later hops reuse."""
+    if not trace_shortcuts.skip_repeats(x):
+        return [(t, 1) for t in range(cfg.size)]
     shapes = [tuple((rows.start, p.q1 - p.q0, p.k1 - p.k0, p.kind)
                     for rows, pieces in _work(cfg, t, L) for p in pieces)
               for t in range(cfg.size)]
-    return [t for t in range(cfg.size)
-            if trace_shortcuts.kept(t, cfg.size, t >= 4 and shapes[t] == shapes[t - 1] ==
-                                    shapes[t - 2], x)]
+    return trace_shortcuts.repeats(
+        cfg.size, lambda t: t >= 4 and shapes[t] == shapes[t - 1] == shapes[t - 2], x)
 
 
 def _forward(q, k, v, cfg: RingAttention) -> tuple[Tensor, Tensor]:
@@ -224,20 +224,21 @@ def _forward(q, k, v, cfg: RingAttention) -> tuple[Tensor, Tensor]:
     lse = torch.full((B, h, L), float("-inf"), dtype=torch.float32, device=q.device)
     comm = k.dtype if cfg.comm_dtype is None else cfg.comm_dtype
     cur, spare = (k, v), None
-    for t in _hops_run(cfg, L, q):
-        hop = Hop(cur, spare, cfg, comm) if t + 1 < cfg.size else None
-        for rows, pieces in _work(cfg, t, L):
-            for p in pieces:
-                out_b, lse_b = piece_forward(q[rows], cur[0][rows], cur[1][rows], p,
-                                             scale=cfg.scale, backend=cfg.backend,
-                                             softcap=cfg.softcap)
-                merge_into(out[rows, p.q0:p.q1], lse[rows, :, p.q0:p.q1], out_b, lse_b)
-                del out_b, lse_b
-        if hop is not None:
-            # The block just used becomes the next receive buffer (never the caller's k, v);
-            # with a comm dtype other than k's, blocks in hand are cast copies instead.
-            spare = cur if t > 0 and comm == k.dtype else None
-            cur = tuple(b.to(k.dtype) for b in hop.wait())
+    for t, times in _hops_run(cfg, L, q):
+        with trace_shortcuts.weighted(times):  # left-out repeats' work, in a trace
+            hop = Hop(cur, spare, cfg, comm) if t + 1 < cfg.size else None
+            for rows, pieces in _work(cfg, t, L):
+                for p in pieces:
+                    out_b, lse_b = piece_forward(q[rows], cur[0][rows], cur[1][rows], p,
+                                                 scale=cfg.scale, backend=cfg.backend,
+                                                 softcap=cfg.softcap)
+                    merge_into(out[rows, p.q0:p.q1], lse[rows, :, p.q0:p.q1], out_b, lse_b)
+                    del out_b, lse_b
+            if hop is not None:
+                # The block just used becomes the next receive buffer (never the caller's k, v);
+                # with a comm dtype other than k's, blocks in hand are cast copies instead.
+                spare = cur if t > 0 and comm == k.dtype else None
+                cur = tuple(b.to(k.dtype) for b in hop.wait())
     return out.to(q.dtype), lse
 
 
@@ -248,29 +249,30 @@ def _backward(dout, q, k, v, out, lse, cfg: RingAttention) -> tuple[Tensor, Tens
                       (cfg.comm_dtype, cfg.comm_dtype))
     dq = torch.zeros(q.shape, dtype=acc, device=q.device)
     cur, spare, dkv_hop = (k, v), None, None
-    for t in _hops_run(cfg, L, q):
-        hop = Hop(cur, spare, cfg, comm) if t + 1 < cfg.size else None
-        # The partial dk/dv of the block in hand: fresh at step 0, else what the previous
-        # holder passed on (it travelled one hop behind the block itself).
-        if dkv_hop is None:
-            dkv = tuple(torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))
-        else:
-            dkv = tuple(d.to(acc) for d in dkv_hop.wait())
-        for rows, pieces in _work(cfg, t, L):
-            for p in pieces:
-                dq_b, dk_b, dv_b = piece_backward(dout[rows], q[rows], cur[0][rows],
-                                                  cur[1][rows], out[rows], lse[rows], p,
-                                                  scale=cfg.scale, backend=cfg.backend,
-                                                  softcap=cfg.softcap)
-                dq[rows, p.q0:p.q1] += dq_b
-                dkv[0][rows, p.k0:p.k1] += dk_b
-                dkv[1][rows, p.k0:p.k1] += dv_b
-                del dq_b, dk_b, dv_b
-        dkv_hop = Hop(dkv, None, cfg, comm_acc)  # after the last step: at the block's owner
-        del dkv
-        if hop is not None:
-            spare = cur if t > 0 and comm == k.dtype else None
-            cur = tuple(b.to(k.dtype) for b in hop.wait())
+    for t, times in _hops_run(cfg, L, q):
+        with trace_shortcuts.weighted(times):  # left-out repeats' work, in a trace
+            hop = Hop(cur, spare, cfg, comm) if t + 1 < cfg.size else None
+            # The partial dk/dv of the block in hand: fresh at step 0, else what the previous
+            # holder passed on (it travelled one hop behind the block itself).
+            if dkv_hop is None:
+                dkv = tuple(torch.zeros(t.shape, dtype=acc, device=t.device) for t in (k, v))
+            else:
+                dkv = tuple(d.to(acc) for d in dkv_hop.wait())
+            for rows, pieces in _work(cfg, t, L):
+                for p in pieces:
+                    dq_b, dk_b, dv_b = piece_backward(dout[rows], q[rows], cur[0][rows],
+                                                      cur[1][rows], out[rows], lse[rows], p,
+                                                      scale=cfg.scale, backend=cfg.backend,
+                                                      softcap=cfg.softcap)
+                    dq[rows, p.q0:p.q1] += dq_b
+                    dkv[0][rows, p.k0:p.k1] += dk_b
+                    dkv[1][rows, p.k0:p.k1] += dv_b
+                    del dq_b, dk_b, dv_b
+            dkv_hop = Hop(dkv, None, cfg, comm_acc)  # after the last step: at the block's owner
+            del dkv
+            if hop is not None:
+                spare = cur if t > 0 and comm == k.dtype else None
+                cur = tuple(b.to(k.dtype) for b in hop.wait())
     dk, dv = dkv_hop.wait()
     return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
 

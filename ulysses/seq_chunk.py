@@ -184,7 +184,7 @@ def run_forward(src: ChunkSource, out: Tensor, cfg: ChunkConfig, pool: BufferPoo
     blocks, host = Blocks(seq, U, s, out), HostBlocks(out, pool.stats)
     lse = torch.empty(B, cfg.layout.q_sizes[me], s * U, dtype=torch.float32, device=out.device)
     kv = None
-    for j in steps_run(steps, out):
+    for j, _ in steps_run(steps, out, weighed=False):
         st = steps[j]
         kv = _park_kv(src, j, st, cfg, pool, blocks, host, out) or kv
         n = st.q[me][1]
@@ -277,7 +277,7 @@ def run_backward(src: ChunkSource, out: Tensor, lse: Tensor, cfg: ChunkConfig,
     dsinks = None if sinks is None else torch.zeros(sinks.shape, dtype=torch.float32,
                                                     device=sinks.device)
     kv = dkv = None
-    for j in steps_run(steps, out):
+    for j, _ in steps_run(steps, out, weighed=False):
         st = steps[j]
         new = _park_kv(src, j, st, cfg, pool, blocks, host, out)
         if new is not None:

@@ -23,6 +23,13 @@ Two kinds of work cost a trace most of its time and change nothing it records:
 Inside :func:`memory_trace`, :func:`skip` is true for fake tensors, and the code that does
 such work skips it. It is false for any real tensor, so no real step can run short, and the
 planner's tests hold a shortcut trace to the full one, byte for byte.
+
+A trace that counts a step's work (:func:`work_trace`) may leave repeats out too, but not
+their work: the loops that support it (:func:`repeats`, and the head-chunk schedule of
+:mod:`ulysses.chunk_loop`) run the iteration before a left-out run under :func:`weighted`, and
+the counter multiplies what that iteration does by :func:`work_weight` (1 + the iterations
+it stands for). In-place work stays in a work trace (it moves bytes), and so do the loops
+that do not weigh their iterations; the planner's tests hold such a count to the full one.
 """
 
 from __future__ import annotations
@@ -37,6 +44,11 @@ from ulysses.torch_internals import is_fake, unset_fake_temporarily
 _SHORTCUTS: contextvars.ContextVar[bool] = contextvars.ContextVar("memory_trace_shortcuts",
                                                                   default=False)
 """Inside :func:`memory_trace` (scoped to the block, not the process)."""
+_REPEATS: contextvars.ContextVar[bool] = contextvars.ContextVar("work_trace_repeats",
+                                                               default=False)
+"""Inside :func:`work_trace`."""
+_WEIGHT: contextvars.ContextVar[int] = contextvars.ContextVar("work_weight", default=1)
+"""What the work counted now stands for (:func:`weighted`)."""
 
 
 def is_traced(x: Tensor) -> bool:
@@ -65,6 +77,59 @@ def memory_trace():
         yield
     finally:
         _SHORTCUTS.reset(token)
+
+
+@contextlib.contextmanager
+def work_trace():
+    """Let :func:`skip_repeats` answer true for fake tensors inside the block, for a trace
+    that counts work (the loops then weigh what they run: :func:`weighted`)."""
+    token = _REPEATS.set(True)
+    try:
+        yield
+    finally:
+        _REPEATS.reset(token)
+
+
+def skip_repeats(x: Tensor) -> bool:
+    """Whether a loop that weighs its iterations (:func:`weighted`) may leave repeats out:
+    inside :func:`memory_trace` or :func:`work_trace`, and ``x`` is a fake tensor."""
+    return (_SHORTCUTS.get() or _REPEATS.get()) and is_fake(x)
+
+
+def work_weight() -> int:
+    """How many times the work done now counts (1 outside :func:`weighted`)."""
+    return _WEIGHT.get()
+
+
+@contextlib.contextmanager
+def weighted(times: int):
+    """The work done inside the block counts ``times`` times (nested blocks multiply): an
+    iteration that stands for itself and ``times - 1`` left-out repeats of it."""
+    if times == 1:
+        yield
+        return
+    token = _WEIGHT.set(_WEIGHT.get() * times)
+    try:
+        yield
+    finally:
+        _WEIGHT.reset(token)
+
+
+def repeats(count: int, same_as_two_before, x: Tensor) -> list[tuple[int, int]]:
+    """``(index, times)`` of the iterations of a loop of ``count`` to run: all, once each; in
+    a memory or work trace (:func:`skip_repeats` of ``x``), an iteration that repeats the two
+    before it (``same_as_two_before(index)``) and is not the last is left out, and the one
+    run before it counts ``times`` = 1 + the left-out iterations after it. The loop runs each
+    under :func:`weighted` (``times``)."""
+    if not skip_repeats(x):
+        return [(i, 1) for i in range(count)]
+    out: list[tuple[int, int]] = []
+    for i in range(count):
+        if 2 <= i < count - 1 and same_as_two_before(i):
+            out[-1] = (out[-1][0], out[-1][1] + 1)
+        else:
+            out.append((i, 1))
+    return out
 
 
 def kept(index: int, count: int, same_as_two_before: bool, x: Tensor) -> bool:

@@ -26,7 +26,7 @@ from arctic.plan.step import (
 from arctic.plan.tracing import KINDS, Peak, buffer_pools, fake_world, track_peak
 from arctic.plan.work import Work, count_work
 from ulysses.torch_internals import FakeTensorMode
-from ulysses.trace_shortcuts import memory_trace
+from ulysses.trace_shortcuts import memory_trace, work_trace
 
 TRACE_LAYERS = (3, 4)
 """Layer counts traced when a model's own count is larger (see :func:`plan`)."""
@@ -90,13 +90,16 @@ def trace(config, sp, world: int, seq_len: int, *, shard: bool,
 
 
 def _work_trace(config, sp, world: int, seq_len: int, *, shard: bool,
-                compute_dtype) -> Work:
-    """One traced step's work (:func:`arctic.plan.work.count_work`), whole: no trace
-    shortcuts (they skip work a memory trace need not repeat). The offload pools' copies are
-    counted from their statistics (a trace copies nothing)."""
+                compute_dtype, shortcuts: bool = True) -> Work:
+    """One traced step's work (:func:`arctic.plan.work.count_work`). ``shortcuts``: the
+    loops that weigh their iterations leave repeats out and count them on the iteration
+    before (:func:`ulysses.trace_shortcuts.work_trace`): the same counts, at the cost of a
+    few iterations per loop. The offload pools' copies are counted from their statistics (a
+    trace copies nothing)."""
     fake_world(world)
     mesh = sp.dims(world).build_mesh("cpu")
-    with FakeTensorMode(allow_non_fake_inputs=True):
+    skipping = work_trace() if shortcuts else contextlib.nullcontext()
+    with FakeTensorMode(allow_non_fake_inputs=True), skipping:
         model, optimizer = build(config, sp, mesh, device="cpu", shard=shard,
                                  host_memory_limit=1 << 62, compute_dtype=compute_dtype)
         init_optimizer_state(model, optimizer)

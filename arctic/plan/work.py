@@ -34,6 +34,7 @@ import torch.distributed as dist
 from arctic.hf.anatomy import text_config_of
 from ulysses.kernels import observe_attention
 from ulysses.torch_internals import TorchDispatchMode, tree_flatten
+from ulysses.trace_shortcuts import work_weight
 
 CLASSES = ("attention_fwd", "attention_bwd", "gemm", "memory", "host_copy", "collective", "ops")
 
@@ -148,27 +149,28 @@ class _WorkMode(TorchDispatchMode):
         name = packet.__name__
         namespace = func.namespace
         w = self.work
+        times = work_weight()  # > 1: an iteration that stands for left-out repeats of it
         if namespace == "c10d":
             sent = _collective_bytes(name, args)
             if sent:
-                w.collective += sent
-                w.ops += 1
+                w.collective += times * sent
+                w.ops += times
             return out
         formula = self.gemms.get(packet) or self.inplace.get(packet)
         if formula is not None:
-            w.gemm += formula(*args, **kwargs, out_val=out)
-            w.ops += 1
+            w.gemm += times * formula(*args, **kwargs, out_val=out)
+            w.ops += times
             return out
         if func.is_view or name in _NO_KERNEL or namespace not in ("aten", "prims"):
             return out
         tensors = [t for t in tree_flatten((args, kwargs, out))[0]
                    if isinstance(t, torch.Tensor)]
-        moved = sum(map(_nbytes, tensors))
+        moved = times * sum(map(_nbytes, tensors))
         if name in _COPIES and len({t.device.type for t in tensors}) > 1:
             w.host_copy += moved / 2  # read on one side, written on the other
         else:
             w.memory += moved
-        w.ops += 1
+        w.ops += times
         return out
 
 
@@ -181,12 +183,13 @@ def count_work():
 
     @contextlib.contextmanager
     def attention(direction, q, k, v, causal, backend):
-        flops = attention_flops(q, k, v, causal)
+        times = work_weight()
+        flops = times * attention_flops(q, k, v, causal)
         if direction == "forward":
             work.attention_fwd += flops
         else:
             work.attention_bwd += BACKWARD_FACTOR * flops
-        work.ops += 1
+        work.ops += times
         mode.in_attention += 1
         try:
             yield

@@ -106,15 +106,14 @@ def _owner(mlp):
 def tile_rows(x: Tensor, rows: int, tiles: int):
     """``(index, start, rows)`` of ``tiles`` near-equal tiles of ``rows`` rows, split as
     ``tensor_split`` does (the first ``rows % tiles`` tiles one row longer). In a memory
-    trace, a tile that repeats the two before it is left out (:mod:`ulysses.trace_shortcuts`):
-    each tile frees all it allocates, so the planner's traces cost the same at any length."""
+    or work trace, a tile that repeats the two before it is left out
+    (:mod:`ulysses.trace_shortcuts`): each tile frees all it allocates, so the planner's
+    traces cost the same at any length; in a work trace the tile before counts for it (the
+    caller's work between two yields is weighted)."""
     q, r = divmod(rows, tiles)
-    start = 0
-    for i in range(tiles):
-        n = q + (i < r)
-        if trace_shortcuts.kept(i, tiles, i < r or i - 2 >= r, x):
-            yield i, start, n
-        start += n
+    for i, times in trace_shortcuts.repeats(tiles, lambda i: i < r or i - 2 >= r, x):
+        with trace_shortcuts.weighted(times):
+            yield i, i * q + min(i, r), q + (i < r)
 
 
 def _tiles(x_BSE: Tensor, tiles: int):
