@@ -572,6 +572,40 @@ def test_work_trace_weighs_what_it_leaves_out():
     assert work_weight() == 1
 
 
+def _seq_chunk_peak(ulysses: int, blocks: int, shortcuts: bool) -> int:
+    """The traced peak of one sequence-blocked attention fwd+bwd as rank 0 of ``ulysses``
+    ranks (a fake group): only the attention, so the peak falls inside its piece loops."""
+    import torch
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    from arctic.plan.tracing import fake_world
+    from ulysses import SequenceParallelDims, ulysses_attention
+    from ulysses.trace_shortcuts import memory_trace
+
+    fake_world(ulysses)
+    mesh = SequenceParallelDims(ulysses, ulysses, 1, True, False).build_mesh("cpu")
+    with FakeTensorMode(), memory_trace() if shortcuts else contextlib.nullcontext():
+        q, k, v, dout = (torch.randn(1, 96, h, 16) for h in (8, 4, 4, 8))
+        q.requires_grad_()
+        tracker = MemTracker()
+        tracker.track_external(q, k, v, dout)
+        with tracker:
+            ulysses_attention(q, k, v, mesh=mesh, causal=True, head_chunk_size=1,
+                              seq_chunk=blocks).backward(dout)
+        return tracker.get_tracker_snapshot("peak")[q.device]["Total"]
+
+
+def test_sequence_block_shortcuts_keep_the_largest_pieces():
+    """At Ulysses 4 a block pair holds pieces of up to 4 query lengths; the shortcut trace
+    keeps, of each kind and key length, the pieces with the most query rows, and its peak,
+    which falls inside the piece loops here, is the full trace's byte for byte."""
+    full, cut = (plan_server.call(_seq_chunk_peak, 4, 3, shortcuts,
+                                   env={"ARCTIC_PLAN_CACHE": _CACHE})
+                 for shortcuts in (False, True))
+    assert full == cut and full > 0, (full, cut)
+
+
 def test_trace_shortcuts_never_touch_real_tensors():
     """Inside memory_trace(), tile loops over real tensors still run every tile (and the tiled
     loss is the same); over fake tensors they skip the repeats but keep the last tile."""

@@ -151,18 +151,17 @@ def _two_of_each_per_row(work: list) -> list:
 
 
 def _two_of_each(pieces: list[Piece]) -> list[Piece]:
-    """A memory trace's pieces of one block pair: at most two of each shape. Each piece's
-    kernel output and merge temporaries are freed before the next piece runs, and it adds
-    into the block's accumulators in place, so a third piece of a shape allocates and frees
-    what the second did (with U runs per block a pair has up to 2U pieces)."""
-    count: dict = {}
-    kept = []
-    for p in pieces:
-        shape = (p.q1 - p.q0, p.k1 - p.k0, p.kind)
-        count[shape] = count.get(shape, 0) + 1
-        if count[shape] <= 2:
-            kept.append(p)
-    return kept
+    """A memory trace's pieces of one block pair: the first, and of each kind and key
+    length the two with the most query rows. Each piece's kernel output and merge
+    temporaries are freed before the next piece runs, and it adds into the block's
+    accumulators in place, so a piece allocates and frees at most what the largest of its
+    kind and key length does (with U runs per block a pair has up to 2U pieces, of U query
+    lengths)."""
+    best: dict = {}
+    for i, p in enumerate(pieces):
+        best.setdefault((p.k1 - p.k0, p.kind), []).append((p.q1 - p.q0, -i))
+    keep = {0} | {-i for group in best.values() for _, i in sorted(group)[-2:]}
+    return [p for i, p in enumerate(pieces) if i in keep]
 
 
 class Blocks:
