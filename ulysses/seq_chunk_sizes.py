@@ -145,12 +145,12 @@ def _kept(sigs: list, x: Tensor) -> list[int]:
         i, len(sigs), i >= 2 and sigs[i] == sigs[i - 1] == sigs[i - 2], x)]
 
 
-def _two_of_each_per_row(work: list) -> list:
-    """:func:`_two_of_each` of each batch row's pieces."""
-    return [(rows, _two_of_each(pieces)) for rows, pieces in work]
+def _largest_of_each_per_row(work: list) -> list:
+    """:func:`_largest_of_each` of each batch row's pieces."""
+    return [(rows, _largest_of_each(pieces)) for rows, pieces in work]
 
 
-def _two_of_each(pieces: list[Piece]) -> list[Piece]:
+def _largest_of_each(pieces: list[Piece]) -> list[Piece]:
     """A memory trace's pieces of one block pair: the first, and of each kind and key
     length the two with the most query rows. Each piece's kernel output and merge
     temporaries are freed before the next piece runs, and it adds into the block's
@@ -176,7 +176,7 @@ class Blocks:
         self.zigzag = ring is not None and ring.zigzag
         self.bounds = block_bounds(s, seq.num_blocks)
         N = seq.num_blocks
-        cut = _two_of_each_per_row if trace_shortcuts.skip(x) else list
+        cut = _largest_of_each_per_row if trace_shortcuts.skip(x) else list
         pairs = [(rho, u) for rho in self.ring_order() for u in range(N)]
         self._work = {(t, k): cut(self._cut(t, *k)) for t in range(N) for k in pairs}
         sizes = [b for _, b in self.bounds]

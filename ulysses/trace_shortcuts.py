@@ -101,18 +101,25 @@ def work_weight() -> int:
     return _WEIGHT.get()
 
 
-@contextlib.contextmanager
 def weighted(times: int):
-    """The work done inside the block counts ``times`` times (nested blocks multiply): an
-    iteration that stands for itself and ``times - 1`` left-out repeats of it."""
-    if times == 1:
-        yield
-        return
+    """A block whose work counts ``times`` times (nested blocks multiply): an iteration that
+    stands for itself and ``times - 1`` left-out repeats of it. At 1 (every real run) a
+    no-op context."""
+    return contextlib.nullcontext() if times == 1 else _weighted(times)
+
+
+@contextlib.contextmanager
+def _weighted(times: int):
     token = _WEIGHT.set(_WEIGHT.get() * times)
     try:
         yield
     finally:
         _WEIGHT.reset(token)
+
+
+def _left_out(index: int, count: int, same_as_two_before: bool) -> bool:
+    """The shortcuts' rule: an iteration that repeats the two before it and is not the last."""
+    return same_as_two_before and 2 <= index < count - 1
 
 
 def repeats(count: int, same_as_two_before, x: Tensor) -> list[tuple[int, int]]:
@@ -125,7 +132,7 @@ def repeats(count: int, same_as_two_before, x: Tensor) -> list[tuple[int, int]]:
         return [(i, 1) for i in range(count)]
     out: list[tuple[int, int]] = []
     for i in range(count):
-        if 2 <= i < count - 1 and same_as_two_before(i):
+        if _left_out(i, count, 2 <= i and same_as_two_before(i)):
             out[-1] = (out[-1][0], out[-1][1] + 1)
         else:
             out.append((i, 1))
@@ -135,4 +142,4 @@ def repeats(count: int, same_as_two_before, x: Tensor) -> list[tuple[int, int]]:
 def kept(index: int, count: int, same_as_two_before: bool, x: Tensor) -> bool:
     """Whether iteration ``index`` of ``count`` of a loop runs in a trace: all do, unless
     :func:`skip` (``x``) and it repeats the two before it and is not the last."""
-    return not (same_as_two_before and 2 <= index < count - 1 and skip(x))
+    return not (_left_out(index, count, same_as_two_before) and skip(x))
