@@ -65,6 +65,17 @@ def _rank_main(rank: int, world_size: int, init_file: str, address: str) -> None
     dist.destroy_process_group()
 
 
+def _freeze_heap() -> None:
+    """Move what the imports made out of the collector's reach: a forked rank's
+    ``gc.collect()`` (DeepSpeed's ZeRO-3 calls it while it partitions, the Trainer between
+    steps) then walks the rank's own objects, not the whole preloaded heap (0.9 s a call),
+    and its pages stay shared with the server's."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+
+
 def _serve(conn) -> None:
     """The fork server: imports :data:`PRELOAD`, then forks a pool's ranks on request."""
     import importlib
@@ -75,6 +86,7 @@ def _serve(conn) -> None:
             importlib.import_module(name)
         except ImportError:
             pass
+    _freeze_heap()
     while True:
         request = conn.recv()
         if request is None:

@@ -33,6 +33,8 @@ import sys
 import tempfile
 import time
 
+from dist_pool import _freeze_heap
+
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "numpy", "transformers", "accelerate",
            "deepspeed", "deepspeed.comm", "transformers.trainer", "arctic", "arctic.train.trainer",
            "arctic.train.deepspeed", "arctic.train.fsdp", "trl",
@@ -180,6 +182,7 @@ def _serve(conn, env: dict) -> None:
             importlib.import_module(name)
         except ImportError:
             pass
+    _freeze_heap()
     while True:
         request = conn.recv()
         if request is None:
