@@ -43,9 +43,8 @@ import torch.nn.functional as F
 from deepspeed.sequence.layer import DistributedAttention
 
 from ulysses import BufferPool, SequenceParallelDims, shard_sequence, ulysses_attention
-from ulysses.torch_internals import mem_tracker
+from ulysses.torch_internals import step_mem_tracker
 
-MemTracker = mem_tracker()[0]
 
 DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 TOLERANCE = {torch.float32: 1e-4, torch.bfloat16: 2e-2, torch.float16: 2e-2}  # atol = rtol
@@ -156,7 +155,7 @@ def peak_memory(fn, inputs, device) -> tuple[tuple[int, int], dict[str, torch.Te
         result = fwd_bwd(fn, inputs)
         peak = torch.cuda.max_memory_allocated(device) - base
     else:
-        mt = MemTracker()
+        mt = step_mem_tracker()  # MemTracker, its step peak alone
         # Registered up front, the inputs form the baseline (MemTracker would otherwise count
         # a storage only once an op touches it).
         mt.track_external(*inputs.values())

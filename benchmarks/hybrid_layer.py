@@ -41,9 +41,8 @@ sys.path.insert(0, str(REPO))
 
 from arctic.hf.mixers import check_mixers, install_mixers  # noqa: E402
 from ulysses import SequenceParallelDims, gather_sequence, shard_sequence  # noqa: E402
-from ulysses.torch_internals import mem_tracker  # noqa: E402
+from ulysses.torch_internals import step_mem_tracker  # noqa: E402
 
-MemTracker = mem_tracker()[0]
 MIB = 2**20
 
 
@@ -105,7 +104,7 @@ def measure(layer, x, device, starts=None):
         out, dx = step(layer, x, starts)
         torch.cuda.synchronize(device)
         return time.perf_counter() - t, torch.cuda.max_memory_allocated(device) - base, out, dx
-    mt = MemTracker()
+    mt = step_mem_tracker()  # MemTracker, its step peak alone
     mt.track_external(*(layer[0] if starts is not None else layer).parameters(), x)
     with mt:
         t = time.perf_counter()

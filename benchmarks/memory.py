@@ -63,9 +63,7 @@ from arctic.tiling.norms import apply_tiled_norms  # noqa: E402
 from arctic import apply_activation_checkpointing  # noqa: E402
 from ulysses import SequenceParallelDims, flat_mesh  # noqa: E402
 from ulysses.torch_internals import (FakeTensorMode, disable_current_modes,  # noqa: E402
-                                     mem_tracker)
-
-MemTracker = mem_tracker()[0]
+                                     step_mem_tracker)
 
 import _alst_peer  # noqa: E402  (benchmarks/, on sys.path as the script's directory)
 
@@ -166,7 +164,7 @@ def measure(model, batch, group, device) -> dict:
         torch.cuda.synchronize(device)
         peak = torch.cuda.max_memory_allocated(device)
     else:
-        mt = MemTracker()
+        mt = step_mem_tracker()  # MemTracker, its step peak alone
         mt.track_external(*model.parameters(), *filter(torch.is_tensor, batch.values()), *host)
         with mt:
             loss = step(model, batch, group)

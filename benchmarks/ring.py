@@ -42,9 +42,8 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 from ulysses import SequenceParallelDims, gather_sequence, shard_sequence, ulysses_attention
-from ulysses.torch_internals import context_parallel_internals, mem_tracker
+from ulysses.torch_internals import context_parallel_internals, step_mem_tracker
 
-MemTracker = mem_tracker()[0]
 
 MIB = 2**20
 NAMES = ("q", "k", "v", "dout")
@@ -211,7 +210,7 @@ def peak_beyond_inputs(impl, local, device) -> tuple[int, dict]:
         base = torch.cuda.memory_allocated(device)
         res = fwd_bwd(impl, local)
         return torch.cuda.max_memory_allocated(device) - base, res
-    mt = MemTracker()
+    mt = step_mem_tracker()  # MemTracker, its step peak alone
     mt.track_external(*local.values())
     with mt:
         base = mt.get_tracker_snapshot("current")[device]["Total"]

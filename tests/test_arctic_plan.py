@@ -577,7 +577,7 @@ def _seq_chunk_peak(ulysses: int, blocks: int, shortcuts: bool) -> int:
     ranks (a fake group): only the attention, so the peak falls inside its piece loops."""
     import torch
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from ulysses.torch_internals import step_mem_tracker
 
     from arctic.plan.tracing import fake_world
     from ulysses import SequenceParallelDims, ulysses_attention
@@ -588,7 +588,7 @@ def _seq_chunk_peak(ulysses: int, blocks: int, shortcuts: bool) -> int:
     with FakeTensorMode(), memory_trace() if shortcuts else contextlib.nullcontext():
         q, k, v, dout = (torch.randn(1, 96, h, 16) for h in (8, 4, 4, 8))
         q.requires_grad_()
-        tracker = MemTracker()
+        tracker = step_mem_tracker()
         tracker.track_external(q, k, v, dout)
         with tracker:
             ulysses_attention(q, k, v, mesh=mesh, causal=True, head_chunk_size=1,

@@ -70,7 +70,7 @@ def _ds_config(offload_param: bool, dtype: str, cpu_adam: bool) -> dict:
 
 def _rank_offload_step(config: dict) -> dict:
     import deepspeed
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from ulysses.torch_internals import step_mem_tracker
     from transformers import AutoModelForCausalLM, LlamaConfig
 
     from helpers import init_deepspeed_comm
@@ -87,7 +87,7 @@ def _rank_offload_step(config: dict) -> dict:
                       num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                       tie_word_embeddings=False)
     ids = torch.randint(0, 256, (1, S), generator=torch.Generator().manual_seed(1))
-    with MemTracker() as mt:
+    with step_mem_tracker() as mt:
         torch.manual_seed(0)
         model = AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
         engine, *_ = deepspeed.initialize(model=model, model_parameters=model.parameters(),

@@ -11,7 +11,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.distributed._tools.mem_tracker import MemTracker
+from ulysses.torch_internals import step_mem_tracker
 
 import dist_pool
 from arctic.loss.token import sp_token_loss
@@ -61,7 +61,7 @@ def test_tiled_mlp_never_holds_the_whole_intermediate():
     x = torch.randn(1, S, E, requires_grad=True)
     peaks = {}
     for name, module in (("plain", mlp), ("tiled", TiledMLP(mlp, tiles=16))):
-        mt = MemTracker()
+        mt = step_mem_tracker()
         mt.track_external(x, *mlp.parameters())
         with mt:
             base = mt.get_tracker_snapshot("current")[x.device]["Total"]
@@ -117,7 +117,7 @@ def test_tiled_loss_peak_is_a_quarter_of_untiled():
     for name, fn in (("untiled", untiled), ("tiled", tiled)):
         runs = []
         for _ in range(2):
-            mt = MemTracker()
+            mt = step_mem_tracker()
             mt.track_external(h, w, labels)
             with mt:
                 base = mt.get_tracker_snapshot("current")[h.device]["Total"]
@@ -248,7 +248,7 @@ def test_tiled_norms_match_untiled_and_cut_the_norm_backward_peak():
     x = torch.randn(1, S, E, dtype=torch.bfloat16, requires_grad=True)
 
     def peak(module):
-        mt = MemTracker()
+        mt = step_mem_tracker()
         mt.track_external(module, x)
         with mt:
             module(x).float().sum().backward()

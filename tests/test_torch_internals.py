@@ -117,6 +117,31 @@ def test_mem_tracker_counts_an_allocation():
     assert peak >= x.numel()
 
 
+def test_step_mem_tracker_keeps_memtrackers_step_peak_and_no_module_peaks():
+    """The same peak snapshot as MemTracker's, byte for byte, over a step through many
+    modules; the per-module peaks MemTracker keeps (a walk over every module it has seen, at
+    each allocation) are not kept."""
+    MemTracker = ti.mem_tracker()[0]
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+                            for _ in range(6)))
+    x = torch.randn(16, 32)
+    snaps = []
+    for tracker in (MemTracker(), ti.step_mem_tracker()):
+        tracker.track_external(model, x)
+        with tracker:
+            model(x).square().sum().backward()
+        model.zero_grad(set_to_none=True)
+        snaps.append((tracker.get_tracker_snapshot("peak"), tracker))
+    (full, torch_tracker), (step, ours) = snaps
+    assert step == full and full[x.device]["Total"] > 0
+    # MemTracker raises a module's peak inside it; ours only notes it at the module's ends
+    dev = x.device
+    inside = [t.local_peak[dev] > o.local_peak.get(dev, 0) for t, o in
+              zip(torch_tracker.memory_tracking.values(), ours.memory_tracking.values())]
+    assert len(inside) == len(list(model.modules())) and any(inside)
+
+
 def test_forward_hooks_swap():
     m = nn.Linear(2, 2)
     m.register_forward_pre_hook(lambda mod, args: None)

@@ -85,7 +85,7 @@ def test_matches_deepspeed_with_rotary():
 def _rank_peak_memory(H, K):
     """MemTracker peak of one fwd+bwd, inputs allocated outside the tracker on both sides."""
     from deepspeed.sequence.layer import DistributedAttention as DSDistributedAttention
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from ulysses.torch_internals import step_mem_tracker
 
     init_deepspeed_comm()
     mesh = get_mesh(2, 2)
@@ -98,7 +98,7 @@ def _rank_peak_memory(H, K):
         runs = []
         for _ in range(3):
             leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-            with MemTracker() as mt:
+            with step_mem_tracker() as mt:
                 fn(*leaves).backward(dout)
             runs.append(mt.get_tracker_snapshot("peak")[q.device]["Total"])
         # gloo's worker thread drops its reference to a collective's buffers just after it

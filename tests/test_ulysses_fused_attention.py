@@ -269,7 +269,7 @@ def _rank_attention_peak(S_full, hidden, H, K):
     """MemTracker peak (beyond what exists before) of one HF attention block's forward +
     backward at c=1, stock forward vs fused; min of 3 warm runs each (gloo's worker thread can
     hold a finished exchange's buffer a moment longer, which only ever adds memory)."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from ulysses.torch_internals import step_mem_tracker
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from arctic.hf.attention import apply_sequence_parallel
@@ -293,7 +293,7 @@ def _rank_attention_peak(S_full, hidden, H, K):
         for _ in range(4):
             model.zero_grad(set_to_none=True)
             leaf = x.clone().requires_grad_()
-            mt = MemTracker()
+            mt = step_mem_tracker()
             mt.track_external(model, leaf, dy, cos, sin)
             with mt:
                 base = mt.get_tracker_snapshot("current")[x.device]["Total"]

@@ -153,10 +153,10 @@ def test_pool_reuses_buffers_across_chunks_and_layers():
 def _transient(mesh, pool, q, k, v, dout, chunk):
     """Transient peak of one fwd+bwd: MemTracker peak beyond the inputs, minus the output and
     input gradients."""
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from ulysses.torch_internals import step_mem_tracker
 
     leaves = [t.clone().requires_grad_() for t in (q, k, v)]
-    mt = MemTracker()
+    mt = step_mem_tracker()
     mt.track_external(*leaves, dout)
     with mt:
         base = mt.get_tracker_snapshot("current")[q.device]["Total"]

@@ -380,7 +380,7 @@ def _rank_trace(N, shortcuts, window):
     import contextlib
 
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from ulysses.torch_internals import step_mem_tracker
 
     import ulysses.seq_chunk as sc
     from ulysses.trace_shortcuts import memory_trace
@@ -398,7 +398,7 @@ def _rank_trace(N, shortcuts, window):
         with FakeTensorMode(), memory_trace() if shortcuts else contextlib.nullcontext():
             q, k, v, dout = (torch.randn(1, 64, h, D) for h in (4, 2, 2, 4))
             q.requires_grad_()
-            tracker = MemTracker()
+            tracker = step_mem_tracker()
             tracker.track_external(q, k, v, dout)
             with tracker:
                 ulysses_attention(q, k, v, mesh=mesh, causal=True, head_chunk_size=1,

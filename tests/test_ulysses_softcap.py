@@ -66,7 +66,7 @@ def _traced_peak(shortcuts: bool, causal: bool) -> tuple[int, int]:
     import contextlib
 
     from torch._subclasses.fake_tensor import FakeTensorMode
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from ulysses.torch_internals import step_mem_tracker
 
     from ulysses.trace_shortcuts import memory_trace
 
@@ -80,7 +80,7 @@ def _traced_peak(shortcuts: bool, causal: bool) -> tuple[int, int]:
     try:
         with FakeTensorMode(), memory_trace() if shortcuts else contextlib.nullcontext():
             q, k, v, dout = make_qkv(0, 1, 300, 4, 2, 16, torch.float32)
-            tracker = MemTracker()
+            tracker = step_mem_tracker()
             tracker.track_external(q, k, v, dout)
             with tracker:
                 out, lse = blockwise.softcap_forward(q, k, v, causal, 0.25, 5.0)

@@ -16,7 +16,8 @@ What is read, and why:
 - ``torch.utils._pytree``: activation checkpointing flattens a layer's arguments;
 - the fake process group's store (``torch.testing._internal.distributed.fake_pg``): one rank
   of a large job, emulated by the planner and the GPU benchmarks;
-- ``torch.distributed._tools.mem_tracker``: peak memory on CPU (the planner, benchmarks);
+- ``torch.distributed._tools.mem_tracker``: peak memory on CPU (the planner, benchmarks),
+  with its step peak alone (:func:`step_mem_tracker`);
 - torch's experimental context-parallel attention: the ring benchmark's peer;
 - a module's forward hook dicts: the loss probe runs a head without its hooks, the tiled
   layer refuses hooks it would skip, and the SP loss finds DeepSpeed's engine hook;
@@ -28,6 +29,8 @@ What is read, and why:
 """
 
 from __future__ import annotations
+
+import functools
 
 import torch
 from torch import nn
@@ -86,6 +89,29 @@ def mem_tracker():
     except ImportError as e:
         raise _missing("torch.distributed._tools.mem_tracker", e) from e
     return MemTracker, _TOTAL_KEY, _MemRefType, get_untyped_storages
+
+
+@functools.cache
+def _step_mem_tracker_class():
+    MemTracker, total_key, _, _ = mem_tracker()
+
+    class StepMemTracker(MemTracker):
+        def _update_peak_stats(self, peak_state) -> None:
+            for dev, snap in self._curr_mem_snap.items():
+                if self._peak_mem.get(dev, 0) < snap[total_key]:
+                    self._peak_mem[dev] = snap[total_key]
+                    self._peak_mem_snap[dev] = dict(snap)
+
+    return StepMemTracker
+
+
+def step_mem_tracker():
+    """A new :class:`MemTracker` that keeps the step's peak per device only: its
+    ``get_tracker_snapshot("peak")`` is MemTracker's, byte for byte. MemTracker also keeps
+    every module's own peak, walking all the modules it has seen at each allocation, which
+    makes a long step quadratic (a quarter of benchmarks/memory.py's 4-layer step on CPU);
+    nothing here reads those per-module peaks."""
+    return _step_mem_tracker_class()()
 
 
 def context_parallel_internals():
