@@ -12,16 +12,26 @@ starts a fresh one).
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import io
 import multiprocessing
 import os
+import shutil
 import subprocess
 import sys
+import tempfile
 
 _EXECUTOR: concurrent.futures.ProcessPoolExecutor | None = None
 _ENV: dict[str, str] | None = None
+
+CACHE = tempfile.mkdtemp(prefix="arctic-plan-cache-")
+"""The trace cache of this pytest run, shared by the planner's test files: one planner
+process serves them all (another environment would start another), and a trace one file made
+is one the next need not make again (the keys hold the code, the settings and the shapes)."""
+atexit.register(shutil.rmtree, CACHE, ignore_errors=True)
+ENV = {"ARCTIC_PLAN_CACHE": CACHE}
 
 
 def _start(env: dict[str, str]) -> None:

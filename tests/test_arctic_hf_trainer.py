@@ -152,8 +152,17 @@ def _check_the_trained_models(sp: dict, plain: dict) -> None:
     assert sp_logits.shape == (1, 64, 256)
     torch.testing.assert_close(sp_logits, plain_logits, rtol=0, atol=1e-4)
     loaded = AutoModelForCausalLM.from_pretrained(sp["model_dir"])
-    with torch.no_grad():
-        assert torch.equal(loaded(input_ids=torch.tensor(sp["ids"])).logits, sp_logits)
+    # Bit for bit: the saved fp32 weights are the trained ones, and the forward is the one
+    # the rank ran, on the same shapes and, pinned here, its one thread (torchrun's
+    # OMP_NUM_THREADS=1): a kernel may split its sums by thread count.
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        with torch.no_grad():
+            logits = loaded(input_ids=torch.tensor(sp["ids"])).logits
+    finally:
+        torch.set_num_threads(threads)
+    assert torch.equal(logits, sp_logits)
     print(f"\nlogits SP=2 vs plain: largest difference "
           f"{(sp_logits - plain_logits).abs().max().item():.3g}")
     _check_parameters(sp, plain, 1e-4)

@@ -7,14 +7,11 @@ other tests."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 from pathlib import Path
 
 import launch_pool
@@ -28,8 +25,7 @@ pytest.importorskip("transformers", reason="the planner builds HF models ([hf])"
 REPO = Path(__file__).resolve().parent.parent
 
 
-_CACHE = tempfile.mkdtemp(prefix="arctic-plan-cache-")
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)  # this run's traces, shared by its tests
+_CACHE = plan_server.CACHE  # this run's traces, shared by the planner's tests
 
 
 def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
@@ -57,7 +53,7 @@ def test_predicted_peaks_match_the_memory_benchmark_within_10_percent(tmp_path):
     measured peak is MemTracker's on real tensors over gloo; the prediction traces rank 0 with
     fake tensors on the fake process group, through the same build() and step()."""
     # 4 layers: offload lowers the peak (at 2 the prefetch brings layer 0 back for the peak)
-    common = ["--seq", "2048", "--layers", "4"]
+    common = ["--seq", "1024", "--layers", "4"]
     stacks = ["ulysses", "+chunking", "+tiling", "+ckpt+offload"]
     # the prediction (one thread, fake tensors) and the two ranks that measure
     predicting = launch_pool.Started(
@@ -429,13 +425,13 @@ def test_ds_config_with_a_disk_tier(tmp_path):
     proc = _run(*args, "--seq-len", "8K")
     assert proc.returncode != 0 and "give --disk" in proc.stderr, proc.stderr[-2000:]
     out = tmp_path / "written.json"
-    proc = _run(*args, "--find-max", "--no-search", "--gpu-memory", "48MiB", "--disk", "1GiB",
+    proc = _run(*args, "--seq-len", "8K", "--gpu-memory", "48MiB", "--disk", "1GiB",
                 "--offload-dir", str(tmp_path), "--write-config", str(out))
     assert proc.returncode == 0, proc.stderr[-3000:]
     written = json.loads(out.read_text())["ulysses"]
     assert written["offload_dir"] == str(tmp_path) and written["attention_backend"] == "math"
     assert written["offload_io"] == "aio"
-    proc = _run(*args, "--find-max", "--no-search", "--gpu-memory", "48MiB", "--disk", "1GiB",
+    proc = _run(*args, "--seq-len", "8K", "--gpu-memory", "48MiB", "--disk", "1GiB",
                 "--write-config", str(out))  # the config's own directory is kept
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert json.loads(out.read_text())["ulysses"]["offload_dir"] == "/nvme/not/on/this/machine"

@@ -8,12 +8,9 @@ Traces that initialize torch's fake process group run in the planner's own proce
 
 from __future__ import annotations
 
-import atexit
 import json
 import math
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import plan_server
@@ -28,9 +25,7 @@ from arctic.plan.work import BACKWARD_FACTOR, Work, attention_flops, count_work
 pytest.importorskip("transformers", reason="the planner builds HF models ([hf])")
 
 REPO = Path(__file__).resolve().parent.parent
-_CACHE = tempfile.mkdtemp(prefix="arctic-plan-speed-cache-")
-atexit.register(shutil.rmtree, _CACHE, ignore_errors=True)
-_ENV = {"ARCTIC_PLAN_CACHE": _CACHE}
+_ENV = plan_server.ENV  # the traces the planner's other tests made, and one planner process
 
 
 def _rates(**change) -> Rates:

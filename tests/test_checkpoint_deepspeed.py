@@ -305,6 +305,9 @@ def _trainer_written_at_sp2(tmp_path: Path, port: int) -> tuple[dict, Path]:
     return json.loads(full_out.read_text())["loss_by_step"], tmp_path / "full" / "checkpoint-3"
 
 
+@pytest.mark.slow  # 23 s; the resume at SP=4 through the conversion, in the default run:
+# test_killed_mid_write_then_resumed_at_sp4 (examples/train.py), and the Trainer's resume
+# plan: test_another_layout_is_refused_with_the_command, test_a_finished_conversion_is_loaded
 def test_trainer_checkpoint_resumes_at_sp4(tmp_path):
     """SequenceParallelTrainer under ZeRO-3: written at SP=2 on 2 ranks, resumed at SP=4 on
     4 ranks from checkpoint-3 through the conversion its resume plan names: steps 4-6 equal
