@@ -6,6 +6,7 @@ extends them to the model's depth and the sequence length."""
 
 from __future__ import annotations
 
+import atexit
 import contextlib
 import copy
 import logging
@@ -271,7 +272,27 @@ def prefetch(jobs: list[tuple[Tracer, int, int]]) -> None:
     todo.sort(key=lambda j: (-j[2], -j[1]))  # deepest first: the workers finish together
     if len(todo) < 2 or WORKERS < 2 or cache_dir() is None:
         return
-    with _workers_context().Pool(min(WORKERS, len(todo))) as pool:
-        for held in pool.map(_trace_in_worker, [t.job(n, d) for t, n, d in todo],
-                             chunksize=1):
-            HELD.extend(held)
+    for held in _pool().map(_trace_in_worker, [t.job(n, d) for t, n, d in todo], chunksize=1):
+        HELD.extend(held)
+
+
+_POOL: list = []
+"""The tracing workers of this process, once started (:func:`_pool`)."""
+
+
+def _pool():
+    """:data:`WORKERS` tracing processes, started at the first prefetch and kept for the
+    later ones: a process's first trace pays about 2 s of torch's one-time set-up (a tiny
+    Llama's first trace 3.6 s, its next 1.8 s), which a worker kept for the whole search
+    pays once (a trace that raises leaves its worker in the pool)."""
+    if not _POOL:
+        _POOL.append(_workers_context().Pool(WORKERS))
+        atexit.register(_close_pool)
+    return _POOL[0]
+
+
+def _close_pool() -> None:
+    while _POOL:
+        pool = _POOL.pop()
+        pool.terminate()
+        pool.join()
