@@ -28,22 +28,26 @@ REPO = Path(__file__).resolve().parent.parent
 _CACHE = plan_server.CACHE  # this run's traces, shared by the planner's tests
 
 
-def _run(*args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+def _run(*args: str, timeout: int = 300, step_time: bool = False) -> subprocess.CompletedProcess:
     """``python *args``; ``-m arctic.plan ...`` goes to the planner's process."""
     if args[:2] == ("-m", "arctic.plan"):
         if not {"--find-max", "--search", "--no-search"} & set(args):
             # these tests plan given settings; --seq-len alone searches the fastest ones
             # (tests/test_arctic_plan_speed.py)
             args = (*args, "--no-search")
+        ranks_by_time = "--search" in args and "--find-max" not in args
+        if not (step_time or ranks_by_time or "--rates" in args):
+            # memory, not the step time: the speed model's tests are test_arctic_plan_speed.py
+            args = (*args, "--no-step-time")
         return plan_server.plan(list(args[2:]), env={"ARCTIC_PLAN_CACHE": _CACHE},
                                 timeout=timeout)
     env = dict(os.environ, ARCTIC_PLAN_CACHE=_CACHE)
     return launch_pool.run([sys.executable, *args], cwd=REPO, timeout=timeout, env=env)
 
 
-def _plan(tmp_path: Path, *args: str, name: str = "plan.json") -> dict:
+def _plan(tmp_path: Path, *args: str, name: str = "plan.json", step_time: bool = False) -> dict:
     out = tmp_path / name
-    proc = _run("-m", "arctic.plan", *args, "--json", str(out))
+    proc = _run("-m", "arctic.plan", *args, "--json", str(out), step_time=step_time)
     assert proc.returncode == 0, proc.stderr[-3000:]
     return json.loads(out.read_text())
 
@@ -363,6 +367,31 @@ def test_ds_config_search_starts_from_the_least_memory_settings(tmp_path):
     assert "activation_checkpointing=True, offload_activations=True" in start, start
     assert f"did not write {out}: no settings fit 16,384 tokens" in proc.stdout, proc.stdout
     assert not out.exists()
+
+
+def test_no_step_time_answers_memory_alone(tmp_path):
+    """--no-step-time: the same memory answer without the predicted step time, and without
+    the work traces that time counts (the plain run after it traces them); refused beside
+    --rates, and with the settings search, which ranks settings by their step time."""
+    # loss tiles no other test plans: traces of its own in the run's shared cache
+    args = ["--model", "tiny-llama", "--gpus", "2", "--seq-len", "10K", "--stack", "ours",
+            "--loss-tiles", "3"]
+    traces = lambda: len(list(Path(_CACHE).glob("*.json")))  # noqa: E731
+    before = traces()
+    memory = _plan(tmp_path, *args, "--no-step-time", name="memory.json",
+                   step_time=True)["estimate"]
+    after_memory = traces()
+    timed = _plan(tmp_path, *args, name="timed.json", step_time=True)["estimate"]
+    assert memory["predicted"] is None and timed["predicted"]["step_s"] > 0
+    assert after_memory > before and traces() > after_memory  # the work traces came after
+    for key in ("device_peak_bytes", "host_peak_bytes", "by_kind", "fits"):
+        assert memory[key] == timed[key], key
+    proc = _run("-m", "arctic.plan", *args, "--no-step-time", step_time=True)
+    assert proc.returncode == 0 and "predicted step" not in proc.stdout, proc.stdout
+    for extra, why in ((["--rates", "h200"], "--rates h200 with --no-step-time"),
+                       (["--search"], "--no-step-time with the settings search")):
+        proc = _run("-m", "arctic.plan", *args, "--no-step-time", *extra, step_time=True)
+        assert proc.returncode != 0 and why in proc.stderr, proc.stderr[-2000:]
 
 
 def test_launch_lines_name_only_a_file_that_was_written(tmp_path):

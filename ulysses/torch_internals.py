@@ -221,5 +221,6 @@ __all__ = ["FakeTensorMode", "TorchDispatchMode", "TorchInternalsError", "contex
            "cuda_allocator_setter", "detect_fake_mode",
            "disable_current_modes", "fake_store", "forward_hooks", "fsdp_param_groups",
            "flatten_mesh", "fsdp_unit_settings", "is_fake", "mem_tracker", "set_cuda_allocator_settings",
-           "set_forward_hooks", "tensor_version", "tree_flatten", "tree_unflatten",
+           "set_forward_hooks", "step_mem_tracker", "tensor_version", "tree_flatten",
+           "tree_unflatten",
            "unset_fake_temporarily", "view_base"]

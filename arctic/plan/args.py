@@ -114,9 +114,13 @@ def parse_args(argv=None) -> argparse.Namespace:
                         "unless settings are given: --stack, --ds-config or any setting "
                         "below); with --find-max, the longest length (default unless --ring "
                         "or --ulysses is given)")
-    p.add_argument("--rates", default="h100",
+    p.add_argument("--rates", default=None,
                    help="the device's rates for the predicted step time: h100, h200, or a "
                         "file that --calibrate wrote (default h100)")
+    p.add_argument("--no-step-time", action="store_true",
+                   help="memory only: no predicted step time, and none of the work traces "
+                        "it counts (faster); not with the settings search of --seq-len, "
+                        "which ranks settings by their step time")
     p.add_argument("--calibrate", type=Path, default=None, metavar="RATES_JSON",
                    help="measure this machine's rates (CUDA if present, else CPU) as "
                         "--calibrate-world ranks use it, write them to RATES_JSON, and exit")

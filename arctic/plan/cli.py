@@ -154,7 +154,15 @@ def _main(args: argparse.Namespace) -> int:
         return _calibrate(args)
     if args.seq_len is None and not args.find_max:
         raise SystemExit("give --seq-len, or --find-max")
-    rates = rates_from(args.rates)  # a bad --rates fails before any trace
+    if args.no_step_time and args.rates is not None:
+        raise ValueError(f"--rates {args.rates} with --no-step-time: the rates time the step "
+                         "that --no-step-time leaves out; give one or the other")
+    if args.no_step_time and args.seq_len is not None and not args.find_max and searches(args):
+        raise ValueError("--no-step-time with the settings search: the search ranks settings "
+                         "by their predicted step time; give settings (--stack, --ds-config "
+                         "or a setting) or --no-search")
+    rates = rates_from(args.rates or "h100")  # a bad --rates fails before any trace
+    step_rates = None if args.no_step_time else rates
     fields = settings_from_args(args)
     placement = _placement(args)
     # The disk tier's directory for the printed and written config, checked before any trace.
@@ -192,7 +200,7 @@ def _main(args: argparse.Namespace) -> int:
         return _fastest(args, config, fields, placement, plan_at, rates, result)
     chosen, best, candidates = {"sequence_parallel_size": world, **fields}, None, []
     if args.seq_len is not None:
-        e = plan_at(args.seq_len, with_rates=rates)
+        e = plan_at(args.seq_len, with_rates=step_rates)
         estimates.append(e)
         print(report(e))
         result["estimate"] = e.as_dict()
@@ -224,8 +232,8 @@ def _main(args: argparse.Namespace) -> int:
             best, tried = find_max(plan_at, start=start, granule=1024 * sp)
             estimates += tried
         print(f"longest that fits: {best:,} tokens ({best / 1e6:.2f}M)")
-        if best:
-            at_best = plan_at(best, chosen, with_rates=rates)
+        if best and step_rates is not None:
+            at_best = plan_at(best, chosen, with_rates=step_rates)
             print(prediction_line(at_best))
             result["predicted"] = at_best.prediction.as_dict()
         if "offload_state" in chosen:
