@@ -410,7 +410,7 @@ def _rank_trace(N, shortcuts, window):
 
 
 @pytest.mark.parametrize("window", [None, pytest.param(20, marks=pytest.mark.slow)],
-                         ids=["causal", "window20"])  # window20: 18 s, the same shortcuts
+                         ids=["causal", "window20"])  # window20: 5 s, the same shortcuts
 def test_memory_trace_shortcuts(window):
     """The planner's shortcut trace keeps only block iterations whose shapes differ from the
     two before: the same peak as the full trace, byte for byte (left-out blocks still hold
