@@ -65,7 +65,7 @@ def _rank_main(rank: int, world_size: int, init_file: str, address: str) -> None
     dist.destroy_process_group()
 
 
-def _freeze_heap() -> None:
+def freeze_heap() -> None:
     """Move what the imports made out of the collector's reach: a forked rank's
     ``gc.collect()`` (DeepSpeed's ZeRO-3 calls it while it partitions, the Trainer between
     steps) then walks the rank's own objects, not the whole preloaded heap (0.9 s a call),
@@ -86,7 +86,7 @@ def _serve(conn) -> None:
             importlib.import_module(name)
         except ImportError:
             pass
-    _freeze_heap()
+    freeze_heap()
     while True:
         request = conn.recv()
         if request is None:

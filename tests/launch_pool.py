@@ -33,7 +33,7 @@ import sys
 import tempfile
 import time
 
-from dist_pool import _freeze_heap
+from dist_pool import freeze_heap
 
 PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "numpy", "transformers", "accelerate",
            "deepspeed", "deepspeed.comm", "transformers.trainer", "arctic", "arctic.train.trainer",
@@ -182,7 +182,7 @@ def _serve(conn, env: dict) -> None:
             importlib.import_module(name)
         except ImportError:
             pass
-    _freeze_heap()
+    freeze_heap()
     while True:
         request = conn.recv()
         if request is None:

@@ -98,11 +98,25 @@ def _step_mem_tracker_class():
     class StepMemTracker(MemTracker):
         def _update_peak_stats(self, peak_state) -> None:
             for dev, snap in self._curr_mem_snap.items():
+                self._at_allocation(dev, snap[total_key])
                 if self._peak_mem.get(dev, 0) < snap[total_key]:
                     self._peak_mem[dev] = snap[total_key]
                     self._peak_mem_snap[dev] = dict(snap)
+                    self._at_new_peak(dev, snap[total_key])
+
+        def _at_allocation(self, dev, total: int) -> None:
+            """A subclass's note of each allocation's device total."""
+
+        def _at_new_peak(self, dev, total: int) -> None:
+            """A subclass's note of a new step peak."""
 
     return StepMemTracker
+
+
+def step_mem_tracker_class():
+    """The class of :func:`step_mem_tracker`'s trackers, to subclass (the planner's tracker
+    notes more at each allocation and each new peak: ``_at_allocation``, ``_at_new_peak``)."""
+    return _step_mem_tracker_class()
 
 
 def step_mem_tracker():
@@ -221,6 +235,6 @@ __all__ = ["FakeTensorMode", "TorchDispatchMode", "TorchInternalsError", "contex
            "cuda_allocator_setter", "detect_fake_mode",
            "disable_current_modes", "fake_store", "forward_hooks", "fsdp_param_groups",
            "flatten_mesh", "fsdp_unit_settings", "is_fake", "mem_tracker", "set_cuda_allocator_settings",
-           "set_forward_hooks", "step_mem_tracker", "tensor_version", "tree_flatten",
-           "tree_unflatten",
+           "set_forward_hooks", "step_mem_tracker", "step_mem_tracker_class",
+           "tensor_version", "tree_flatten", "tree_unflatten",
            "unset_fake_temporarily", "view_base"]

@@ -20,7 +20,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ulysses import BufferPool
-from ulysses.torch_internals import fake_store, mem_tracker
+from ulysses.torch_internals import fake_store, mem_tracker, step_mem_tracker_class
 
 
 def fake_world(world: int) -> None:
@@ -73,7 +73,7 @@ class Peak:
 def _tracker_class():
     """The tracker's class, made when a trace runs: it subclasses torch's private MemTracker,
     which importing the planner should not need."""
-    MemTracker, _TOTAL_KEY, _MemRefType, get_untyped_storages = mem_tracker()
+    _, _TOTAL_KEY, _MemRefType, get_untyped_storages = mem_tracker()
     from torch.utils.weak import WeakIdKeyDictionary
 
     names = {_MemRefType.PARAM: "parameters", _MemRefType.BUFFER: "parameters",
@@ -81,9 +81,9 @@ def _tracker_class():
              _MemRefType.ACT: "activations", _MemRefType.TEMP: "temporaries",
              _MemRefType.OTH: "temporaries"}
 
-    class Tracker(MemTracker):
-        """MemTracker that also notes, at each new peak, the bytes of head-chunk buffers
-        (storages that the traced pools created) alive at that moment."""
+    class Tracker(step_mem_tracker_class()):
+        """MemTracker (the step's peak alone) that also notes, at each new peak, the bytes
+        of head-chunk buffers (storages that the traced pools created) alive then."""
 
         def __init__(self) -> None:
             super().__init__()
@@ -169,22 +169,18 @@ def _tracker_class():
             self.pool_at_peak = {d: sum(st.nbytes() for st in list(self.pool_storages))
                                  for d in self._curr_mem_snap}
 
-        def _update_peak_stats(self, peak_state) -> None:
-            # The step's peak only: MemTracker also keeps every module's peak, walking all
-            # modules at each allocation, which makes a 32-layer trace quadratic.
-            for dev, snap in self._curr_mem_snap.items():
-                if dev.type == "cpu":  # the device; "meta" holds the offload pool's buffers
-                    self._note_stateless(snap[_TOTAL_KEY])
-                if self._peak_mem.get(dev, 0) < snap[_TOTAL_KEY]:
-                    self._peak_mem[dev] = snap[_TOTAL_KEY]
-                    self._peak_mem_snap[dev] = dict(snap)
-                    # (one device per trace; fake storages report "meta")
-                    self.pool_at_peak[dev] = sum(st.nbytes() for st in list(self.pool_storages))
-                    # What is alive at the peak, for the report; refreshed when the peak
-                    # grew by 1% (each refresh walks every live storage).
-                    if snap[_TOTAL_KEY] > 1.01 * self._labeled_at.get(dev, 0):
-                        self._labeled_at[dev] = snap[_TOTAL_KEY]
-                        self.largest_at_peak[dev] = self._largest()
+        def _at_allocation(self, dev, total: int) -> None:
+            if dev.type == "cpu":  # the device; "meta" holds the offload pool's buffers
+                self._note_stateless(total)
+
+        def _at_new_peak(self, dev, total: int) -> None:
+            # (one device per trace; fake storages report "meta")
+            self.pool_at_peak[dev] = sum(st.nbytes() for st in list(self.pool_storages))
+            # What is alive at the peak, for the report; refreshed when the peak grew by 1%
+            # (each refresh walks every live storage).
+            if total > 1.01 * self._labeled_at.get(dev, 0):
+                self._labeled_at[dev] = total
+                self.largest_at_peak[dev] = self._largest()
 
         def breakdown(self, device_type: str) -> Peak:
             snaps = {d: s for d, s in self.get_tracker_snapshot("peak").items()
