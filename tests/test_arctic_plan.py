@@ -501,6 +501,29 @@ def test_track_peak_counts_the_given_pools_buffers_and_restores_their_hooks():
     del again, not_ours
 
 
+def test_a_tensor_is_labelled_with_one_module_whatever_order_the_modules_come_in():
+    """What is alive at the peak is grouped by the innermost module that made it; of sibling
+    modules alike in depth (a backward runs k_proj's and v_proj's at once), the same one
+    names it in every process. (The tracker keeps the modules in a set, whose order follows
+    the string hash, which differs from process to process: the planner's answer changed
+    from run to run.)"""
+    import torch
+
+    from arctic.plan.tracing import _tracker_class
+    from ulysses.torch_internals import mem_tracker
+
+    activation = mem_tracker()[2].ACT
+    named = []
+    for parents in (["Global", "m", "m.k_proj", "m.v_proj"],
+                    ["m.v_proj", "m.k_proj", "m", "Global"]):
+        tracker = _tracker_class()()
+        tracker._mod_tracker.parents = parents
+        made = torch.empty(4)  # labelled while it lives
+        tracker._track(activation, made)
+        named += [label for label, _, _ in tracker.labels.values()]
+    assert named == ["before the step in m.v_proj (forward)"] * 2, named
+
+
 def test_length_line_matches_a_traced_length_within_1_percent(tmp_path):
     """Issue 18's speed-up: a 4-layer Llama-3-8B on 8 ranks at 160K tokens per rank, read off
     the line through the 48K and 96K traces (checked at 128K), agrees with the length traced

@@ -12,6 +12,7 @@ that runs the suite (CI runs it on the tested torch and on the newest), and nowh
 from __future__ import annotations
 
 import ast
+import contextlib
 import re
 import subprocess
 import sys
@@ -117,24 +118,42 @@ def test_mem_tracker_counts_an_allocation():
     assert peak >= x.numel()
 
 
-def test_step_mem_tracker_keeps_memtrackers_step_peak_and_no_module_peaks():
+@pytest.mark.parametrize("fake", [False, True], ids=["real", "fake"])
+def test_step_mem_tracker_keeps_memtrackers_step_peak_and_no_module_peaks(fake):
     """The same peak snapshot as MemTracker's, byte for byte, over a step through many
-    modules; the per-module peaks MemTracker keeps (a walk over every module it has seen, at
-    each allocation) are not kept."""
+    modules, on real tensors and on fake ones (the planner's); the per-module peaks MemTracker
+    keeps (a walk over every module it has seen, at each allocation) are not kept. A fake
+    tensor's ``.device`` reaches the tracker as an op (most of the ops a step on fake tensors
+    dispatches): it is answered without MemTracker's tracking of results, since it has none."""
     MemTracker = ti.mem_tracker()[0]
-    torch.manual_seed(0)
-    model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
-                            for _ in range(6)))
-    x = torch.randn(16, 32)
+    dispatched, tracked = [], []
+
+    class Ours(ti.step_mem_tracker_class()):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            dispatched.append(func)
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
+        def _tracked_dispatch(self, func, types, args, kwargs):
+            tracked.append(func)
+            return super()._tracked_dispatch(func, types, args, kwargs)
+
     snaps = []
-    for tracker in (MemTracker(), ti.step_mem_tracker()):
-        tracker.track_external(model, x)
-        with tracker:
-            model(x).square().sum().backward()
-        model.zero_grad(set_to_none=True)
-        snaps.append((tracker.get_tracker_snapshot("peak"), tracker))
+    with ti.FakeTensorMode() if fake else contextlib.nullcontext():
+        torch.manual_seed(0)
+        model = nn.Sequential(*(nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+                                for _ in range(6)))
+        x = torch.randn(16, 32)
+        for tracker in (MemTracker(), Ours()):
+            tracker.track_external(model, x)
+            with tracker:
+                model(x).square().sum().backward()
+            model.zero_grad(set_to_none=True)
+            snaps.append((tracker.get_tracker_snapshot("peak"), tracker))
     (full, torch_tracker), (step, ours) = snaps
     assert step == full and full[x.device]["Total"] > 0
+    device = torch.ops.prim.device.default
+    assert device not in tracked and len(tracked) == len(dispatched) - dispatched.count(device)
+    assert dispatched.count(device) > (len(dispatched) // 2 if fake else -1)
     # MemTracker raises a module's peak inside it; ours only notes it at the module's ends
     dev = x.device
     inside = [t.local_peak[dev] > o.local_peak.get(dev, 0) for t, o in

@@ -48,7 +48,7 @@ def _missing(what: str, error: BaseException | None = None) -> TorchInternalsErr
 
 
 try:
-    from torch._guards import detect_fake_mode
+    from torch._guards import active_fake_mode, detect_fake_mode
     from torch._subclasses.fake_tensor import (
         FakeTensorMode,
         is_fake,
@@ -95,7 +95,26 @@ def mem_tracker():
 def _step_mem_tracker_class():
     MemTracker, total_key, _, _ = mem_tracker()
 
+    from torch.distributed.tensor import DTensor
+
+    device_op = torch.ops.prim.device.default
+
     class StepMemTracker(MemTracker):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            # A fake tensor's ``.device`` reaches every dispatch mode as ``prim.device``
+            # (half the ops of a planner's trace). It returns no tensor, so MemTracker's
+            # tracking of its result does nothing: only the peak update after it is kept.
+            if func is device_op and DTensor not in types:
+                device = func(*args, **(kwargs or {}))
+                if active_fake_mode() is self._fake_mode_on_entry:
+                    self._update_peak_stats(None)
+                return device
+            return self._tracked_dispatch(func, types, args, kwargs)
+
+        def _tracked_dispatch(self, func, types, args, kwargs):
+            """MemTracker's dispatch of an op whose results it tracks; a subclass's hook."""
+            return super().__torch_dispatch__(func, types, args, kwargs)
+
         def _update_peak_stats(self, peak_state) -> None:
             for dev, snap in self._curr_mem_snap.items():
                 self._at_allocation(dev, snap[total_key])

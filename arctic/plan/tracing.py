@@ -123,15 +123,18 @@ def _tracker_class():
                 self.stateless_peak = max(self.stateless_peak,
                                           total - self.state_fixed - self._grad_shards())
 
-        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        def _tracked_dispatch(self, func, types, args, kwargs):
             self._op = func.__name__.split(".")[0]
-            return super().__torch_dispatch__(func, types, args, kwargs)
+            return super()._tracked_dispatch(func, types, args, kwargs)
 
         def _track(self, reftype, t) -> None:
             super()._track(reftype, t)
             for st in get_untyped_storages(t):
                 if st not in self.labels:
-                    where = max(self._mod_tracker.parents, key=len, default="")
+                    # the innermost module; of siblings alike in depth (k_proj and v_proj
+                    # in a backward), the same one in every process (a set's order is not)
+                    where = max(self._mod_tracker.parents, key=lambda m: (len(m), m),
+                                default="")
                     phase = "backward" if self._mod_tracker.is_bw else "forward"
                     self.labels[st] = (f"{self._op} in {where or 'the step'} ({phase})",
                                        st.nbytes(), t.device.type)
