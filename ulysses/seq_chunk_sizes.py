@@ -152,7 +152,7 @@ def _largest_of_each_per_row(work: list) -> list:
 
 def _largest_of_each(pieces: list[Piece]) -> list[Piece]:
     """A memory trace's pieces of one block pair: the first, and of each kind and key
-    length the two with the most query rows. Each piece's kernel output and merge
+    length the one with the most query rows. Each piece's kernel output and merge
     temporaries are freed before the next piece runs, and it adds into the block's
     accumulators in place, so a piece allocates and frees at most what the largest of its
     kind and key length does (with U runs per block a pair has up to 2U pieces, of U query
@@ -160,7 +160,7 @@ def _largest_of_each(pieces: list[Piece]) -> list[Piece]:
     best: dict = {}
     for i, p in enumerate(pieces):
         best.setdefault((p.k1 - p.k0, p.kind), []).append((p.q1 - p.q0, -i))
-    keep = {0} | {-i for group in best.values() for _, i in sorted(group)[-2:]}
+    keep = {0} | {-max(group)[1] for group in best.values()}  # of equals, the first
     return [p for i, p in enumerate(pieces) if i in keep]
 
 
