@@ -82,3 +82,47 @@ def _rank_bad_sizes():
 def test_uneven_without_sizes_is_value_error():
     for msg in dist_pool.run(_rank_bad_sizes, world_size=2):
         assert msg is not None and "(5)" in msg and "group size (2)" in msg
+
+
+def test_a_work_trace_packs_one_block_of_each_size_and_counts_them_all():
+    """Packing an exchange's send buffer (and placing received blocks) copies every block in
+    a real step; a work trace over fake tensors copies the first block of each size once,
+    weighed by how many share it, so the counted work is the full loop's."""
+    from torch._subclasses.fake_tensor import FakeTensorMode
+
+    from arctic.plan.work import count_work
+    from ulysses.all_to_all import _pack_blocks
+    from ulysses.chunk_loop import place_blocks
+    from ulysses.trace_shortcuts import work_trace
+
+    def pack_and_place(make):
+        blocks = [make(2, 3) * r for r in range(4)] + [make(1, 3), make(0, 3)]
+        numels = [b.numel() for b in blocks]
+        send = make(sum(numels))
+        dest = make(1, 2, 9, 3)  # heads (0, 2), (2, 2), (4, 2), (6, 2), (8, 1), (8, 0)
+        ranges = [(0, 2), (2, 2), (4, 2), (6, 2), (8, 1), (8, 0)]
+        got = [b.view(1, 1, *b.shape).expand(1, 2, *b.shape) for b in blocks]
+        with count_work() as work:
+            _pack_blocks(send, blocks, numels, skip=1)
+            place_blocks(dest, ranges, got, add=False)
+        return work, send, dest
+
+    real, send, dest = pack_and_place(lambda *s: torch.ones(*s))
+    assert send[6:12].eq(1).all()  # the skipped block's place is left alone
+    assert torch.equal(send[:6], torch.zeros(6)) and torch.equal(send[12:18], torch.full((6,), 2.0))
+    assert torch.equal(dest[0, 0, 6:8], torch.full((2, 3), 3.0))
+    with work_trace(), FakeTensorMode() as mode, _CopyCount() as copies:
+        traced_work, _, _ = pack_and_place(lambda *s: mode.from_tensor(torch.ones(*s)))
+    for k, v in real.as_dict().items():
+        assert traced_work.as_dict()[k] == v, k
+    assert real.ops == 5 + 5  # 5 packed (one skipped, an empty one included), 5 placed
+    # packed: one of 6 elements (for 3), one of 3, one empty; placed: one of 2 heads (for 4), one of 1
+    assert copies.n == 3 + 2
+
+
+class _CopyCount(torch.utils._python_dispatch.TorchDispatchMode):
+    n = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        self.n += func is torch.ops.aten.copy_.default
+        return func(*args, **(kwargs or {}))

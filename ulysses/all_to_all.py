@@ -18,6 +18,7 @@ copy after; either is skipped when the scattered/gathered dim is dim 0 and alrea
 
 from __future__ import annotations
 
+import itertools
 import math
 from dataclasses import dataclass
 from typing import Sequence
@@ -266,12 +267,14 @@ def _has_list_all_to_all(group, device: torch.device) -> bool:
 
 
 def _pack_blocks(send: Tensor, blocks: Sequence[Tensor], numels: list[int], skip: int) -> None:
-    """Copy each block but ``blocks[skip]`` into its place in the flat ``send`` buffer."""
-    offset = 0
-    for r, (block, numel) in enumerate(zip(blocks, numels)):
-        if r != skip:
-            send[offset:offset + numel].view(block.shape).copy_(block)
-        offset += numel
+    """Copy each block but ``blocks[skip]`` into its place in the flat ``send`` buffer (in a
+    work trace, one block of each size, weighed: :func:`ulysses.trace_shortcuts.alike`)."""
+    offsets = [0, *itertools.accumulate(numels)]
+    sizes = {r: numel for r, numel in enumerate(numels) if r != skip}
+    for r, times in trace_shortcuts.alike(sizes, send):
+        block = blocks[r]
+        with trace_shortcuts.weighted(times):
+            send[offsets[r]:offsets[r + 1]].view(block.shape).copy_(block)
 
 
 class PendingAllToAll:

@@ -120,10 +120,13 @@ def place_blocks(dest_BsXD: Tensor, ranges: Ranges, blocks: list[Tensor], add: b
     """Copy (or add) rank r's received block into heads ``ranges[r]`` of ``dest``."""
     if trace_shortcuts.skip(dest_BsXD):  # in place: a memory trace sees nothing here
         return
-    for (start, n), block in zip(ranges, blocks):
-        if n:
-            dst = dest_BsXD[:, :, start:start + n]
-            dst.add_(block) if add else dst.copy_(block)
+    # a work trace places one block of each head count, weighed
+    heads = {r: n for r, (_, n) in enumerate(ranges) if n}
+    for r, times in trace_shortcuts.alike(heads, dest_BsXD):
+        start, n = ranges[r]
+        dst = dest_BsXD[:, :, start:start + n]
+        with trace_shortcuts.weighted(times):
+            dst.add_(blocks[r]) if add else dst.copy_(blocks[r])
 
 
 def _send(src: ChunkSource, kind: str, j: int, step: Step, mine: int, cfg: ChunkConfig,

@@ -28,8 +28,10 @@ A trace that counts a step's work (:func:`work_trace`) may leave repeats out too
 their work: the loops that support it (:func:`repeats`, and the head-chunk schedule of
 :mod:`ulysses.chunk_loop`) run the iteration before a left-out run under :func:`weighted`, and
 the counter multiplies what that iteration does by :func:`work_weight` (1 + the iterations
-it stands for). In-place work stays in a work trace (it moves bytes), and so do the loops
-that do not weigh their iterations; the planner's tests hold such a count to the full one.
+it stands for). In-place copies stay in a work trace (they move bytes), but of a loop of
+copies alike in shape only the first runs, weighed (:func:`alike`: packing an exchange,
+placing its blocks); loops that do not weigh their iterations run whole. The planner's tests
+hold such a count to the full one.
 """
 
 from __future__ import annotations
@@ -137,6 +139,20 @@ def repeats(count: int, same_as_two_before, x: Tensor) -> list[tuple[int, int]]:
         else:
             out.append((i, 1))
     return out
+
+
+def alike(keys: dict, x: Tensor) -> list[tuple[object, int]]:
+    """``(index, times)`` of the iterations of a loop to run, given ``keys`` (index -> a key;
+    iterations of one key do the same work: in-place copies of one shape): every index once;
+    in a work trace (:func:`work_trace`) of fake ``x``, the first index of each key, which
+    counts ``times`` = how many share the key (run it under :func:`weighted`). A memory trace
+    skips such copies before (:func:`skip`)."""
+    if not (_REPEATS.get() and is_fake(x)):
+        return [(i, 1) for i in keys]
+    first: dict = {}
+    for i, key in keys.items():
+        first.setdefault(key, [i, 0])[1] += 1
+    return [(i, times) for i, times in first.values()]
 
 
 def kept(index: int, count: int, same_as_two_before: bool, x: Tensor) -> bool:
