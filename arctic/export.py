@@ -243,12 +243,17 @@ def _plain_attention(config: dict) -> dict:
 def load_config(path: Path):
     """The HF config at ``path`` (a config.json or a directory holding one), its attention
     implementation the default unless the file names a stock one."""
-    from transformers import AutoConfig
+    from transformers import AutoConfig, PretrainedConfig
 
     path = path / "config.json" if path.is_dir() else path
     if not path.is_file():
         raise ValueError(f"--config {path}: no such config.json")
-    raw = json.loads(path.read_text())
+    # HF's own reader: it decodes what save_pretrained encodes (an infinite float, such as
+    # Nemotron-H's time_step_limit, as {"__float__": "Infinity"})
+    try:
+        raw = PretrainedConfig.get_config_dict(str(path))[0]
+    except OSError as e:  # not JSON
+        raise ValueError(f"--config {path}: {e}") from None
     if "model_type" not in raw:
         raise ValueError(f"{path} has no model_type: not a HF model config")
     config = AutoConfig.for_model(**_plain_attention(raw))

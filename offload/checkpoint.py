@@ -38,10 +38,11 @@ class _CheckpointedForward:
     """A layer instance's forward, replaced by the original under non-reentrant checkpoint."""
 
     def __init__(self, forward, session: OffloadSession | None, num_layers: int,
-                 context_fn, drop_kwargs: tuple[str, ...], keep, name: str) -> None:
+                 context_fn, drop_kwargs: tuple[str, ...], keep, name: str,
+                 keeping: _Keeping) -> None:
         self.forward, self.session, self.num_layers = forward, session, num_layers
         self.context_fn, self.drop_kwargs = context_fn, drop_kwargs
-        self.keep, self.name = keep, name
+        self.keep, self.name, self.keeping = keep, name, keeping
 
     def _checkpoint(self, run, tensors, store):
         """``checkpoint(run, *tensors)`` with the model's context and ``store``'s scopes."""
@@ -95,15 +96,18 @@ class _CheckpointedForward:
             self.session.pool.plan(per_layer * self.num_layers,
                                    what=f"offloading the inputs of {self.num_layers} "
                                         f"checkpointed layers")
+        if first:
+            self.keeping.planned = False
         with self.session.group() as hooks:
             output = self._checkpoint(run, tensors, store)
             if store is not None:
                 self._check_kept(store)
-                if first:  # the kept results too, known now that one layer has run
+                if not self.keeping.planned:  # the kept results too, known now that one ran
+                    self.keeping.planned = True
                     self.session.pool.plan(
-                        (per_layer + store.nbytes()) * self.num_layers,
-                        what=f"offloading the inputs and attention results of "
-                             f"{self.num_layers} checkpointed layers")
+                        per_layer * self.num_layers + store.nbytes() * self.keeping.layers,
+                        what=f"offloading the inputs of {self.num_layers} checkpointed "
+                             f"layers and the attention results of {self.keeping.layers}")
                 # Not prefetched with the layer's inputs (one layer ahead, where they would
                 # add a hidden-sized tensor to the backward's peak) but when this layer's
                 # recompute starts: attention comes after its norm and projections.
@@ -111,6 +115,14 @@ class _CheckpointedForward:
                 store.reload_with(lambda: [hooks.unpack(p) for p in packed],
                                   prefetch=lambda: [hooks.prefetch(p) for p in packed])
             return output
+
+
+class _Keeping:
+    """What the layers that keep results share: how many they are, and whether this forward
+    pass has planned the host bytes of what they keep (at the first of them to run)."""
+
+    def __init__(self, layers: int) -> None:
+        self.layers, self.planned = layers, False
 
 
 def _both(first, second):
@@ -164,7 +176,8 @@ def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: 
                                    offload_dir=None, offload_io: str = "auto",
                                    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
                                    drop_kwargs: tuple[str, ...] = (),
-                                   group=None, keep=None) -> nn.Module:
+                                   group=None, keep=None,
+                                   keeping: list[nn.Module] | None = None) -> nn.Module:
     """Checkpoint each of ``layers`` (non-reentrant); optionally keep their inputs on the host.
 
     Args:
@@ -199,6 +212,9 @@ def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: 
             offload, what it keeps goes to the host with the layer's inputs and is copied
             back when the layer's recompute starts. A layer whose forward records nothing is
             a ``ValueError``: the store would have no effect.
+        keeping: the layers of ``layers`` that keep (``keep``); default all of them. The
+            others recompute everything (a hybrid model's layers without attention: linear
+            attention, state-space mixers). Needs ``keep``.
 
     A model may carry ``model.checkpoint_context_fn``, ``torch.utils.checkpoint``'s
     ``context_fn``: every checkpoint call passes it on, so state the model keeps outside the
@@ -214,6 +230,14 @@ def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: 
     """
     layers = check_activation_checkpointing(layers, offload_to_cpu=offload_to_cpu, pool=pool,
                                             offload_dir=offload_dir, offload_io=offload_io)
+    if keeping is not None:
+        if keep is None:
+            raise ValueError("keeping= names the layers that keep results, and needs keep=")
+        keeping = list(keeping)
+        if not keeping or any(not any(m is layer for layer in layers) for m in keeping):
+            raise ValueError("keeping= must be a non-empty subset of layers=")
+    keeps = layers if keeping is None else keeping
+    shared = _Keeping(len(keeps))
     session = None
     if offload_to_cpu:
         if pool is None:
@@ -222,9 +246,10 @@ def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: 
         session = OffloadSession(pool, min_offload_bytes)
     context_fn = getattr(model, "checkpoint_context_fn", None)
     for layer in layers:
+        kept = keep if any(layer is m for m in keeps) else None
         replace_method(layer, _CheckpointedForward(layer.forward, session, len(layers),
-                                                   context_fn, tuple(drop_kwargs), keep,
-                                                   type(layer).__name__))
+                                                   context_fn, tuple(drop_kwargs), kept,
+                                                   type(layer).__name__, shared))
     model.activation_offload = session
     return model
 

@@ -407,3 +407,32 @@ def test_universal_checkpoint_refused(tmp_path):
     with pytest.raises(ValueError, match="universal checkpoint; export the checkpoint it was "
                                          "converted from"):
         export(tag, tmp_path / "out")
+
+
+def test_a_config_saved_with_an_infinite_float_loads_for_export_and_training(tmp_path):
+    """save_pretrained writes an infinite float (Nemotron-H's default time_step_limit,
+    (0, inf)) as {"__float__": "Infinity"}: the export's --config and the examples' --model
+    read config.json through HF's own reader, which decodes it."""
+    import transformers
+
+    from arctic.export import load_config
+
+    if not hasattr(transformers, "NemotronHConfig"):
+        pytest.skip("this transformers has no Nemotron-H")
+    transformers.NemotronHConfig(
+        vocab_size=64, hidden_size=64, num_attention_heads=4, num_key_value_heads=2,
+        head_dim=16, layers_block_type=["mamba", "attention"], mamba_num_heads=4,
+        mamba_head_dim=16, n_groups=2, ssm_state_size=8, chunk_size=16).save_pretrained(tmp_path)
+    assert '"__float__": "Infinity"' in (tmp_path / "config.json").read_text()
+    assert list(load_config(tmp_path).time_step_limit) == [0.0, float("inf")]
+    sys.path.insert(0, str(REPO / "examples"))
+    from _common import build_model
+
+    model = build_model(str(tmp_path / "config.json"), 64)
+    assert type(model).__name__ == "NemotronHForCausalLM"
+    assert list(model.config.time_step_limit) == [0.0, float("inf")]
+    (tmp_path / "bad.json").write_text('{"model_type": "llama", ')
+    for load in (lambda: load_config(tmp_path / "bad.json"),
+                 lambda: build_model(str(tmp_path / "bad.json"), 64)):
+        with pytest.raises(ValueError, match="not a valid JSON file"):
+            load()

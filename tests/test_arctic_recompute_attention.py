@@ -19,17 +19,30 @@ LAYERS, SEQ, HIDDEN = 2, 512, 128
 # smallest saved tensor offload moves (DEFAULT_MIN_OFFLOAD_BYTES).
 
 
-def _model():
+def _model(kind: str = "llama"):
+    import transformers
     from transformers import AutoModelForCausalLM, LlamaConfig
 
-    cfg = LlamaConfig(vocab_size=128, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
-                      num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
-                      max_position_embeddings=SEQ)
+    common = dict(vocab_size=128, hidden_size=HIDDEN, intermediate_size=2 * HIDDEN,
+                  num_hidden_layers=LAYERS, num_attention_heads=4, num_key_value_heads=2,
+                  max_position_embeddings=SEQ)
+    if kind == "llama":
+        cfg = LlamaConfig(**common)
+    elif kind == "nemotron_h":  # a Mamba2 layer, an attention layer, an MLP layer
+        cfg = transformers.NemotronHConfig(
+            **{k: v for k, v in common.items() if k != "num_hidden_layers"}, head_dim=32,
+            layers_block_type=["mamba", "attention", "mlp"], mamba_num_heads=4,
+            mamba_head_dim=32, n_groups=2, ssm_state_size=16, chunk_size=64)
+    else:  # a gated delta net layer, then a (gated) attention layer
+        cfg = transformers.Qwen3_5TextConfig(
+            **common, head_dim=32, linear_num_value_heads=4, linear_num_key_heads=2,
+            linear_key_head_dim=16, linear_value_head_dim=16, linear_conv_kernel_dim=4,
+            layer_types=["linear_attention", "full_attention"])
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa")
 
 
-def _rank_step(fields: dict, world: int, documents: bool = False):
+def _rank_step(fields: dict, world: int, documents: bool = False, kind: str = "llama"):
     """One forward/backward of the SP model built from ``fields``; returns the loss, the
     gradients, the attention kernel's forward calls in forward and in backward, and the
     offload pool's stats."""
@@ -43,7 +56,7 @@ def _rank_step(fields: dict, world: int, documents: bool = False):
     config = SequenceParallelConfig(sequence_parallel_size=world, kernel_self_check=False,
                                     **fields)
     mesh = config.dims(world).build_mesh("cpu")
-    model = _model()
+    model = _model(kind)
     apply_sp_recipe(model, config=config, mesh=mesh, averaged_over_sp=True,
                     host_memory_limit=1 << 28)
     ids = torch.randint(0, 128, (1, SEQ), generator=torch.Generator().manual_seed(1))
@@ -105,6 +118,34 @@ def test_kept_attention_gradients_are_bit_identical_and_skip_the_recompute(stack
             assert stats_k[1] - stats_f[1] >= LAYERS * out_bytes, (stats_f, stats_k)
 
 
+@pytest.mark.parametrize("kind,offload", [("qwen3_5", True), ("nemotron_h", False),
+                                         pytest.param("qwen3_5", False, marks=pytest.mark.slow),
+                                         pytest.param("nemotron_h", True,
+                                                      marks=pytest.mark.slow)])
+def test_a_hybrid_keeps_its_attention_layers_results_and_recomputes_its_mixers(kind, offload):
+    """Qwen3.5 (a gated delta net layer, then an attention layer) and Nemotron-H (a Mamba2
+    layer, an attention layer, an MLP layer): the attention layer keeps its results; the
+    mixer layers, with no attention to keep, recompute as with True. The same gradients, bit
+    for bit, and no attention kernel in the backward."""
+    import transformers
+    if not hasattr(transformers, {"qwen3_5": "Qwen3_5TextConfig",
+                                  "nemotron_h": "NemotronHConfig"}[kind]):
+        pytest.skip(f"this transformers has no {kind}")
+    fields = dict(activation_checkpointing=True, offload_activations=offload)
+    full = dist_pool.run(_rank_step, fields, 2, False, kind, world_size=2)
+    kept = dist_pool.run(_rank_step, {**fields, "recompute_attention": False}, 2, False,
+                         kind, world_size=2)
+    for (loss_f, grads_f, fwd_f, bwd_f, stats_f), (loss_k, grads_k, fwd_k, bwd_k, stats_k) \
+            in zip(full, kept):
+        assert torch.equal(loss_f, loss_k)
+        for name in grads_f:
+            assert torch.equal(grads_f[name], grads_k[name]), name
+        assert fwd_f == fwd_k == 1 and bwd_f == 1 and bwd_k == 0, (fwd_f, fwd_k, bwd_f, bwd_k)
+        if offload:  # the one attention layer's out went to the host with its input
+            out_bytes = SEQ // 2 * HIDDEN * 4
+            assert stats_k[0] - stats_f[0] >= out_bytes, (stats_f, stats_k)
+
+
 @pytest.mark.parametrize("chunked", [False, True], ids=["ulysses", "chunked"])
 def test_kept_attention_with_packed_documents(chunked):
     """Documents reach the attention through the model's checkpoint context (the batch the
@@ -160,6 +201,32 @@ def test_a_checkpointed_layer_without_our_attention_is_refused_at_its_forward():
     offload.apply_activation_checkpointing(layer, layers=[layer], keep=KeptAttention)
     err = value_error_of(lambda: layer(torch.randn(2, 4, requires_grad=True)))
     assert "Linear ran no attention that can keep its results" in err, err
+
+
+def test_only_the_layers_named_keeping_keep():
+    """offload's ``keeping=``: the layers that keep; the others recompute everything (and so
+    are not refused for recording nothing). It must name some of ``layers``, with ``keep``."""
+    import offload
+    from ulysses.keep import KeptAttention
+
+    def two():
+        return torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+
+    a, b = two()
+    holder = torch.nn.Sequential(a, b)
+    offload.apply_activation_checkpointing(holder, layers=[a, b], keep=KeptAttention,
+                                           keeping=[a])
+    x = torch.randn(2, 4, requires_grad=True)
+    b(x).sum().backward()  # b keeps nothing: checkpointed as usual
+    assert x.grad is not None
+    assert "Linear ran no attention that can keep its results" in value_error_of(lambda: a(x))
+    a, b = two()
+    err = value_error_of(lambda: offload.apply_activation_checkpointing(
+        torch.nn.Sequential(a), layers=[a], keep=KeptAttention, keeping=[b]))
+    assert "keeping= must be a non-empty subset of layers=" in err, err
+    err = value_error_of(lambda: offload.apply_activation_checkpointing(
+        torch.nn.Sequential(a), layers=[a], keeping=[a]))
+    assert "keeping= names the layers that keep results, and needs keep=" in err, err
 
 
 def test_the_recompute_refuses_a_different_attention_call():

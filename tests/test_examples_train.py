@@ -137,3 +137,49 @@ def test_a_cpu_job_leaves_no_shared_memory_behind(tmp_path):
     assert proc.returncode == 0, proc.stdout[-3000:]
     assert "deepspeed_shm_comm" in proc.stdout  # the op was built: the files were made
     assert not list(shm.glob(f"deepspeed_allreduce_buffer_{os.getuid()}_*_{port}_*"))
+
+
+HYBRIDS = {
+    "qwen3_5": ("Qwen3_5TextConfig", dict(
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=16,
+        linear_value_head_dim=16, linear_conv_kernel_dim=4, num_hidden_layers=2,
+        layer_types=["linear_attention", "full_attention"])),
+    "nemotron_h": ("NemotronHConfig", dict(
+        layers_block_type=["mamba", "attention", "mlp"], mamba_num_heads=4, mamba_head_dim=32,
+        n_groups=2, ssm_state_size=16, chunk_size=64)),
+}
+
+
+@pytest.mark.slow  # 4 launches; kept vs recomputed on a hybrid in the default run:
+# tests/test_arctic_recompute_attention.py::test_a_hybrid_keeps_its_attention_layers_...
+@pytest.mark.parametrize("family", sorted(HYBRIDS))
+def test_the_cpu_demo_config_trains_a_hybrid_with_kept_attention(tmp_path, family):
+    """configs/cpu_demo.json keeps attention (recompute_attention: false): on a tiny Qwen3.5
+    and a tiny Nemotron-H (``--model config.json``) it trains, and its losses are the
+    recomputed run's, step for step."""
+    import transformers
+    import launch_pool
+
+    name, fields = HYBRIDS[family]
+    if not hasattr(transformers, name):
+        pytest.skip(f"this transformers has no {name}")
+    getattr(transformers, name)(
+        vocab_size=256, hidden_size=128, intermediate_size=256, num_attention_heads=8,
+        num_key_value_heads=4, head_dim=16, max_position_embeddings=2048,
+        tie_word_embeddings=False, **fields).save_pretrained(tmp_path)
+    config = json.loads((REPO / "configs" / "cpu_demo.json").read_text())
+    assert config["ulysses"]["recompute_attention"] is False
+    config["ulysses"]["recompute_attention"] = True
+    (tmp_path / "recompute.json").write_text(json.dumps(config))
+    losses = {}
+    for which, ds_config in (("kept", REPO / "configs" / "cpu_demo.json"),
+                             ("recomputed", tmp_path / "recompute.json")):
+        log = tmp_path / f"{which}.jsonl"
+        proc = launch_pool.launch("examples/train.py", "--model", str(tmp_path / "config.json"),
+                                  "--deepspeed_config", str(ds_config), "--max-steps", "4",
+                                  "--seq-len", "512", "--log-file", str(log), nproc=2, cwd=REPO,
+                                  env=ENV, launcher="deepspeed")
+        assert proc.returncode == 0, proc.stdout[-3000:]
+        losses[which] = _losses(log)
+    assert sorted(losses["kept"]) == [1, 2, 3, 4]
+    assert losses["kept"] == losses["recomputed"]

@@ -60,6 +60,8 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
             the attention kernels and exchanges (:mod:`ulysses.keep`): norms, projections,
             RoPE and MLP are recomputed, attention is not. Gradients are bit-identical. It
             needs the model's attention to be ours (:func:`arctic.apply_sequence_parallel`).
+            A hybrid model's layers without attention (linear attention, state-space and
+            convolution mixers) have nothing to keep: they recompute as they would with True.
 
     Returns ``model``; ``model.activation_offload`` is the :class:`offload.OffloadSession` (or
     ``None``) whose ``pool.stats`` report bytes offloaded and peak host bytes. Raises
@@ -83,10 +85,12 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
     if not isinstance(recompute_attention, bool):
         raise ValueError(f"recompute_attention must be True or False, got "
                          f"{recompute_attention!r}")
+    keeping = None
     if not recompute_attention:
         missing = [type(m).__name__ for layer in layers for m in attention_modules(layer)
                    if getattr(m, "sp_attention", None) is None]
-        if missing or not any(attention_modules(layer) for layer in layers):
+        keeping = [layer for layer in layers if attention_modules(layer)]
+        if missing or not keeping:
             which = sorted(set(missing)) or "none found"
             raise ValueError("recompute_attention=False keeps the results of ulysses' attention "
                              "only; call arctic.apply_sequence_parallel(model, mesh=...) first "
@@ -96,7 +100,8 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
                               host_memory_limit=host_memory_limit, offload_dir=offload_dir,
                               offload_io=offload_io,
                               min_offload_bytes=min_offload_bytes, drop_kwargs=cache_kwargs(layers),
-                              group=group, keep=None if recompute_attention else KeptAttention)
+                              group=group, keep=None if recompute_attention else KeptAttention,
+                              keeping=keeping)
 
 
 def cache_kwargs(layers: list[nn.Module]) -> tuple[str, ...]:
