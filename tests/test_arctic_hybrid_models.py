@@ -382,6 +382,39 @@ def test_qwen3_5_through_the_recipe_matches_unmodified_model():
     assert_step_matches(dist_pool.run(_rank_recipe, S - 3, world_size=4), (loss.item(), grads_of(model)))
 
 
+def _rank_recipe_tiles(family: str):
+    """``family`` through apply_sp_recipe at SP=2 with the tiled MLP, norms and loss and
+    checkpointing: the step, and which of the model's norms ran tiled."""
+    from arctic.config import SequenceParallelConfig
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.hf.anatomy import language_model
+    from arctic.recipe import apply_sp_recipe
+    from arctic.tiling.tiles import TiledForward
+
+    config = SequenceParallelConfig(sequence_parallel_size=2, tiled_mlp=2, tiled_norms=True,
+                                    loss_tiles=2, activation_checkpointing=True)
+    mesh = config.dims(2).build_mesh("cpu")
+    model = _model(family)
+    apply_sp_recipe(model, config=config, mesh=mesh, averaged_over_sp=True)
+    tiled = sorted({name.split(".")[-1] for name, m in language_model(model).named_modules()
+                    if "Norm" in type(m).__name__ and isinstance(m.forward, TiledForward)})
+    ids = _tokens()
+    loss = model(**prepare_sp_batch({"input_ids": ids, "labels": ids}, mesh))
+    loss.backward()
+    return (loss.item(), averaged_grads(model, 2)), tiled
+
+
+def test_lfm2s_norms_are_tiled_and_the_step_matches_the_unmodified_model():
+    """LFM2 calls its layer norms operator_norm and ffn_norm and its final norm
+    embedding_norm: tiled_norms tiles all three, and the step still matches."""
+    _skip_unless_supported("lfm2")
+    ref = _cached_reference("lfm2", False)
+    results = dist_pool.run(_rank_recipe_tiles, "lfm2", world_size=2)
+    assert_step_matches([step for step, _ in results], ref)
+    for _, tiled in results:
+        assert tiled == ["embedding_norm", "ffn_norm", "operator_norm"], tiled
+
+
 def _rank_removed():
     """SP applied, a step, SP removed: the model runs its own forward on the whole sequence
     (its mixers' stock forward); SP restored: the SP step again."""

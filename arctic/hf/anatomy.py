@@ -12,8 +12,10 @@ from __future__ import annotations
 
 from torch import nn
 
-NORM_NAMES = ("input_layernorm", "post_attention_layernorm")
-"""The per-token norms of a HF decoder layer that see ``[B, S, E]`` (Llama, Mistral, Qwen2/3)."""
+NORM_NAMES = ("input_layernorm", "post_attention_layernorm", "operator_norm", "ffn_norm")
+"""The per-token norms of a HF decoder layer that see ``[B, S, E]``: before the token mixer
+and before the MLP (Llama, Mistral, Qwen2/3, ...; LFM2 calls them ``operator_norm`` and
+``ffn_norm``)."""
 MIXER_NAMES = ("self_attn", "linear_attn", "conv", "mamba")
 """What a HF decoder layer calls its token mixer: its attention, or a hybrid model's
 linear-attention layer (Qwen3.5, Qwen3-Next, OLMo-hybrid), short convolution (LFM2) or
@@ -32,9 +34,9 @@ one per ``config.layers_block_type``), which hold that sublayer and a ``norm``, 
 MLP_CLASS_PARTS = ("MLP", "MoE", "Moe", "FeedForward")
 """Class-name parts by which a block's sublayer is an MLP or MoE block (``NemotronHMLP``,
 ``NemotronHMoE``): a per-token function that tiles along the sequence."""
-FINAL_NORM_NAMES = ("norm", "norm_f")
-"""What a HF decoder calls its final norm: ``norm``, or ``norm_f`` (Mamba, Mamba2,
-FalconMamba, Nemotron-H)."""
+FINAL_NORM_NAMES = ("norm", "norm_f", "embedding_norm")
+"""What a HF decoder calls its final norm: ``norm``, ``norm_f`` (Mamba, Mamba2,
+FalconMamba, Nemotron-H), or ``embedding_norm`` (LFM2, which applies it after its layers)."""
 
 def base_model(model: nn.Module) -> nn.Module:
     """The decoder under a causal LM's head: HF's ``base_model``, or ``model.model`` where that
