@@ -98,6 +98,23 @@ def layer_mlp(layer: nn.Module) -> nn.Module | None:
     return None
 
 
+SIDE_MLP_NAMES = ("block_sparse_moe", "shared_mlp")
+"""A decoder layer without an MLP of :data:`MLP_NAMES` may hold these side by side
+(GraniteMoeHybrid: an MoE block and a shared MLP, each on the same normed input, their sum the
+layer's MLP)."""
+
+
+def layer_mlps(layer: nn.Module) -> list[nn.Module]:
+    """The per-token feed-forward modules of a decoder layer, each a ``[B, S, E] -> [B, S, E]``
+    function of its tokens alone: :func:`layer_mlp`'s, else those of :data:`SIDE_MLP_NAMES`
+    it holds. What the tiled MLP tiles (:func:`arctic.tiling.mlps_to_tile`)."""
+    mlp = layer_mlp(layer)
+    if mlp is not None:
+        return [mlp]
+    return [getattr(layer, n) for n in SIDE_MLP_NAMES
+            if isinstance(getattr(layer, n, None), nn.Module)]
+
+
 def decoder_layers(model: nn.Module) -> list[nn.Module]:
     """The decoder layers of a HF causal LM (of a VLM's language model), in module order:
     modules with both a token mixer (:data:`MIXER_NAMES`) and an MLP (the Llama shape), and
@@ -197,7 +214,7 @@ def hf_checkpointing(model: nn.Module) -> bool:
 
 
 __all__ = ["BLOCK_MIXER", "FINAL_NORM_NAMES", "LATENT_NAMES", "MIXER_NAMES", "MLP_CLASS_PARTS",
-           "MLP_NAMES", "NORM_NAMES", "RECURRENT_NAMES", "attention_heads", "attention_modules",
-           "decoder_layers", "hf_checkpointing", "is_block", "is_latent_attention", "is_mlp",
-           "is_recurrent", "language_model", "layer_mlp", "layer_norms", "text_config",
-           "text_config_of", "token_norms"]
+           "MLP_NAMES", "NORM_NAMES", "RECURRENT_NAMES", "SIDE_MLP_NAMES", "attention_heads",
+           "attention_modules", "decoder_layers", "hf_checkpointing", "is_block",
+           "is_latent_attention", "is_mlp", "is_recurrent", "language_model", "layer_mlp",
+           "layer_mlps", "layer_norms", "text_config", "text_config_of", "token_norms"]

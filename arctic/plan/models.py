@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from arctic.hf.anatomy import attention_modules, decoder_layers, layer_mlp, text_config_of
+from arctic.hf.anatomy import attention_modules, decoder_layers, layer_mlps, text_config_of
 from arctic.hf.fused import FUSABLE
 from arctic.hf.mixers import FAMILIES, token_mixers
 from arctic.tiling.layer import TILABLE
@@ -70,7 +70,7 @@ def unsupported_settings(config) -> dict[str, str]:
     if not modules:
         for key in ("head_chunk_size", "seq_chunk", "fuse_projections"):
             out[key] = f"{type(model).__name__} has no attention"
-    if not any(layer_mlp(layer) is not None for layer in decoder_layers(model)):
+    if not any(layer_mlps(layer) for layer in decoder_layers(model)):
         out["tiled_mlp"] = f"{type(model).__name__}'s decoder layers hold no MLP it finds"
     layers = sorted({type(m).__name__ for m in decoder_layers(model)} - set(TILABLE))
     if layers:

@@ -7,7 +7,7 @@ from __future__ import annotations
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from arctic.hf.anatomy import decoder_layers, layer_mlp, text_config
+from arctic.hf.anatomy import decoder_layers, layer_mlps, text_config
 from arctic.tiling.tiles import (
     DEFAULT_TILE_BUDGET_BYTES,
     resolve_tiles,
@@ -58,7 +58,8 @@ def apply_tiled_mlp(model: nn.Module, *, tiles: int | str = "auto",
                     group: dist.ProcessGroup | None = None) -> nn.Module:
     """Tile the MLP of every decoder layer of a HF model in place: its ``mlp`` (Llama4:
     ``feed_forward``), or the block's sublayer where that is an MLP or MoE block (Nemotron-H's
-    ``"mlp"`` and ``"moe"`` blocks: :func:`arctic.hf.anatomy.layer_mlp`). A block whose
+    ``"mlp"`` and ``"moe"`` blocks), or an MoE block and a shared MLP side by side
+    (GraniteMoeHybrid: :func:`arctic.hf.anatomy.layer_mlps`). A block whose
     sublayer mixes tokens (a Mamba mixer, attention) has no MLP and is left as it is: a
     sequence tile of it would not see the tokens before the tile.
 
@@ -81,11 +82,12 @@ def apply_tiled_mlp(model: nn.Module, *, tiles: int | str = "auto",
 
 
 def mlps_to_tile(model: nn.Module) -> list[nn.Module]:
-    """The MLPs :func:`apply_tiled_mlp` tiles, one per decoder layer that has one
-    (:func:`arctic.hf.anatomy.layer_mlp`). ``ValueError`` naming ``tiled_mlp`` when there is
-    none: the recipe asks this before it changes the model."""
+    """The MLPs :func:`apply_tiled_mlp` tiles: each decoder layer's
+    (:func:`arctic.hf.anatomy.layer_mlps`: GraniteMoeHybrid's MoE block and shared MLP both).
+    ``ValueError`` naming ``tiled_mlp`` when there is none: the recipe asks this before it
+    changes the model."""
     layers = decoder_layers(model)
-    mlps = [mlp for mlp in map(layer_mlp, layers) if mlp is not None]
+    mlps = [mlp for layer in layers for mlp in layer_mlps(layer)]
     if not mlps:
         found = sorted({type(layer).__name__ for layer in layers}) or "none"
         raise ValueError(f"{type(model).__name__} has no decoder layer with an MLP to tile "
