@@ -48,7 +48,7 @@ def build_model(name: str, seq_len: int):
     """``"tiny-llama"`` (the CPU demo: 2 layers, byte vocab, random weights), a name of the
     planner's catalogue (:data:`arctic.plan.MODELS`, random weights) or a HF ``config.json``
     path; built from the config with ``attn_implementation="sdpa"``."""
-    from transformers import AutoConfig, AutoModelForCausalLM, LlamaConfig, PretrainedConfig
+    from transformers import AutoModelForCausalLM, LlamaConfig
 
     from arctic.plan.models import MODELS, model_config
 
@@ -64,12 +64,7 @@ def build_model(name: str, seq_len: int):
         if not path.is_file():
             raise ValueError(f"--model must be 'tiny-llama', one of {sorted(MODELS)} or a "
                              f"config.json path, got {name!r}")
-        # HF's own reader: save_pretrained writes an infinite float (Nemotron-H's
-        # time_step_limit) as {"__float__": "Infinity"}, which it decodes
-        try:
-            config = AutoConfig.for_model(**PretrainedConfig.get_config_dict(str(path))[0])
-        except OSError as e:  # not JSON
-            raise ValueError(f"--model {path}: {e}") from None
+        config = model_config(name)  # the file's own positions; no cache
     return AutoModelForCausalLM.from_config(config, attn_implementation="sdpa")
 
 

@@ -110,9 +110,12 @@ def model_config(name: str, *, layers: int | None = None, max_positions: int | N
         cls_name, kwargs = MODELS[name]
         config = getattr(transformers, cls_name)(**kwargs)
     elif Path(name).is_file():
-        config = transformers.AutoConfig.from_pretrained(Path(name).parent if
-                                                         Path(name).name == "config.json"
-                                                         else name)
+        try:  # HF's reader: it decodes what save_pretrained encodes ({"__float__": "Infinity"})
+            config = transformers.AutoConfig.from_pretrained(Path(name).parent if
+                                                             Path(name).name == "config.json"
+                                                             else name)
+        except OSError as e:  # not JSON
+            raise ValueError(f"--model {name}: {e}") from None
     else:
         raise ValueError(f"--model must be one of {sorted(MODELS)} or a config.json path, "
                          f"got {name!r}")
