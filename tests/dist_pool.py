@@ -68,8 +68,17 @@ def _rank_main(rank: int, world_size: int, init_file: str, address: str) -> None
             result = (True, fn(*args, **kwargs))
         except BaseException:  # noqa: BLE001 - reported to the parent verbatim
             result = (False, traceback.format_exc())
-        conn.send((*result, len(os.listdir("/proc/self/task")) > MAX_THREADS))
+        conn.send((*result, _threads() > MAX_THREADS))
     dist.destroy_process_group()
+
+
+def _threads() -> int:
+    """This process's threads, native ones included (gloo's); 0 where /proc does not list
+    them (not Linux): the pool is then never replaced for its threads."""
+    try:
+        return len(os.listdir("/proc/self/task"))
+    except OSError:
+        return 0
 
 
 def freeze_heap() -> None:
