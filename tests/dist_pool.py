@@ -33,12 +33,28 @@ one. Every process group a test makes (meshes, DeepSpeed's and FSDP's groups) ke
 threads that wake while idle: after the block-model tests a 2-rank pool's ranks held 84
 threads each and spent 11% of a core each doing nothing, and later in the run 25%, taken
 from every test after them. A fresh pool costs a fork from the warm server."""
-PRELOAD = ("torch", "torch.distributed", "numpy", "transformers", "accelerate", "deepspeed",
-           "deepspeed.comm", "deepspeed.runtime.zero.muon.muon_optimizer", "ulysses", "arctic",
-           "offload", "helpers")
-"""What the fork server imports before its first fork (whatever is installed of it); the
-muon module is what ``deepspeed.initialize`` imports to check a ZeRO optimizer, inductor
+WARM = ("torch", "torch.distributed", "numpy", "transformers", "accelerate", "deepspeed",
+        "deepspeed.comm", "deepspeed.runtime.zero.muon.muon_optimizer", "deepspeed.runtime.engine",
+        "transformers.models.llama.modeling_llama", "arctic",
+        # what the ranks went on to import, each in a third of them or more (a probe of every
+        # rank's sys.modules over the default run): fake tensors, DeepSpeed's op loader (the
+        # shared-memory all-reduce) and its expert-parallel modules, the profiler
+        "torch._subclasses.fake_tensor", "torch._subclasses.schema_check_mode", "torch.profiler",
+        "torch.utils.cpp_extension", "deepspeed.ops.op_builder.all_ops",
+        "deepspeed.module_inject.auto_ep_layer", "deepspeed.runtime.superoffload",
+        "transformers.models.auto.processing_auto")
+"""What both fork servers (this one and tests/launch_pool.py's) import before their first
+fork, whatever is installed of it. A process forked without them imports them itself:
+``transformers.modeling_utils`` alone is 2 s of CPU. A pool is replaced whenever its ranks
+hold too many threads (about 25 times a run), and each replacement's ranks would pay again.
+The muon module is what ``deepspeed.initialize`` imports to check a ZeRO optimizer, inductor
 with it."""
+PRELOAD = (*WARM, "ulysses", "offload", "helpers", "pytest", "arctic.hf.mixers",
+           "arctic.hf.attention", "transformers.models.qwen2.modeling_qwen2",
+           "transformers.models.qwen3_5.modeling_qwen3_5",
+           "transformers.models.mistral.modeling_mistral")
+"""What this fork server imports: :data:`WARM`, and what the tests' functions import (their
+modules, pytest with them, and the families most tests build)."""
 
 
 def _rank_main(rank: int, world_size: int, init_file: str, address: str) -> None:

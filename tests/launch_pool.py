@@ -33,15 +33,15 @@ import sys
 import tempfile
 import time
 
-from dist_pool import freeze_heap
+from dist_pool import WARM, freeze_heap
 
-PRELOAD = ("torch", "torch.distributed", "torch._dynamo", "numpy", "transformers", "accelerate",
-           "deepspeed", "deepspeed.comm", "transformers.trainer", "arctic", "arctic.train.trainer",
-           "arctic.train.deepspeed", "arctic.train.fsdp", "trl",
-           "deepspeed.runtime.zero.muon.muon_optimizer")
-"""What the server imports before its first fork (whatever is installed of it). The last is
-what ``deepspeed.initialize`` imports on every rank to check a ZeRO optimizer: its
-``torch.compile`` decorators import inductor, seconds per rank otherwise."""
+PRELOAD = (*WARM, "torch._dynamo", "transformers.trainer", "arctic.train.trainer",
+           "arctic.train.deepspeed", "arctic.train.fsdp", "arctic.trainer", "arctic.plan", "trl",
+           "torch.distributed.checkpoint.state_dict", "torch.utils.serialization")
+"""What the server imports before its first fork (whatever is installed of it):
+:data:`dist_pool.WARM`, and what the launched scripts import (the Trainer, TRL, the planner,
+distributed checkpoints); a probe of every launched rank's ``sys.modules`` found each of
+these in a tenth of them or more."""
 
 _SERVER: tuple[multiprocessing.Process, object] | None = None
 

@@ -152,9 +152,10 @@ def held_summary() -> str | None:
             f"(ARCTIC_PLAN_WARNINGS=1 prints them); the first: {distinct[0][:160]}")
 
 
-WORKERS = int(os.environ.get("ARCTIC_PLAN_WORKERS", "0")) or min(4, os.cpu_count() or 1)
-"""Processes that trace at once when several traces are needed (a trace is one Python
-thread); ``ARCTIC_PLAN_WORKERS`` overrides."""
+def workers() -> int:
+    """Processes that trace at once when several traces are needed (a trace is one Python
+    thread): ``ARCTIC_PLAN_WORKERS`` as the environment has it now, else up to 4 cores."""
+    return int(os.environ.get("ARCTIC_PLAN_WORKERS", "0")) or min(4, os.cpu_count() or 1)
 
 _PRELOAD = ["arctic.plan.estimate", "arctic.plan.traces", "arctic.train.deepspeed",
             "arctic.train.fsdp", "torch.distributed.fsdp", "torch.distributed._tools.mem_tracker",
@@ -176,7 +177,7 @@ def _workers_context():
 def start_workers() -> None:
     """Start the tracing processes' fork server now, so that its imports overlap the
     caller's own work (the CLI calls this first); a no-op when traces run in this process."""
-    if WORKERS >= 2 and cache_dir() is not None:
+    if workers() >= 2 and cache_dir() is not None:
         from multiprocessing import forkserver
 
         _workers_context()
@@ -240,7 +241,7 @@ class Tracer:
             return phases
 
     def prefetch(self, jobs: list[tuple[int, int]]) -> None:
-        """Trace the ``(seq_len, layers)`` jobs not yet cached, :data:`WORKERS` at a time in
+        """Trace the ``(seq_len, layers)`` jobs not yet cached, :func:`workers` at a time in
         processes of their own (:func:`_workers_context`); each writes the cache, where
         :meth:`at` then reads it."""
         prefetch([(self, n, d) for n, d in jobs])
@@ -270,7 +271,7 @@ def prefetch(jobs: list[tuple[Tracer, int, int]]) -> None:
     todo = [(t, n, d) for t, n, d in jobs if not is_cached(t._key(n, d))]
     todo = list({t._key(n, d): (t, n, d) for t, n, d in todo}.values())
     todo.sort(key=lambda j: (-j[2], -j[1]))  # deepest first: the workers finish together
-    if len(todo) < 2 or WORKERS < 2 or cache_dir() is None:
+    if len(todo) < 2 or workers() < 2 or cache_dir() is None:
         return
     for held in _pool().map(_trace_in_worker, [t.job(n, d) for t, n, d in todo], chunksize=1):
         HELD.extend(held)
@@ -281,12 +282,12 @@ _POOL: list = []
 
 
 def _pool():
-    """:data:`WORKERS` tracing processes, started at the first prefetch and kept for the
+    """:func:`workers` tracing processes, started at the first prefetch and kept for the
     later ones: a process's first trace pays about 2 s of torch's one-time set-up (a tiny
     Llama's first trace 3.6 s, its next 1.8 s), which a worker kept for the whole search
     pays once (a trace that raises leaves its worker in the pool)."""
     if not _POOL:
-        _POOL.append(_workers_context().Pool(WORKERS))
+        _POOL.append(_workers_context().Pool(workers()))
         atexit.register(_close_pool)
     return _POOL[0]
 
