@@ -39,7 +39,7 @@ import torch.distributed as dist
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from arctic.hf.mixers import check_mixers, install_mixers  # noqa: E402
+from arctic.hf.mixers import install_mixers, mixer_passing  # noqa: E402
 from ulysses import SequenceParallelDims, gather_sequence, shard_sequence  # noqa: E402
 from ulysses.torch_internals import step_mem_tracker  # noqa: E402
 
@@ -124,6 +124,8 @@ def main() -> None:
     p.add_argument("--documents", type=int, default=1,
                    help="packed documents of near-equal lengths (the reference runs each alone)")
     p.add_argument("--iters", type=int, default=3)
+    p.add_argument("--mixer-parallelism", default="all_to_all",
+                   choices=["all_to_all", "state_passing"])
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     cuda = torch.cuda.is_available()
@@ -141,9 +143,9 @@ def main() -> None:
     single, _ = build(args, device, dtype)
     sp, _ = build(args, device, dtype)
     holder = _Holder(torch.nn.ModuleList([sp]))  # where the anatomy finds it in a model
-    check_mixers(holder, mesh)
+    passing = mixer_passing(holder, mesh, args.mixer_parallelism)
     starts = documents_of(args.seq, args.documents)
-    install_mixers(holder, mesh, _Documents(starts), frozenset())
+    install_mixers(holder, mesh, _Documents(starts), frozenset(), passing)
     x = torch.randn(1, args.seq, args.hidden, generator=torch.Generator().manual_seed(1))
     x = x.to(device, dtype)
     piece = shard_sequence(x, mesh).contiguous()

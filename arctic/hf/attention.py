@@ -42,7 +42,7 @@ from arctic.hf.features import (
     tunes_temperature,
 )
 from arctic.hf.fused import check_fusable, fuse, unfuse
-from arctic.hf.mixers import (FAMILIES, check_mixers, check_token_mixers, install_mixers,
+from arctic.hf.mixers import (FAMILIES, check_token_mixers, install_mixers, mixer_passing,
                               token_mixers)
 from arctic.hf.vlm import image_block_key, install_vision, is_vlm, vision_inputs
 from arctic.loss.reduction import install_sp_gradient_average
@@ -196,7 +196,8 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
                             attn_implementation: str = "ulysses_sdpa",
                             fuse_projections: bool = False,
                             communication_dtype: torch.dtype | None = None,
-                            attention_backend: str | None = None) -> nn.Module:
+                            attention_backend: str | None = None,
+                            mixer_parallelism: str = "auto") -> nn.Module:
     """Switch a HF causal LM to sequence-parallel attention over ``mesh``; returns ``model``.
 
     Args:
@@ -225,6 +226,12 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
             Checked here for the device and head dim (and the dtype: the parameters', or
             bf16 for fp32 parameters, which mixed precision computes in); each call checks
             the dtype it gets before any collective.
+        mixer_parallelism: how a hybrid's linear mixers (gated delta nets, KDA, Mamba2) run
+            their scans: ``"all_to_all"`` over heads (each rank scans the whole sequence for
+            its heads; the degree must split the mixer's heads), ``"state_passing"`` (each
+            rank scans its own piece, every head, from the state the earlier pieces leave:
+            :mod:`ulysses.state_passing`), or ``"auto"``: the all-to-all where the heads
+            split, else state passing. Mamba1's selective scan has the all-to-all only.
 
     Raises ``ValueError`` (before any communication) when the head counts do not fit the
     mesh, the chunk size is invalid, the config asks for an attention feature the SP attention
@@ -251,7 +258,7 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
     layouts = {}
     for H, K, _, _ in set(heads.values()):  # ValueError names the valid degrees
         layouts[H, K] = head_layout(H, K, axis_size(mesh, "ulysses"))
-    check_mixers(model, mesh)
+    passing = mixer_passing(model, mesh, mixer_parallelism)
     backend = IMPLEMENTATIONS[attn_implementation]
     if attention_backend is not None:
         if backend is not None and attention_backend != backend:
@@ -304,7 +311,7 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
     if modules:  # a state-space model (FalconMamba) has no attention to switch
         (language_model(model) if vlm else model).set_attn_implementation(REGISTERED)
     install_batch_hook(model, batch)
-    install_mixers(model, mesh, batch, passed_over)
+    install_mixers(model, mesh, batch, passed_over, passing)
     if vlm:
         install_vision(model, vision)
     # model(..., labels=) on the pieces: HF's loss of the whole sequence

@@ -34,118 +34,15 @@ from arctic.hf.anatomy import is_recurrent, language_model, text_config
 from arctic.hf.batch import BatchState
 from arctic.hf.binding import of_module
 from arctic.hf.features import classify, unknown_arguments_error
+from arctic.hf.mixer_kinds import (FAMILIES, GATED_DELTA_NET, KIMI_DELTA_ATTENTION, MAMBA1,
+                                   MAMBA2, SCAN_OPTIONS, SHORT_CONVOLUTION, MixerKind)
+from arctic.hf.mixer_state import passed_scan
 from ulysses.mesh import axis_size
 from ulysses.mixers import (causal_conv, check_mixer_heads, check_mixer_mesh, head_scan,
                             traced_scan)
-from ulysses.trace_shortcuts import is_traced
 from ulysses.patching import replace_method
-
-
-@dataclass(frozen=True, slots=True)
-class MixerKind:
-    """What one family's mixer forward calls: the names, in its module, of its causal
-    convolution, of its scan and of a fused convolution + scan kernel it tries first; the
-    scan's positional parameters in order, and by role: grouped (key heads, or Mamba2's
-    B/C groups), per head (value heads), per-head parameters (``[H]`` vectors, sliced to
-    this rank's heads); whether the scan returns ``(out, state)``; and where the head counts
-    live on the module."""
-
-    conv: str
-    scan: str | None = None
-    """None: the mixer is the convolution alone (LFM2's short convolutions)."""
-    positional: tuple[str, ...] = ()
-    grouped: tuple[str, ...] = ()
-    per_head: tuple[str, ...] = ()
-    head_params: tuple[str, ...] = ()
-    returns_state: bool = True
-    fused: str | None = None
-    """A kernel doing the convolution, scan, norm and projection at once, which the forward
-    calls first and falls back from when it returns None: under SP it returns None."""
-    num_heads: str | None = None
-    num_grouped: str | None = None
-    """The module attribute with the grouped count; None: one group (Mamba1's B/C)."""
-    gate: str | None = None
-    """A keyword input of the scan that is per head too (Mamba1's gate ``z``, applied inside
-    the scan); None: a gate inside the scan is refused."""
-    output: str = ""
-    """The per-head input the scan's output is shaped like (the values); the planner's trace
-    reads it (:func:`ulysses.mixers.traced_scan`)."""
-    state_key: str = ""
-    """The input whose last dim is the recurrent state's first (keys, or Mamba's ``C``)."""
-    channels_first: bool = False
-    """Mamba1's layout: per-head inputs ``[B, C, S]`` (every channel its own head), grouped
-    ones ``[B, N, S]`` (one group, shared by all channels), the output ``[B, C, S]``."""
-
-    @property
-    def calls(self) -> list[str]:
-        """The roles of the calls one forward makes, in order (the fused try aside)."""
-        return ["conv"] + (["scan"] if self.scan else [])
-
-
-GATED_DELTA_NET = MixerKind(conv="causal_conv1d_fn", scan="torch_chunk_gated_delta_rule",
-                            positional=("query", "key", "value", "g", "beta"),
-                            grouped=("query", "key"), per_head=("value", "g", "beta"),
-                            num_heads="num_v_heads", num_grouped="num_k_heads", output="value",
-                            state_key="key")
-"""transformers' gated delta rule: ``(query, key, value, g, beta, ...)``, q/k ``[B, S, K,
-dk]``, v ``[B, S, H, dv]``, g/beta ``[B, S, H]``; returns ``(out, state)``."""
-
-MAMBA2 = MixerKind(conv="causal_conv1d_fn", scan="mamba2_chunk_scan",
-                   positional=("hidden_states", "dt", "A", "B", "C"),
-                   grouped=("B", "C"), per_head=("hidden_states", "dt"),
-                   head_params=("A", "D", "dt_bias"), returns_state=False,
-                   fused="mamba2_split_conv1d_scan_combined", num_heads="num_heads",
-                   num_grouped="n_groups", output="hidden_states", state_key="C")
-"""transformers' Mamba2 chunked scan (SSD): ``(x [B, S, H, P], dt [B, S, H], A [H], B/C [B,
-S, G, N], chunk_size, D=[H], dt_bias=[H], ...)``; returns the output alone."""
-
-MAMBA1 = MixerKind(conv="causal_conv1d_fn", scan="mamba_selective_scan",
-                   positional=("hidden_states", "dt", "A", "B", "C"),
-                   grouped=("B", "C"), per_head=("hidden_states", "dt"),
-                   head_params=("A", "D", "delta_bias"), returns_state=False,
-                   fused="mamba_inner_fn", num_heads="intermediate_size", gate="z",
-                   output="hidden_states", state_key="C", channels_first=True)
-"""transformers' Mamba1 selective scan: ``(x [B, C, S], dt [B, C, S], A [C, N], B/C [B, N,
-S], D=[C], z=[B, C, S], delta_bias=[C], ...)``, each of the ``C`` channels its own
-recurrence; returns the output alone (``return_last_state`` refused)."""
-
-KIMI_DELTA_ATTENTION = MixerKind(conv="causal_conv1d_fn", scan="chunk_kimi_delta_attention",
-                                 positional=("query", "key", "value", "g", "beta"),
-                                 per_head=("query", "key", "value", "g", "beta"),
-                                 num_heads="num_heads", num_grouped="num_heads", output="value",
-                                 state_key="key")
-"""Kimi Linear's KDA: a gated delta rule whose decay ``g`` is per channel, ``(query, key,
-value, g [B, S, H, dk], beta [B, S, H], ...)``, every input per head (no grouped heads);
-returns ``(out, state)``."""
-
-SHORT_CONVOLUTION = MixerKind(conv="causal_conv1d_fn")
-"""LFM2's gated short convolution: ``B * x`` convolved along the sequence, gated by ``C``."""
-
-FAMILIES: dict[str, MixerKind] = {
-    "Lfm2ShortConv": SHORT_CONVOLUTION,
-    "Lfm2MoeShortConv": SHORT_CONVOLUTION,
-    "Qwen3_5GatedDeltaNet": GATED_DELTA_NET,
-    "Qwen3_5MoeGatedDeltaNet": GATED_DELTA_NET,
-    "Qwen3NextGatedDeltaNet": GATED_DELTA_NET,
-    "OlmoHybridGatedDeltaNet": GATED_DELTA_NET,
-    "NemotronHMamba2Mixer": MAMBA2,
-    "BambaMixer": MAMBA2,
-    "GraniteMoeHybridMambaLayer": MAMBA2,
-    "Mamba2Mixer": MAMBA2,
-    "FalconH1Mixer": MAMBA2,
-    "Zamba2MambaMixer": MAMBA2,
-    "KimiLinearDeltaAttention": KIMI_DELTA_ATTENTION,
-    "MambaMixer": MAMBA1,
-    "FalconMambaMixer": MAMBA1,
-    "JambaMambaMixer": MAMBA1,
-}
-"""Mixer class name -> what its forward calls. Other mixers are refused by name
-(:func:`check_token_mixers`)."""
-
-SCAN_OPTIONS = ("use_qk_l2norm_in_kernel", "scale", "chunk_size", "dt_softplus", "dt_limit",
-                "delta_softplus", "use_mambapy", "use_associative_scan")
-"""Arguments of a scan that change what it computes per head, passed on as given."""
-
+from ulysses.sharding import valid_degrees
+from ulysses.trace_shortcuts import is_traced
 
 MIXER_INERT = ("position_embeddings",)
 """Arguments a forward passes on to its mixing calls that they do not read: RoPE's cos/sin
@@ -161,6 +58,9 @@ class MixerSettings:
     kind: MixerKind
     batch: BatchState
     loss_arguments: frozenset[str] = frozenset()
+    passing: bool = False
+    """The scan passes its state between the ranks' pieces; False: an all-to-all over
+    heads."""
 
 
 @dataclass(slots=True)
@@ -247,6 +147,10 @@ def _scan(call: _Call, original, args, kwargs):
     _check_extra(call, kw, "scan")
 
     grouped = {n: values[n] for n in kind.grouped}
+    if call.sp.passing:
+        out = passed_scan(kind, original, {**grouped, **per_head}, params, options,
+                          mesh=call.sp.mesh, documents=call.documents)
+        return (out, None) if kind.returns_state else out
     if kind.channels_first:  # [B, C, s] -> [B, s, C, 1]; [B, N, s] -> [B, s, 1, N]
         per_head = {n: t.transpose(1, 2).unsqueeze(-1) for n, t in per_head.items()}
         grouped = {n: t.transpose(1, 2).unsqueeze(2) for n, t in grouped.items()}
@@ -371,14 +275,25 @@ def token_mixers(model: nn.Module) -> list[nn.Module]:
     return [m for m in language_model(model).modules() if type(m).__name__ in FAMILIES]
 
 
-def check_mixers(model: nn.Module, mesh: DeviceMesh) -> None:
-    """``ValueError`` (before any collective) for a mesh or head counts the
-    :func:`token_mixers` of ``model`` cannot run on."""
+MIXER_PARALLELISM = ("auto", "all_to_all", "state_passing")
+"""How a mixer's scan runs under SP: an all-to-all over heads, its state passed between the
+ranks' pieces, or (auto) the all-to-all where the heads split over the degree, else state
+passing."""
+
+
+def mixer_passing(model: nn.Module, mesh: DeviceMesh, mode: str = "auto") -> dict[nn.Module, bool]:
+    """Per :func:`token_mixers` module of ``model``, whether its scan passes its state
+    (``mode``: :data:`MIXER_PARALLELISM`); ``ValueError`` (before any collective) for a mesh,
+    head counts or a mode they cannot run on."""
+    if mode not in MIXER_PARALLELISM:
+        raise ValueError(f"mixer_parallelism must be one of {list(MIXER_PARALLELISM)}, got "
+                         f"{mode!r}")
     mixers = token_mixers(model)
     if not mixers:
-        return
+        return {}
     check_mixer_mesh(mesh, type(mixers[0]).__name__)
     degree = axis_size(mesh, "ulysses")
+    passing = {}
     for m in mixers:
         kind = FAMILIES[type(m).__name__]
         missing = unreached_calls(type(m))
@@ -390,24 +305,36 @@ def check_mixers(model: nn.Module, mesh: DeviceMesh) -> None:
                              f"module, as the releases whose {type(m).__name__} runs under "
                              f"sequence parallelism do (5.24); upgrade transformers, or "
                              f"train it without sequence parallelism")
-        if kind.scan is not None:
-            check_mixer_heads(type(m).__name__, getattr(m, kind.num_heads),
-                              getattr(m, kind.num_grouped) if kind.num_grouped else 1, degree)
+        passing[m] = False
+        if kind.scan is None:
+            continue
+        heads = (getattr(m, kind.num_heads),
+                 getattr(m, kind.num_grouped) if kind.num_grouped else 1)
+        if mode == "state_passing" or (mode == "auto" and kind.initial is not None
+                                       and degree not in valid_degrees(*heads)):
+            if kind.initial is None:
+                raise ValueError(f"{type(m).__name__}: mixer_parallelism='state_passing' is "
+                                 f"not implemented for its scan ({kind.scan}); use "
+                                 f"'all_to_all'")
+            passing[m] = True
+        else:
+            check_mixer_heads(type(m).__name__, *heads, degree)
+    return passing
 
 
 def install_mixers(model: nn.Module, mesh: DeviceMesh, batch: BatchState,
-                   loss_arguments: frozenset[str]) -> None:
+                   loss_arguments: frozenset[str], passing: dict[nn.Module, bool]) -> None:
     """Make every :func:`token_mixers` module of ``model`` sequence-parallel over ``mesh``,
-    reading the documents from ``batch`` (the attention's); :func:`check_mixers` first."""
+    reading the documents from ``batch`` (the attention's); ``passing``: from
+    :func:`mixer_passing`, called first."""
     for m in token_mixers(model):
         kind = FAMILIES[type(m).__name__]
         _install_dispatch(m, kind)
-        m.sp_mixer = MixerSettings(mesh, kind, batch, loss_arguments)
+        m.sp_mixer = MixerSettings(mesh, kind, batch, loss_arguments, passing[m])
         replace_method(m, _sp_mixer_forward, bind=True)
 
 
 __all__ = ["ATTENTION_LAYER_TYPES", "FAMILIES", "GATED_DELTA_NET", "KIMI_DELTA_ATTENTION",
-           "MIXER_LAYER_TYPES",
-           "MAMBA2", "SHORT_CONVOLUTION", "Dispatch",
-           "MixerKind", "MixerSettings", "check_mixers", "check_token_mixers", "install_mixers",
-           "token_mixers", "unreached_calls"]
+           "MAMBA1", "MAMBA2", "MIXER_LAYER_TYPES", "MIXER_PARALLELISM", "SCAN_OPTIONS",
+           "SHORT_CONVOLUTION", "Dispatch", "MixerKind", "MixerSettings", "check_token_mixers",
+           "install_mixers", "mixer_passing", "token_mixers", "unreached_calls"]

@@ -1,0 +1,187 @@
+"""Hybrid models' linear mixers by state passing (``mixer_parallelism="state_passing"``,
+:mod:`ulysses.state_passing`): each rank scans its own piece with every head, from the state
+the earlier pieces leave. The SP step's loss and every gradient equal the unmodified model's
+on one process (fp32), with packed documents whose starts fall inside pieces and on a piece's
+first position, and at a degree above the mixer's head count (which the all-to-all cannot
+split).
+
+Each check is seen to fail: with the incoming state dropped, and with the state crossing the
+documents (the mixers' documents hidden from them).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import dist_pool
+from helpers import TOL, assert_step_matches, averaged_grads, get_mesh, value_error_of
+from test_arctic_hybrid_models import (DOCS, S, _config, _NoDocuments, _skip_unless_supported,
+                                       _tokens, _worst)
+from test_arctic_hybrid_models import _model as _stock_model
+
+pytest.importorskip("transformers", reason="arctic needs transformers ([hf])")
+
+def _lasting(model):
+    """Slow decays (0.01 to 0.05 per unit step) in every mixer, Mamba2's steps near 1 (not
+    0.001 to 0.1) and its inputs 10 times larger: the state a piece leaves still matters a
+    piece later, so that a dropped one shows."""
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("A_log"):
+                p.copy_(torch.linspace(0.01, 0.05, p.numel()).log().reshape(p.shape))
+            if name.endswith("mixer.dt_bias"):
+                p.fill_(0.5)
+            if name.endswith("mixer.in_proj.weight"):  # B, C and x large enough to matter
+                p.mul_(10)
+    return model
+
+
+def _model(family: str):
+    return _lasting(_stock_model(family))
+
+
+def _reference(family: str, documents):
+    from helpers import causal_lm_loss, grads_of
+
+    model = _model(family)
+    loss = causal_lm_loss(model, _tokens(), documents)
+    loss.backward()
+    return loss.item(), grads_of(model)
+
+
+_REFS: dict = {}
+
+
+def _cached_reference(family: str, documents):
+    if (family, documents) not in _REFS:
+        _REFS[family, documents] = _reference(family, documents)
+    return _REFS[family, documents]
+
+
+def _rank_step(family: str, ulysses: int, documents, broken: str | None = None,
+               heads: int | None = None, mode: str = "state_passing"):
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.hf.attention import apply_sequence_parallel
+    from arctic.hf.mixers import token_mixers
+    from arctic.loss.head import apply_sp_loss
+    from ulysses import flat_mesh
+    import ulysses.state_passing as sp
+
+    original = sp._Gathered.apply
+    try:
+        if broken == "dropped":
+            sp._Gathered.apply = lambda x, *a: torch.zeros_like(original(x, *a))
+        mesh = get_mesh(ulysses, ulysses)
+        model = _model(family) if heads is None else _fewer_heads(family, heads)
+        model = apply_sequence_parallel(model, mesh=mesh, mixer_parallelism=mode)
+        apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group())
+        for m in token_mixers(model):
+            assert m.sp_mixer.passing or m.sp_mixer.kind.scan is None
+            if broken == "crossing":
+                m.sp_mixer.batch = _NoDocuments()
+        raw = {"input_ids": _tokens(), "labels": _tokens()}
+        if documents:
+            raw["position_ids"] = torch.cat([torch.arange(n) for n in documents])[None]
+        loss = model(**prepare_sp_batch(raw, mesh))
+        loss.backward()
+        return loss.item(), averaged_grads(model, ulysses)
+    finally:
+        sp._Gathered.apply = original
+
+
+def _fewer_heads(family: str, heads: int):
+    from transformers import AutoModelForCausalLM
+
+    config = _config(family)
+    config.linear_num_value_heads = config.linear_num_key_heads = heads
+    torch.manual_seed(0)
+    return _lasting(AutoModelForCausalLM.from_config(config, attn_implementation="eager"))
+
+
+def _reference_fewer_heads(family: str, heads: int):
+    from helpers import causal_lm_loss, grads_of
+
+    model = _fewer_heads(family, heads)
+    loss = causal_lm_loss(model, _tokens(), None)
+    loss.backward()
+    return loss.item(), grads_of(model)
+
+
+ON_BOUNDARY = (32, 32, S - 64)
+"""At SP=4 (pieces of 32) the second and third documents start on a piece's first
+position: the state entering pieces 1 and 2 must be dropped, not continued."""
+
+CASES = [("qwen3_5", 2, True), ("qwen3_5", 4, True), ("qwen3_5", 2, False),
+         ("kimi_linear", 2, True), ("nemotron_h", 4, True), ("mamba2", 2, False),
+         ("qwen3_5_moe", 4, True), ("qwen3_next", 4, True), ("olmo_hybrid", 2, True),
+         ("kimi_linear", 4, True), ("nemotron_h", 2, True), ("bamba", 2, True),
+         ("bamba", 4, True), ("granitemoehybrid", 4, True), ("falcon_h1", 4, True),
+         ("zamba2", 2, True), ("zamba2", 4, True), ("mamba2", 4, True)]
+FAST = {("qwen3_5", 4, True), ("kimi_linear", 2, True), ("nemotron_h", 4, True)}
+
+
+@pytest.mark.parametrize("family,ulysses,documents", [
+    pytest.param(*c, id=f"{c[0]}-sp{c[1]}-{'documents' if c[2] else 'whole'}",
+                 marks=[] if c in FAST else [pytest.mark.slow]) for c in CASES])
+def test_state_passing_matches_unmodified_model(family, ulysses, documents):
+    _skip_unless_supported(family)
+    docs = DOCS if documents else None
+    assert_step_matches(dist_pool.run(_rank_step, family, ulysses, docs, world_size=ulysses),
+                        _cached_reference(family, docs))
+
+
+@pytest.mark.parametrize("family", ["qwen3_5", pytest.param("nemotron_h", marks=pytest.mark.slow)])
+def test_documents_starting_on_a_piece_boundary(family):
+    """Starts exactly on pieces' first positions (SP=4): equal to each document run alone."""
+    _skip_unless_supported(family)
+    assert_step_matches(dist_pool.run(_rank_step, family, 4, ON_BOUNDARY, world_size=4),
+                        _cached_reference(family, ON_BOUNDARY))
+
+
+def test_a_degree_above_the_mixer_heads():
+    """Qwen3.5 with 2 value heads at SP=4: the all-to-all is refused (naming the valid
+    degrees); "auto" passes the state, and matches the model on one process."""
+    _skip_unless_supported("qwen3_5")
+    ref = _reference_fewer_heads("qwen3_5", 2)
+    assert_step_matches(dist_pool.run(_rank_step, "qwen3_5", 4, None, None, 2, "auto",
+                                      world_size=4), ref)
+    refused = dist_pool.run(_refusal, "all_to_all", world_size=4)
+    assert all("valid degrees: [1, 2]" in r for r in refused), refused
+
+
+def _refusal(mode: str, family: str = "qwen3_5", heads: int | None = 2):
+    from arctic.hf.attention import apply_sequence_parallel
+
+    mesh = get_mesh(4, 4) if heads else get_mesh(2, 2)
+    model = _fewer_heads(family, heads) if heads else _model(family)
+    return value_error_of(lambda: apply_sequence_parallel(model, mesh=mesh,
+                                                          mixer_parallelism=mode))
+
+
+def test_unsupported_modes_are_refused_by_name():
+    """Mamba1's selective scan has no state passing here; an unknown mode is refused."""
+    _skip_unless_supported("jamba")
+    jamba, unknown = dist_pool.run(_refusal, "state_passing", "jamba", None, world_size=2)[0], \
+        dist_pool.run(_refusal, "ring", "qwen3_5", None, world_size=2)[0]
+    assert "mixer_parallelism='state_passing' is not implemented" in jamba, jamba
+    assert "JambaMambaMixer" in jamba
+    assert "mixer_parallelism must be one of" in unknown, unknown
+
+
+@pytest.mark.parametrize("family,broken,documents", [
+    ("qwen3_5", "dropped", False), ("qwen3_5", "crossing", True),
+    ("nemotron_h", "dropped", False), ("kimi_linear", "crossing", True),
+    pytest.param("mamba2", "dropped", False, marks=pytest.mark.slow),
+    pytest.param("kimi_linear", "dropped", False, marks=pytest.mark.slow),
+    pytest.param("nemotron_h", "crossing", True, marks=pytest.mark.slow)])
+def test_each_check_fails_when_broken(family, broken, documents):
+    """The incoming state dropped, or the state crossing the documents, fails the parity
+    check the working path passes, with gradients over 50 times its tolerance away."""
+    _skip_unless_supported(family)
+    docs = DOCS if documents else None
+    ref = _cached_reference(family, docs)
+    results = dist_pool.run(_rank_step, family, 2, docs, broken, world_size=2)
+    with pytest.raises(AssertionError):
+        assert_step_matches(results, ref)
+    assert _worst(results[0][1], ref[1]) > 50 * TOL[torch.float32]["atol"]

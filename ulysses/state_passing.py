@@ -1,0 +1,153 @@
+"""Linear recurrences along a sequence-sharded sequence, by passing their state between ranks
+(LASP-2's all-gather of per-rank summaries), not by an all-to-all over heads.
+
+A gated delta net, Kimi's delta attention and Mamba2's SSD keep, per head and per value
+channel ``j``, a state vector ``s_j`` of ``K`` entries that evolves linearly:
+``s_j(t) = T(t) s_j(t-1) + b(t) v_j(t)``, read out as ``o_j(t) = q(t) . s_j(t)`` (plus terms
+in ``v_j(t)`` alone). The value channels never mix. A rank that scans its own piece from a
+zero state is therefore off, at every position, by a term linear in the state ``S_in`` that
+the earlier pieces leave (``K x V`` per head):
+
+    o(t) = o_0(t) + c(t) S_in        S_out = Phi S_in + S_0
+
+The model's own scan gives all four at once: ``K`` more value channels, zero, whose initial
+state is the identity, come out as ``c(t)`` (their outputs) and ``Phi`` (their final state);
+the first ``V`` channels are ``o_0`` and ``S_0``. One all-gather of every rank's ``(Phi,
+S_0)``, a few ``K x K`` products in sequence order, and ``S_in`` is known on every rank. The
+bytes sent are ``K x (K + V)`` per head and rank, whatever the sequence length; gradients
+reach the earlier ranks' pieces through the gather's backward.
+
+Packed documents (per row, the first position of each document over the whole sequence)
+restart the state: the positions before this piece's first document start continue the
+incoming state, the others do not, and a piece in which a document starts passes on only
+what follows that start (``Phi = 0``).
+
+Scans here take and return states ``[B, H, K, V]`` (the delta rules' layout; Mamba2's ``[B,
+H, P, N]`` is its transpose, which the caller converts).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+Documents = Sequence[Sequence[int]] | None
+Scan = Callable[[slice, slice, Tensor | None, Tensor | None], tuple[Tensor, Tensor]]
+"""``scan(rows, positions, values, initial)``: the scan of this rank's ``rows`` over its
+piece's ``positions`` (local), with ``values`` ``[b, n, H, V']`` in place of the value input
+(None: the input itself) from ``initial`` (``[b, H, K, V']``, None: zeros); returns the output
+``[b, n, H, V']`` and the final state ``[b, H, K, V']``."""
+
+
+class _Gathered(torch.autograd.Function):
+    """Every rank's ``x``, stacked in rank order; the backward sums each rank's gradients
+    (an all-reduce: gloo has no reduce-scatter) and keeps this rank's."""
+
+    @staticmethod
+    def forward(ctx, x, group, rank, world):
+        parts = [torch.empty_like(x) for _ in range(world)]
+        dist.all_gather(parts, x.contiguous(), group=group)
+        ctx.meta = (group, rank)
+        return torch.stack(parts)
+
+    @staticmethod
+    def backward(ctx, grad):
+        group, rank = ctx.meta
+        grad = grad.contiguous()
+        dist.all_reduce(grad, group=group)
+        return grad[rank], None, None, None
+
+
+class _Tied(torch.autograd.Function):
+    """``out`` itself, made to depend on ``gathered``: every rank's backward then reaches the
+    gather's (whose all-reduce each rank must join), also on a rank that uses no earlier
+    state (the first; one whose piece starts a document)."""
+
+    @staticmethod
+    def forward(ctx, out, gathered):
+        ctx.shape = gathered.shape
+        return out.view_as(out)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, grad.new_zeros(ctx.shape)
+
+
+def _runs(starts: Sequence[int], lo: int, hi: int) -> list[tuple[int, int, bool]]:
+    """``(start, end, continues)`` of the positions ``[lo, hi)`` cut at document starts;
+    ``continues``: the run's document started before ``lo``."""
+    cuts = sorted({lo, hi, *(d for d in starts if lo < d < hi)})
+    return [(a, b, a == lo and lo not in starts) for a, b in zip(cuts, cuts[1:])]
+
+
+def _augmented(scan: Scan, rows: slice, positions: slice, value: Tensor
+               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
+    """``(o_0, c, S_0, Phi)`` of one run from a zero state, by one scan with ``K`` more value
+    channels started at the identity."""
+    b, n, H, V = value.shape
+    K = scan.key_dim
+    extra = value.new_zeros(b, n, H, K)
+    initial = value.new_zeros(b, H, K, V + K, dtype=torch.float32)
+    initial[..., V:] = torch.eye(K, dtype=torch.float32, device=value.device)
+    out, final = scan(rows, positions, torch.cat([value, extra], dim=-1), initial)
+    return out[..., :V], out[..., V:], final[..., :V], final[..., V:]
+
+
+def state_scan(scan: Scan, value: Tensor, *, group, rank: int, world: int,
+               documents: Documents = None) -> Tensor:
+    """The scan of the whole sequence at this rank's positions; ``value`` ``[B, s, H, V]``
+    is this rank's piece of the value input, rank ``r`` holding positions ``[r s, (r + 1)
+    s)``. ``scan`` (:data:`Scan`, with ``scan.key_dim`` = ``K``) runs this rank's piece."""
+    B, s, H, V = value.shape
+    K = scan.key_dim
+    lo = rank * s
+    rows_starts = [[0]] * B if documents is None else documents
+    outs, c_rows, summaries, continued = [], [], [], []
+    whole = documents is None  # one call for every row
+    groups = [(slice(0, B), [0])] if whole else [(slice(b, b + 1), rows_starts[b])
+                                                  for b in range(B)]
+    for rows, starts in groups:
+        runs = _runs(starts, lo, lo + s)
+        pieces, c, final, phi = [], None, None, None
+        for a, e, continues in runs:
+            positions = slice(a - lo, e - lo)
+            if continues:
+                o, c, final, phi = _augmented(scan, rows, positions, value[rows, positions])
+            else:
+                o, final = scan(rows, positions, None, None)
+                phi = None  # a document starts here: nothing before it passes on
+            pieces.append(o)
+        n_rows = rows.stop - rows.start
+        if phi is None:
+            phi = value.new_zeros(n_rows, H, K, K, dtype=torch.float32)
+        outs.append(pieces)
+        c_rows.append(c)
+        continued.append(runs[0][2])
+        summaries.append((phi, final.float()))
+    phis = torch.cat([p for p, _ in summaries])
+    finals = torch.cat([f for _, f in summaries])
+    packed = torch.cat([phis, finals], dim=-1)  # [B, H, K, K + V]
+    every = _Gathered.apply(packed, group, rank, world)
+    incoming = packed.new_zeros(B, H, K, V)
+    for j in range(rank):  # in sequence order: rank j's piece precedes rank j + 1's
+        incoming = every[j, ..., :K] @ incoming + every[j, ..., K:]
+    rows_out = []
+    for i, (rows, _) in enumerate(groups):
+        pieces = outs[i]
+        if continued[i]:
+            first = pieces[0]
+            fix = torch.einsum("bshk,bhkv->bshv", c_rows[i].float(), incoming[rows])
+            pieces = [first + fix.to(first.dtype), *pieces[1:]]
+        rows_out.append(torch.cat(pieces, dim=1))
+    return _Tied.apply(torch.cat(rows_out, dim=0), every)
+
+
+def summary_bytes(batch: int, heads: int, key_dim: int, value_dim: int) -> int:
+    """Bytes one rank sends in :func:`state_scan`'s gather: its float32 ``(Phi, S_0)``."""
+    return 4 * batch * heads * key_dim * (key_dim + value_dim)
+
+
+__all__ = ["Scan", "state_scan", "summary_bytes"]
