@@ -1,5 +1,6 @@
-"""Benchmark: one gated delta net layer (Qwen3.5's) under sequence parallelism against the
-unmodified layer on one process: per-rank peak memory and forward + backward time.
+"""Benchmark: one gated delta net layer (Qwen3.5's) under sequence parallelism, by the
+all-to-all over heads and by state passing, against the unmodified layer on one process:
+per-rank peak memory, forward + backward time and the bytes each rank sends.
 
     torchrun --nproc_per_node 2 benchmarks/hybrid_layer.py [--seq 8192 --iters 3]
 
@@ -9,17 +10,22 @@ the same run:
 
 - ``single``: rank 0 runs the stock layer on the whole sequence (the other ranks wait), or
   with ``--documents N`` on each of N packed documents alone;
-- ``sp``: every rank runs the layer made sequence-parallel (``arctic.hf.mixers``) on its piece
-  ``S / W`` (convolution with the previous rank's tail, delta rule head-sharded; state and
-  window restarting at each document).
+- ``all_to_all``: every rank runs the layer made sequence-parallel (``arctic.hf.mixers``) on
+  its piece ``S / W`` (convolution with the previous rank's tail, delta rule head-sharded over
+  the whole sequence; state and window restarting at each document);
+- ``state``: the same, its delta rule on this rank's piece with every head, from the state
+  the earlier pieces leave (``mixer_parallelism="state_passing"``, :mod:`ulysses.state_passing`).
 
 The model file's kernels run (transformers' torch fallback where flash-linear-attention and
 causal-conv1d are not installed, theirs where they are: the run records which). Memory: the
 peak of what one step allocates (MemTracker on CPU, which sees only allocations inside its
 context; the CUDA allocator's peak on a GPU), the layer's parameters and the input tracked as
-already there; the max over ranks for ``sp``. Time: medians of ``--iters`` alternating
-rounds, each step timed as the max over ranks. The SP output and input gradient are checked
-against the single run's (gathered). Writes ``results/hybrid_layer_<device>_w<W>.json``.
+already there; the max over ranks for the SP runs. Time: medians of ``--iters`` alternating
+rounds, each step timed as the max over ranks. Bytes sent: per rank and step, what its
+collectives hand to other ranks (an all-to-all: all but its own share; an all-gather: its
+part to each other rank; an all-reduce: twice ``(W - 1) / W`` of it, as a ring does). The SP
+outputs and input gradients are checked against the single run's (gathered). Writes
+``results/hybrid_layer_<device>_w<W>.json``.
 """
 
 from __future__ import annotations
@@ -44,6 +50,7 @@ from ulysses import SequenceParallelDims, gather_sequence, shard_sequence  # noq
 from ulysses.torch_internals import step_mem_tracker  # noqa: E402
 
 MIB = 2**20
+MODES = ("all_to_all", "state")
 
 
 def build(args, device, dtype):
@@ -77,6 +84,39 @@ def documents_of(seq: int, count: int) -> tuple[int, ...] | None:
     if count <= 1:
         return None
     return tuple(i * seq // count for i in range(count))
+
+
+SENT = [0]
+"""Bytes this rank's collectives sent since the last reset (:func:`count_sent`)."""
+
+
+def count_sent() -> None:
+    """Make torch.distributed's collectives add what this rank sends to :data:`SENT`."""
+    world = dist.get_world_size
+
+    def nbytes(t):
+        return t.numel() * t.element_size()
+
+    def sent(name, args, kwargs):
+        group = kwargs.get("group")
+        w = world(group)
+        if name == "all_to_all_single":
+            return nbytes(args[1]) * (w - 1) // w
+        if name == "all_to_all":
+            return sum(nbytes(t) for t in args[1]) * (w - 1) // w
+        if name == "all_gather":
+            return nbytes(args[1]) * (w - 1)
+        if name == "all_reduce":
+            return 2 * nbytes(args[0]) * (w - 1) // w
+        return 0
+
+    for name in ("all_to_all_single", "all_to_all", "all_gather", "all_reduce"):
+        fn = getattr(dist, name)
+
+        def counted(*args, _fn=fn, _name=name, **kwargs):
+            SENT[0] += sent(_name, args, kwargs)
+            return _fn(*args, **kwargs)
+        setattr(dist, name, counted)
 
 
 def step(layer, x, starts=None):
@@ -124,8 +164,6 @@ def main() -> None:
     p.add_argument("--documents", type=int, default=1,
                    help="packed documents of near-equal lengths (the reference runs each alone)")
     p.add_argument("--iters", type=int, default=3)
-    p.add_argument("--mixer-parallelism", default="all_to_all",
-                   choices=["all_to_all", "state_passing"])
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     cuda = torch.cuda.is_available()
@@ -141,11 +179,13 @@ def main() -> None:
     mesh = SequenceParallelDims(world_size=world, ulysses_degree=world).build_mesh(device.type)
 
     single, _ = build(args, device, dtype)
-    sp, _ = build(args, device, dtype)
-    holder = _Holder(torch.nn.ModuleList([sp]))  # where the anatomy finds it in a model
-    passing = mixer_passing(holder, mesh, args.mixer_parallelism)
     starts = documents_of(args.seq, args.documents)
-    install_mixers(holder, mesh, _Documents(starts), frozenset(), passing)
+    sp = {}
+    for mode in MODES:
+        sp[mode], _ = build(args, device, dtype)
+        holder = _Holder(torch.nn.ModuleList([sp[mode]]))  # where the anatomy finds it
+        passing = mixer_passing(holder, mesh, "state_passing" if mode == "state" else mode)
+        install_mixers(holder, mesh, _Documents(starts), frozenset(), passing)
     x = torch.randn(1, args.seq, args.hidden, generator=torch.Generator().manual_seed(1))
     x = x.to(device, dtype)
     piece = shard_sequence(x, mesh).contiguous()
@@ -163,29 +203,37 @@ def main() -> None:
             return measure(reference, x, device, starts)
         return 0.0, 0, None, None
 
-    def run_sp():
-        return measure(sp, piece, device)
-
-    run_single(), run_sp()  # warm-up
-    times = {"single": [], "sp": []}
-    peaks = {"single": 0, "sp": 0}
+    runs = {"single": run_single,
+            **{mode: (lambda m=sp[mode]: measure(m, piece, device)) for mode in MODES}}
+    names = list(runs)
+    for fn in runs.values():  # warm-up
+        fn()
+    count_sent()
+    times = {n: [] for n in names}
+    peaks = {n: 0 for n in names}
+    sent = {n: 0 for n in names}
     outputs = {}
     for _ in range(args.iters):
-        for name, fn in (("single", run_single), ("sp", run_sp)):
+        for name, fn in runs.items():
             dist.barrier()
+            SENT[0] = 0
             elapsed, peak, out, dx = fn()
-            t = torch.tensor([elapsed, float(peak)], dtype=torch.float64, device=device)
+            step_sent = SENT[0]
+            t = torch.tensor([elapsed, float(peak), float(step_sent)], dtype=torch.float64,
+                             device=device)
             dist.all_reduce(t, op=dist.ReduceOp.MAX)
             times[name].append(t[0].item())
             peaks[name] = max(peaks[name], int(t[1].item()))
+            sent[name] = int(t[2].item())
             outputs[name] = (out, dx)
-    out_sp = gather_sequence(outputs["sp"][0], mesh)
-    dx_sp = gather_sequence(outputs["sp"][1], mesh)
+    gathered = {mode: (gather_sequence(outputs[mode][0], mesh),
+                       gather_sequence(outputs[mode][1], mesh)) for mode in MODES}
     if rank != 0:
         dist.destroy_process_group()
         return
     out, dx = outputs["single"]
     scale = max(out.abs().max().item(), 1e-30)
+    median = {k: statistics.median(v) for k, v in times.items()}
     result = {
         "device": torch.cuda.get_device_name(device) if cuda else platform.processor() or "cpu",
         "torch": torch.__version__, "world": world, "dtype": str(dtype),
@@ -193,22 +241,25 @@ def main() -> None:
                   "k_heads": args.k_heads, "head_dim": args.head_dim},
         "documents": list(starts or (0,)),
         "kernels": kernels(),
-        "median_s": {k: statistics.median(v) for k, v in times.items()},
+        "median_s": median,
         "peak_bytes": peaks,
-        "peak_ratio_sp_over_single": peaks["sp"] / peaks["single"],
-        "time_ratio_sp_over_single": statistics.median(times["sp"]) /
-        statistics.median(times["single"]),
-        "max_rel_diff": {"out": (out_sp.float() - out.float()).abs().max().item() / scale,
-                         "dx": (dx_sp.float() - dx.float()).abs().max().item() /
-                         max(dx.abs().max().item(), 1e-30)},
+        "sent_bytes_per_rank": sent,
+        "time_ratio_over_single": {m: median[m] / median["single"] for m in MODES},
+        "peak_ratio_over_single": {m: peaks[m] / peaks["single"] for m in MODES},
+        "sent_ratio_state_over_all_to_all": sent["state"] / max(sent["all_to_all"], 1),
+        "max_rel_diff": {m: {"out": (o.float() - out.float()).abs().max().item() / scale,
+                             "dx": (g.float() - dx.float()).abs().max().item() /
+                             max(dx.abs().max().item(), 1e-30)}
+                         for m, (o, g) in gathered.items()},
     }
-    print(f"{'':8} {'median s':>10} {'peak MiB':>10}")
-    for k in ("single", "sp"):
-        print(f"{k:8} {result['median_s'][k]:10.3f} {peaks[k] / MIB:10.1f}")
-    print(f"sp / single: time {result['time_ratio_sp_over_single']:.2f}x, "
-          f"peak {result['peak_ratio_sp_over_single']:.2f}x; "
-          f"max rel diff out {result['max_rel_diff']['out']:.2e}, "
-          f"dx {result['max_rel_diff']['dx']:.2e}; kernels {result['kernels']}")
+    print(f"{'':11} {'median s':>10} {'x single':>9} {'peak MiB':>10} {'x single':>9} "
+          f"{'sent MiB':>10}")
+    for k in names:
+        print(f"{k:11} {median[k]:10.3f} {median[k] / median['single']:9.2f} "
+              f"{peaks[k] / MIB:10.1f} {peaks[k] / peaks['single']:9.2f} {sent[k] / MIB:10.3f}")
+    print(f"state passing sends {result['sent_ratio_state_over_all_to_all']:.4f}x the "
+          f"all-to-all's bytes; max rel diff {result['max_rel_diff']}; kernels "
+          f"{result['kernels']}")
     out_path = args.out or REPO / "benchmarks" / "results" / \
         f"hybrid_layer_{'cuda' if cuda else 'cpu'}_w{world}.json"
     out_path.write_text(json.dumps(result, indent=2) + "\n")

@@ -43,8 +43,9 @@ piece's ``positions`` (local), with ``values`` ``[b, n, H, V']`` in place of the
 
 
 class _Gathered(torch.autograd.Function):
-    """Every rank's ``x``, stacked in rank order; the backward sums each rank's gradients
-    (an all-reduce: gloo has no reduce-scatter) and keeps this rank's."""
+    """Every rank's ``x``, stacked in rank order; the backward sends each rank the gradients
+    of its ``x`` (an all-to-all: gloo has no reduce-scatter; an all-reduce would send every
+    rank's) and sums them."""
 
     @staticmethod
     def forward(ctx, x, group, rank, world):
@@ -55,10 +56,10 @@ class _Gathered(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad):
-        group, rank = ctx.meta
-        grad = grad.contiguous()
-        dist.all_reduce(grad, group=group)
-        return grad[rank], None, None, None
+        group, _ = ctx.meta
+        mine = torch.empty_like(grad)
+        dist.all_to_all_single(mine, grad.contiguous(), group=group)
+        return mine.sum(0), None, None, None
 
 
 class _Tied(torch.autograd.Function):
