@@ -30,6 +30,7 @@ import torch
 
 from offload.disk import IO_CHOICES, check_offload_dir
 from ulysses import BACKENDS, SequenceParallelDims
+from ulysses.state_passing import MODES as MIXER_MODES
 
 BLOCK = "ulysses"
 COMM_DTYPES = ("fp32", "bf16", "fp16")
@@ -115,6 +116,12 @@ class SequenceParallelConfig:
     the process (a tiny forward and backward on the device, once; :mod:`ulysses.self_check`):
     a kernel that disagrees is refused with a ``ValueError`` instead of training on wrong
     gradients. Process-wide: the last model set up decides."""
+    mixer_parallelism: Literal["auto", "all_to_all", "state_passing"] = "auto"
+    """How a hybrid's linear mixers (gated delta nets, KDA, Mamba2) run their scans: an
+    all-to-all over heads (the degree must split the mixer's heads), their state passed
+    between the ranks' pieces (any degree; :mod:`ulysses.state_passing`), or ``"auto"``: the
+    all-to-all where the heads split, else state passing. A value other than ``"auto"`` on a
+    model without such a mixer is refused when the model is set up."""
     communication_dtype: Literal["fp32", "bf16", "fp16"] | None = None
     """dtype of the sequence-parallel exchanges (DeepSpeed's
     ``seq_parallel_communication_data_type``): every all-to-all and ring hop, forward and
@@ -145,6 +152,9 @@ class SequenceParallelConfig:
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(f"ulysses.attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, "
                              f"got {self.attn_implementation!r}")
+        if self.mixer_parallelism not in MIXER_MODES:
+            raise ValueError(f"ulysses.mixer_parallelism must be one of {MIXER_MODES}, got "
+                             f"{self.mixer_parallelism!r}")
         if self.attention_backend is not None and self.attention_backend not in BACKENDS:
             raise ValueError(f"ulysses.attention_backend must be null or one of {BACKENDS}, got "
                              f"{self.attention_backend!r}")

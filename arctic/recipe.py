@@ -59,7 +59,8 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
                             attn_implementation=config.attn_implementation,
                             fuse_projections=config.fuse_projections,
                             communication_dtype=config.comm_dtype,
-                            attention_backend=config.attention_backend)
+                            attention_backend=config.attention_backend,
+                            mixer_parallelism=config.mixer_parallelism)
     if config.tiled_mlp is not None:
         apply_tiled_mlp(model, tiles=config.tiled_mlp)
         if config.tiled_norms:

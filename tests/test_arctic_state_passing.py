@@ -185,3 +185,49 @@ def test_each_check_fails_when_broken(family, broken, documents):
     with pytest.raises(AssertionError):
         assert_step_matches(results, ref)
     assert _worst(results[0][1], ref[1]) > 50 * TOL[torch.float32]["atol"]
+
+
+def _rank_from_config(family: str, mode: str):
+    """The mixers' path after apply_sp_recipe with ``ulysses.mixer_parallelism=mode`` (a DS
+    config, as DeepSpeed and Trainer users give it): per mixer whether it passes its state,
+    or the refusal."""
+    from arctic.config import SequenceParallelConfig
+    from arctic.hf.mixers import token_mixers
+    from arctic.recipe import apply_sp_recipe
+
+    config = SequenceParallelConfig.from_ds_config(
+        {"sequence_parallel_size": 2, "ulysses": {"mixer_parallelism": mode}}, world_size=2)
+    model = _stock_model(family) if family != "llama" else _llama()
+    mesh = config.dims(2).build_mesh("cpu")
+    try:
+        apply_sp_recipe(model, config=config, mesh=mesh, averaged_over_sp=True)
+    except ValueError as e:
+        return str(e)
+    return [m.sp_mixer.passing for m in token_mixers(model)]
+
+
+def _llama():
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    return AutoModelForCausalLM.from_config(LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+        num_attention_heads=4, num_key_value_heads=2), attn_implementation="sdpa")
+
+
+def test_the_config_key_reaches_the_mixers():
+    """``ulysses.mixer_parallelism`` in a DeepSpeed config: state_passing and all_to_all as
+    named, auto the all-to-all where the heads split (SP=2); a value other than auto on a
+    model without a scanning mixer is refused, and an unknown value when the config is read."""
+    from arctic.config import SequenceParallelConfig
+
+    _skip_unless_supported("qwen3_5")
+    got = {mode: dist_pool.run(_rank_from_config, "qwen3_5", mode, world_size=2)[0]
+           for mode in ("state_passing", "all_to_all", "auto")}
+    assert got == {"state_passing": [True], "all_to_all": [False], "auto": [False]}, got
+    llama = dist_pool.run(_rank_from_config, "llama", "all_to_all", world_size=2)[0]
+    assert "mixer_parallelism='all_to_all' would have no effect" in llama, llama
+    assert "[]" == str(dist_pool.run(_rank_from_config, "llama", "auto", world_size=2)[0])
+    with pytest.raises(ValueError, match="ulysses.mixer_parallelism must be one of"):
+        SequenceParallelConfig.from_ds_config(
+            {"sequence_parallel_size": 2, "ulysses": {"mixer_parallelism": "ring"}},
+            world_size=2)

@@ -34,6 +34,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+MODES = ("auto", "all_to_all", "state_passing")
+"""How a hybrid's linear mixers run their scans under SP (``mixer_parallelism``): an
+all-to-all over heads, their state passed between the ranks' pieces (here), or (auto) the
+all-to-all where the heads split over the degree, else state passing."""
+
 Documents = Sequence[Sequence[int]] | None
 Scan = Callable[[slice, slice, Tensor | None, Tensor | None], tuple[Tensor, Tensor]]
 """``scan(rows, positions, values, initial)``: the scan of this rank's ``rows`` over its
@@ -151,4 +156,4 @@ def summary_bytes(batch: int, heads: int, key_dim: int, value_dim: int) -> int:
     return 4 * batch * heads * key_dim * (key_dim + value_dim)
 
 
-__all__ = ["Scan", "state_scan", "summary_bytes"]
+__all__ = ["MODES", "Scan", "state_scan", "summary_bytes"]

@@ -42,6 +42,7 @@ from ulysses.mixers import (causal_conv, check_mixer_heads, check_mixer_mesh, he
                             traced_scan)
 from ulysses.patching import replace_method
 from ulysses.sharding import valid_degrees
+from ulysses.state_passing import MODES
 from ulysses.trace_shortcuts import is_traced
 
 MIXER_INERT = ("position_embeddings",)
@@ -275,10 +276,7 @@ def token_mixers(model: nn.Module) -> list[nn.Module]:
     return [m for m in language_model(model).modules() if type(m).__name__ in FAMILIES]
 
 
-MIXER_PARALLELISM = ("auto", "all_to_all", "state_passing")
-"""How a mixer's scan runs under SP: an all-to-all over heads, its state passed between the
-ranks' pieces, or (auto) the all-to-all where the heads split over the degree, else state
-passing."""
+MIXER_PARALLELISM = MODES
 
 
 def mixer_passing(model: nn.Module, mesh: DeviceMesh, mode: str = "auto") -> dict[nn.Module, bool]:
@@ -289,6 +287,10 @@ def mixer_passing(model: nn.Module, mesh: DeviceMesh, mode: str = "auto") -> dic
         raise ValueError(f"mixer_parallelism must be one of {list(MIXER_PARALLELISM)}, got "
                          f"{mode!r}")
     mixers = token_mixers(model)
+    if mode != "auto" and not any(FAMILIES[type(m).__name__].scan for m in mixers):
+        raise ValueError(f"mixer_parallelism={mode!r} would have no effect: "
+                         f"{type(model).__name__} has no mixer with a scan (a gated delta "
+                         f"net, KDA, Mamba2 or Mamba1 layer); leave it 'auto'")
     if not mixers:
         return {}
     check_mixer_mesh(mesh, type(mixers[0]).__name__)
