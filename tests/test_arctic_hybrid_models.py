@@ -290,21 +290,21 @@ def _refusal(ulysses: int, ring: int, what: str):
         ids = torch.zeros(1, S // (ulysses * ring), dtype=torch.long)
         pos = torch.arange(ids.shape[1])[None]
         return value_error_of(lambda: model(input_ids=ids, position_ids=pos, use_cache=True))
-    mode = "all_to_all" if what == "heads" else "auto"  # auto passes the state instead
+    mode = "all_to_all" if what in ("heads", "apply") else "auto"  # auto passes the state
     return value_error_of(lambda: apply_sequence_parallel(model, mesh=mesh,
                                                           mixer_parallelism=mode))
 
 
 @pytest.mark.hf_facing
 @pytest.mark.parametrize("ulysses,ring,what,expected", [
-    (1, 2, "apply", "ring_degree=2 would need the state passed along the ring"),
+    (1, 2, "apply", "mixer_parallelism='all_to_all' runs under Ulysses only"),
     (4, 1, "heads", "valid degrees: [1, 2]"),
     (2, 1, "cache", "use_cache=False"),
 ])
 def test_refused_before_any_collective(ulysses, ring, what, expected):
-    """A ring, head counts the degree does not split (by the all-to-all; "auto" passes the
-    state instead: test_arctic_state_passing.py), and a cache are refused with a ValueError
-    on every rank, before any collective (a collective would hang here)."""
+    """A ring and head counts the degree does not split (by the all-to-all; "auto" passes
+    the state instead: test_arctic_state_passing.py), and a cache are refused with a
+    ValueError on every rank, before any collective (a collective would hang here)."""
     _skip_unless_supported("qwen3_5")
     results = dist_pool.run(_refusal, ulysses, ring, what, world_size=ulysses * ring)
     for message in results:

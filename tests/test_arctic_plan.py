@@ -951,18 +951,20 @@ def test_plans_a_state_space_model_without_its_attention_settings(tmp_path):
     assert sp["head_chunk_size"] is None and sp["tiled_mlp"] is None
 
 
-def test_the_search_keeps_a_hybrid_to_ulysses():
-    """Token mixers run under Ulysses only, over degrees their heads split: the search skips
-    ring factorizations and Ulysses degrees the gated delta nets' heads do not split over
-    (it traced them, and failed, before)."""
+def test_the_search_keeps_mamba1_to_ulysses_and_rings_the_others():
+    """Gated delta nets pass their state on rings and at any degree (mixer_parallelism
+    "auto"), so the search keeps every split the attention allows; Mamba1's scan runs under
+    Ulysses only, over degrees its channels split: the search skips the rest (it traced them,
+    and failed, before)."""
     from arctic.plan.models import token_mixer_heads
     from arctic.plan.search import factorizations
 
     mixers = token_mixer_heads(_hybrid_config())
     assert mixers == [("Qwen3_5GatedDeltaNet", 4, 2)]
     kept = [(c.ring, c.ulysses) for c in factorizations(8, 4, 2, mixers=mixers) if not c.pruned]
-    assert kept == []  # 4 attention heads do not split over 8; the rings are refused
-    kept = [(c.ring, c.ulysses) for c in factorizations(4, 4, 2, mixers=mixers) if not c.pruned]
+    assert kept == [(2, 4), (4, 2), (8, 1)]  # 4 attention heads do not split over 8
+    mamba1 = [("JambaMambaMixer", 4, 1)]
+    kept = [(c.ring, c.ulysses) for c in factorizations(4, 4, 2, mixers=mamba1) if not c.pruned]
     assert kept == [(1, 4)]
-    reasons = {(c.ring, c.ulysses): c.pruned for c in factorizations(4, 4, 2, mixers=mixers)}
+    reasons = {(c.ring, c.ulysses): c.pruned for c in factorizations(4, 4, 2, mixers=mamba1)}
     assert "Ulysses only" in reasons[2, 2] and "Ulysses only" in reasons[4, 1]

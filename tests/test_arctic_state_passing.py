@@ -60,7 +60,8 @@ def _cached_reference(family: str, documents):
 
 
 def _rank_step(family: str, ulysses: int, documents, broken: str | None = None,
-               heads: int | None = None, mode: str = "state_passing"):
+               heads: int | None = None, mode: str = "state_passing", ring: int = 1,
+               zigzag: bool = True):
     from arctic.data.batch import prepare_sp_batch
     from arctic.hf.attention import apply_sequence_parallel
     from arctic.hf.mixers import token_mixers
@@ -72,7 +73,7 @@ def _rank_step(family: str, ulysses: int, documents, broken: str | None = None,
     try:
         if broken == "dropped":
             sp._Gathered.apply = lambda x, *a: torch.zeros_like(original(x, *a))
-        mesh = get_mesh(ulysses, ulysses)
+        mesh = get_mesh(ulysses * ring, ulysses, ring, zigzag)
         model = _model(family) if heads is None else _fewer_heads(family, heads)
         model = apply_sequence_parallel(model, mesh=mesh, mixer_parallelism=mode)
         apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group())
@@ -85,7 +86,7 @@ def _rank_step(family: str, ulysses: int, documents, broken: str | None = None,
             raw["position_ids"] = torch.cat([torch.arange(n) for n in documents])[None]
         loss = model(**prepare_sp_batch(raw, mesh))
         loss.backward()
-        return loss.item(), averaged_grads(model, ulysses)
+        return loss.item(), averaged_grads(model, ulysses * ring)
     finally:
         sp._Gathered.apply = original
 
@@ -164,7 +165,8 @@ def test_unsupported_modes_are_refused_by_name():
     _skip_unless_supported("jamba")
     jamba, unknown = dist_pool.run(_refusal, "state_passing", "jamba", None, world_size=2)[0], \
         dist_pool.run(_refusal, "ring", "qwen3_5", None, world_size=2)[0]
-    assert "mixer_parallelism='state_passing' is not implemented" in jamba, jamba
+    assert "state passing (mixer_parallelism='state_passing', or any ring) is not " \
+        "implemented" in jamba, jamba
     assert "JambaMambaMixer" in jamba
     assert "mixer_parallelism must be one of" in unknown, unknown
 
@@ -182,6 +184,70 @@ def test_each_check_fails_when_broken(family, broken, documents):
     docs = DOCS if documents else None
     ref = _cached_reference(family, docs)
     results = dist_pool.run(_rank_step, family, 2, docs, broken, world_size=2)
+    with pytest.raises(AssertionError):
+        assert_step_matches(results, ref)
+    assert _worst(results[0][1], ref[1]) > 50 * TOL[torch.float32]["atol"]
+
+
+RINGS = [("qwen3_5", 1, 2, True, True), ("qwen3_5", 2, 2, True, True),
+         ("qwen3_5", 1, 2, False, True), ("nemotron_h", 1, 2, True, True),
+         ("kimi_linear", 2, 2, True, False), ("lfm2", 1, 2, True, True),
+         ("mamba2", 1, 4, True, False), ("bamba", 2, 2, True, True),
+         ("olmo_hybrid", 1, 2, True, True), ("falcon_h1", 2, 2, True, True)]
+FAST_RINGS = {("qwen3_5", 2, 2, True, True), ("nemotron_h", 1, 2, True, True)}
+
+
+@pytest.mark.parametrize("family,ulysses,ring,zigzag,documents", [
+    pytest.param(*c, id=f"{c[0]}-u{c[1]}r{c[2]}-{'zigzag' if c[3] else 'contiguous'}-"
+                 f"{'documents' if c[4] else 'whole'}",
+                 marks=[] if c in FAST_RINGS else [pytest.mark.slow]) for c in RINGS])
+def test_rings_match_unmodified_model(family, ulysses, ring, zigzag, documents):
+    """A ring of 2 (and 4), alone and as Ulysses 2 x Ring 2, zigzag and contiguous: each
+    rank's runs (a zigzag rank holds two) take their convolution's tail and their scan's
+    state from the run before them in the sequence, whichever rank holds it."""
+    _skip_unless_supported(family)
+    docs = DOCS if documents else None
+    assert_step_matches(dist_pool.run(_rank_step, family, ulysses, docs, None, None, "auto",
+                                      ring, zigzag, world_size=ulysses * ring),
+                        _cached_reference(family, docs))
+
+
+def _rank_chained_in_rank_order(family: str, documents):
+    """The broken variant of a zigzag ring: the runs chained in rank order (every rank's
+    runs as if contiguous), not in sequence order."""
+    import ulysses.mixers as mixers
+    from ulysses.state_passing import contiguous_runs
+
+    original = mixers.sp_runs
+    mixers.sp_runs = lambda mesh, piece: [[(g, n) for g, n in own] for own in
+                                           _rank_order(original(mesh, piece))]
+    import arctic.hf.mixer_state as ms
+    ms.sp_runs = mixers.sp_runs
+    try:
+        return _rank_step(family, 1, documents, None, None, "auto", 2, True)
+    finally:
+        mixers.sp_runs = ms.sp_runs = original
+
+
+def _rank_order(runs):
+    """The runs renumbered as if the ranks' pieces followed each other in rank order (each
+    rank's own runs kept in their order): positions ``[r s, (r + 1) s)`` for rank r."""
+    out, start = [], 0
+    for own in runs:
+        mine = []
+        for _, n in own:
+            mine.append((start, n))
+            start += n
+        out.append(mine)
+    return out
+
+
+def test_zigzag_chained_in_rank_order_fails():
+    """A zigzag ring whose runs are chained in rank order instead of sequence order fails
+    the parity check, far outside its tolerance."""
+    _skip_unless_supported("qwen3_5")
+    ref = _cached_reference("qwen3_5", None)
+    results = dist_pool.run(_rank_chained_in_rank_order, "qwen3_5", None, world_size=2)
     with pytest.raises(AssertionError):
         assert_step_matches(results, ref)
     assert _worst(results[0][1], ref[1]) > 50 * TOL[torch.float32]["atol"]

@@ -33,21 +33,22 @@ from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from ulysses.all_to_all import all_to_all
-from ulysses.mesh import axis_rank, axis_size, mesh_dims
-from ulysses.sharding import head_layout, valid_degrees
+from ulysses.mesh import axis_rank, axis_size, flat_mesh, mesh_dims
+from ulysses.sharding import head_layout, seq_split, sp_rank_of, valid_degrees
+from ulysses.state_passing import _Gathered, _Tied
 
 Documents = Sequence[Sequence[int]] | None
 
 
 def check_mixer_mesh(mesh: DeviceMesh, what: str) -> None:
-    """``ValueError`` unless ``mesh`` cuts the sequence as the mixers here need: Ulysses only
-    (``ring_degree`` 1)."""
-    ring = mesh_dims(mesh).ring_degree
-    if ring != 1:
+    """``ValueError`` unless ``mesh`` cuts the sequence as the mixers here can follow: without
+    a ring, or with one in the zigzag or contiguous layout (every rank's runs fixed by the
+    mesh alone; not cut document by document)."""
+    if mesh_dims(mesh).per_document_ring:
         raise ValueError(f"{what} mixes tokens along the sequence with a recurrence or a "
-                         f"convolution, which runs here under Ulysses only; ring_degree="
-                         f"{ring} would need the state passed along the ring, which is not "
-                         f"implemented. Use ring_degree=1")
+                         f"convolution, whose pieces are not followed here on a ring cut "
+                         f"document by document (ring_layout='per_document'); use "
+                         f"ring_layout='zigzag' or 'contiguous'")
 
 
 def check_mixer_heads(what: str, num_heads: int, num_grouped: int, degree: int) -> None:
@@ -97,6 +98,8 @@ def causal_conv(conv: Callable[[Tensor], Tensor], x_BCs: Tensor, width: int, *,
     ``[B, C, L]``, zero history) of the whole sequence, at this rank's positions: ``x_BCs`` is
     this rank's piece. ``documents``: per row, where each document starts (whole sequence);
     None: one document per row."""
+    if mesh_dims(mesh).ring_degree > 1:
+        return _conv_over_runs(conv, x_BCs, width - 1, mesh=mesh, documents=documents)
     group = mesh["ulysses"].get_group()
     rank, world = axis_rank(mesh, "ulysses"), axis_size(mesh, "ulysses")
     h = width - 1
@@ -108,6 +111,39 @@ def causal_conv(conv: Callable[[Tensor], Tensor], x_BCs: Tensor, width: int, *,
                          f"history ({h}); use fewer ranks or a longer sequence")
     ext = _WithPreviousTail.apply(x_BCs, h, group, rank, world)
     return _per_document(conv, ext, h, rank * s, documents)
+
+
+def sp_runs(mesh: DeviceMesh, piece: int) -> list[list[tuple[int, int]]]:
+    """Per SP rank (the flat ring x Ulysses group), the runs of the sequence it holds in the
+    mesh's layout (zigzag or contiguous; :meth:`ulysses.sharding._SeqSplit.runs`)."""
+    split = seq_split(mesh)
+    return [split.runs(piece * split.sp, r) for r in range(split.sp)]
+
+
+def _conv_over_runs(conv, x_BCs: Tensor, h: int, *, mesh: DeviceMesh,
+                    documents: Documents) -> Tensor:
+    """:func:`causal_conv` on a mesh with a ring: each run of this rank's piece (a zigzag
+    rank holds two) gets the ``h`` positions before it in the sequence, the tail of the run
+    that ends where it starts, whichever rank holds it (one all-gather of every run's tail)."""
+    runs = sp_runs(mesh, x_BCs.shape[-1])
+    rank, world = sp_rank_of(mesh), len(runs)
+    short = min(n for own in runs for _, n in own)
+    if short < h:
+        raise ValueError(f"a run of {short} positions is shorter than the convolution's "
+                         f"history ({h}); use fewer ranks or a longer sequence")
+    width = max(len(own) for own in runs)
+    offsets = [sum(n for _, n in runs[rank][:j]) for j in range(len(runs[rank]))]
+    tails = x_BCs.new_zeros(width, *x_BCs.shape[:-1], h)
+    for j, ((g, n), off) in enumerate(zip(runs[rank], offsets)):
+        tails[j] = x_BCs[..., off + n - h:off + n]
+    every = _Gathered.apply(tails, flat_mesh(mesh, "sp").get_group(), rank, world)
+    ending = {g + n: (r, j) for r, own in enumerate(runs) for j, (g, n) in enumerate(own)}
+    outs = []
+    for (g, n), off in zip(runs[rank], offsets):
+        before = every[ending[g]] if g > 0 else torch.zeros_like(tails[0])
+        ext = torch.cat([before, x_BCs[..., off:off + n]], dim=-1)
+        outs.append(_per_document(conv, ext, h, g, documents))
+    return _Tied.apply(torch.cat(outs, dim=-1), every)
 
 
 def _per_document(conv, ext: Tensor, h: int, lo: int, documents: Documents) -> Tensor:

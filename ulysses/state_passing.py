@@ -102,52 +102,64 @@ def _augmented(scan: Scan, rows: slice, positions: slice, value: Tensor
     return out[..., :V], out[..., V:], final[..., :V], final[..., V:]
 
 
-def state_scan(scan: Scan, value: Tensor, *, group, rank: int, world: int,
+Runs = Sequence[Sequence[tuple[int, int]]]
+"""Per SP rank, the ``(first position, length)`` runs of the sequence it holds, in the order
+of its piece (one run without a ring; a zigzag ring's two chunks)."""
+
+
+def contiguous_runs(piece: int, world: int) -> Runs:
+    """Rank ``r`` holding positions ``[r piece, (r + 1) piece)``."""
+    return [[(r * piece, piece)] for r in range(world)]
+
+
+def _preceding(runs: Runs, rank: int) -> list[list[tuple[int, int]]]:
+    """For each of ``rank``'s runs, the runs of every rank before it in sequence order, as
+    ``(rank, index)``, first to last."""
+    order = sorted((g, r, j) for r, own in enumerate(runs) for j, (g, _) in enumerate(own))
+    return [[(r, j) for g2, r, j in order if g2 < g] for g, _ in runs[rank]]
+
+
+def state_scan(scan: Scan, value: Tensor, *, group, rank: int, world: int, runs: Runs,
                documents: Documents = None) -> Tensor:
     """The scan of the whole sequence at this rank's positions; ``value`` ``[B, s, H, V]``
-    is this rank's piece of the value input, rank ``r`` holding positions ``[r s, (r + 1)
-    s)``. ``scan`` (:data:`Scan`, with ``scan.key_dim`` = ``K``) runs this rank's piece."""
+    is this rank's piece of the value input, laid out as ``runs[rank]`` says. ``scan``
+    (:data:`Scan`, with ``scan.key_dim`` = ``K``) runs this rank's piece."""
     B, s, H, V = value.shape
     K = scan.key_dim
-    lo = rank * s
-    rows_starts = [[0]] * B if documents is None else documents
-    outs, c_rows, summaries, continued = [], [], [], []
-    whole = documents is None  # one call for every row
-    groups = [(slice(0, B), [0])] if whole else [(slice(b, b + 1), rows_starts[b])
-                                                  for b in range(B)]
-    for rows, starts in groups:
-        runs = _runs(starts, lo, lo + s)
-        pieces, c, final, phi = [], None, None, None
-        for a, e, continues in runs:
-            positions = slice(a - lo, e - lo)
-            if continues:
-                o, c, final, phi = _augmented(scan, rows, positions, value[rows, positions])
-            else:
-                o, final = scan(rows, positions, None, None)
-                phi = None  # a document starts here: nothing before it passes on
-            pieces.append(o)
-        n_rows = rows.stop - rows.start
-        if phi is None:
-            phi = value.new_zeros(n_rows, H, K, K, dtype=torch.float32)
-        outs.append(pieces)
-        c_rows.append(c)
-        continued.append(runs[0][2])
-        summaries.append((phi, final.float()))
-    phis = torch.cat([p for p, _ in summaries])
-    finals = torch.cat([f for _, f in summaries])
-    packed = torch.cat([phis, finals], dim=-1)  # [B, H, K, K + V]
-    every = _Gathered.apply(packed, group, rank, world)
-    incoming = packed.new_zeros(B, H, K, V)
-    for j in range(rank):  # in sequence order: rank j's piece precedes rank j + 1's
-        incoming = every[j, ..., :K] @ incoming + every[j, ..., K:]
+    mine, width = runs[rank], max(len(own) for own in runs)
+    groups = [(slice(0, B), (0,))] if documents is None else \
+        [(slice(b, b + 1), tuple(documents[b])) for b in range(B)]
+    summary = value.new_zeros(B, width, H, K, K + V, dtype=torch.float32)
+    pieces = [[] for _ in groups]  # per row group: (output, c or None, run index)
+    for i, (rows, starts) in enumerate(groups):
+        offset = 0
+        for j, (g, n) in enumerate(mine):
+            phi = final = None
+            for a, e, continues in _runs(starts, g, g + n):
+                positions = slice(offset + a - g, offset + e - g)
+                if continues:
+                    o, c, final, phi = _augmented(scan, rows, positions, value[rows, positions])
+                else:
+                    o, final = scan(rows, positions, None, None)
+                    c, phi = None, None  # a document starts here: nothing before passes on
+                pieces[i].append((o, c, j))
+            if phi is not None:
+                summary[rows, j, ..., :K] = phi
+            summary[rows, j, ..., K:] = final.float()
+            offset += n
+    every = _Gathered.apply(summary, group, rank, world)  # [W, B, width, H, K, K + V]
+    incoming = []
+    for before in _preceding(runs, rank):  # in sequence order
+        state = summary.new_zeros(B, H, K, V)
+        for r, j in before:
+            state = every[r, :, j, ..., :K] @ state + every[r, :, j, ..., K:]
+        incoming.append(state)
     rows_out = []
     for i, (rows, _) in enumerate(groups):
-        pieces = outs[i]
-        if continued[i]:
-            first = pieces[0]
-            fix = torch.einsum("bshk,bhkv->bshv", c_rows[i].float(), incoming[rows])
-            pieces = [first + fix.to(first.dtype), *pieces[1:]]
-        rows_out.append(torch.cat(pieces, dim=1))
+        fixed = [o if c is None else
+                 o + torch.einsum("bshk,bhkv->bshv", c.float(), incoming[j][rows]).to(o.dtype)
+                 for o, c, j in pieces[i]]
+        rows_out.append(torch.cat(fixed, dim=1))
     return _Tied.apply(torch.cat(rows_out, dim=0), every)
 
 
@@ -156,4 +168,4 @@ def summary_bytes(batch: int, heads: int, key_dim: int, value_dim: int) -> int:
     return 4 * batch * heads * key_dim * (key_dim + value_dim)
 
 
-__all__ = ["MODES", "Scan", "state_scan", "summary_bytes"]
+__all__ = ["MODES", "Runs", "Scan", "contiguous_runs", "state_scan", "summary_bytes"]

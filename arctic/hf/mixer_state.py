@@ -14,8 +14,9 @@ from collections.abc import Callable, Mapping
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
-from ulysses.mesh import axis_rank, axis_size
-from ulysses.mixers import Documents, traced_scan
+from ulysses.mesh import flat_mesh
+from ulysses.mixers import Documents, sp_runs, traced_scan
+from ulysses.sharding import sp_rank_of
 from ulysses.state_passing import state_scan
 from ulysses.trace_shortcuts import is_traced
 
@@ -56,11 +57,13 @@ def passed_scan(kind, original: Callable, inputs: Mapping[str, Tensor],
                 mesh: DeviceMesh, documents: Documents) -> Tensor:
     """The scan of the whole sequence at this rank's positions: ``inputs`` (the scan's
     sequence inputs, this rank's piece, every head), ``params`` (its per-head parameters,
-    whole), ``options`` (its other arguments), over the mesh's Ulysses axis."""
+    whole), ``options`` (its other arguments), over the mesh's SP ranks (ring x Ulysses, in
+    its sequence layout)."""
     scan = _PieceScan(kind, original, inputs, params, options)
-    return state_scan(scan, inputs[kind.output], group=mesh["ulysses"].get_group(),
-                      rank=axis_rank(mesh, "ulysses"), world=axis_size(mesh, "ulysses"),
-                      documents=documents)
+    value = inputs[kind.output]
+    runs = sp_runs(mesh, value.shape[1])
+    return state_scan(scan, value, group=flat_mesh(mesh, "sp").get_group(),
+                      rank=sp_rank_of(mesh), world=len(runs), runs=runs, documents=documents)
 
 
 __all__ = ["passed_scan"]

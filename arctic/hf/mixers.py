@@ -294,7 +294,11 @@ def mixer_passing(model: nn.Module, mesh: DeviceMesh, mode: str = "auto") -> dic
     if not mixers:
         return {}
     check_mixer_mesh(mesh, type(mixers[0]).__name__)
-    degree = axis_size(mesh, "ulysses")
+    degree, ring = axis_size(mesh, "ulysses"), axis_size(mesh, "ring")
+    if ring > 1 and mode == "all_to_all":
+        raise ValueError(f"{type(mixers[0]).__name__}: mixer_parallelism='all_to_all' runs "
+                         f"under Ulysses only; on a ring (ring_degree={ring}) the mixers pass "
+                         f"their state: use 'auto' or 'state_passing'")
     passing = {}
     for m in mixers:
         kind = FAMILIES[type(m).__name__]
@@ -312,12 +316,12 @@ def mixer_passing(model: nn.Module, mesh: DeviceMesh, mode: str = "auto") -> dic
             continue
         heads = (getattr(m, kind.num_heads),
                  getattr(m, kind.num_grouped) if kind.num_grouped else 1)
-        if mode == "state_passing" or (mode == "auto" and kind.initial is not None
-                                       and degree not in valid_degrees(*heads)):
+        if mode == "state_passing" or ring > 1 or (mode == "auto" and kind.initial is not None
+                                                   and degree not in valid_degrees(*heads)):
             if kind.initial is None:
-                raise ValueError(f"{type(m).__name__}: mixer_parallelism='state_passing' is "
-                                 f"not implemented for its scan ({kind.scan}); use "
-                                 f"'all_to_all'")
+                raise ValueError(f"{type(m).__name__}: state passing (mixer_parallelism="
+                                 f"'state_passing', or any ring) is not implemented for its "
+                                 f"scan ({kind.scan}); use 'all_to_all' and ring_degree=1")
             passing[m] = True
         else:
             check_mixer_heads(type(m).__name__, *heads, degree)

@@ -80,8 +80,9 @@ def unsupported_settings(config) -> dict[str, str]:
 
 def token_mixer_heads(config) -> list[tuple[str, int, int]]:
     """The token mixers of the model of ``config`` (:data:`arctic.hf.mixers.FAMILIES`) as
-    ``(class, heads, grouped heads)``, one per class: they run under Ulysses only, over the
-    degrees their heads split over. Read off the model built on the meta device."""
+    ``(class, heads, grouped heads)``, one per class (what the search's
+    :func:`arctic.plan.search.factorizations` reads). Read off the model built on the meta
+    device."""
     out = {}
     for m in token_mixers(_meta_model(config)):
         kind = FAMILIES[type(m).__name__]

@@ -125,9 +125,12 @@ def factorizations(sp_size: int, num_heads: int | None, num_kv_heads: int | None
     :func:`ulysses.sharding.head_layout` refuses Ulysses degrees the heads cannot split over
     (more ranks than query heads; kv heads that neither divide nor are divided by the degree).
     ``mixers``: the model's token mixers as ``(class, heads, grouped heads)``
-    (:func:`arctic.plan.models.token_mixer_heads`); they run under Ulysses only, over degrees
-    their heads split over.
+    (:func:`arctic.plan.models.token_mixer_heads`): those that pass their state
+    (``mixer_parallelism="auto"``: gated delta nets, KDA, Mamba2) run on any split; the
+    others (Mamba1) under Ulysses only, over degrees their heads split over.
     """
+    from arctic.hf.mixer_kinds import FAMILIES
+
     out = []
     for ring in (r for r in range(1, sp_size + 1) if sp_size % r == 0):
         c = Candidate(ring=ring, ulysses=sp_size // ring, fields={})
@@ -139,6 +142,8 @@ def factorizations(sp_size: int, num_heads: int | None, num_kv_heads: int | None
         for name, heads, grouped in mixers:
             if c.pruned:
                 break
+            if FAMILIES[name].initial is not None:
+                continue  # state passing: any degree, any ring
             if ring > 1:
                 c.pruned = f"{name} runs under Ulysses only (no ring)"
             elif c.ulysses not in valid_degrees(heads, grouped):
