@@ -69,10 +69,10 @@ def _rank_step(family: str, ulysses: int, documents, broken: str | None = None,
     from ulysses import flat_mesh
     import ulysses.state_passing as sp
 
-    original = sp._Gathered.apply
+    original = sp.Gathered.apply
     try:
         if broken == "dropped":
-            sp._Gathered.apply = lambda x, *a: torch.zeros_like(original(x, *a))
+            sp.Gathered.apply = lambda x, *a: torch.zeros_like(original(x, *a))
         mesh = get_mesh(ulysses * ring, ulysses, ring, zigzag)
         model = _model(family) if heads is None else _fewer_heads(family, heads)
         model = apply_sequence_parallel(model, mesh=mesh, mixer_parallelism=mode)
@@ -88,7 +88,7 @@ def _rank_step(family: str, ulysses: int, documents, broken: str | None = None,
         loss.backward()
         return loss.item(), averaged_grads(model, ulysses * ring)
     finally:
-        sp._Gathered.apply = original
+        sp.Gathered.apply = original
 
 
 def _fewer_heads(family: str, heads: int):

@@ -35,7 +35,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from ulysses.all_to_all import all_to_all
 from ulysses.mesh import axis_rank, axis_size, flat_mesh, mesh_dims
 from ulysses.sharding import head_layout, seq_split, sp_rank_of, valid_degrees
-from ulysses.state_passing import _Gathered, _Tied
+from ulysses.state_passing import Gathered, Tied
 
 Documents = Sequence[Sequence[int]] | None
 
@@ -136,14 +136,14 @@ def _conv_over_runs(conv, x_BCs: Tensor, h: int, *, mesh: DeviceMesh,
     tails = x_BCs.new_zeros(width, *x_BCs.shape[:-1], h)
     for j, ((g, n), off) in enumerate(zip(runs[rank], offsets)):
         tails[j] = x_BCs[..., off + n - h:off + n]
-    every = _Gathered.apply(tails, flat_mesh(mesh, "sp").get_group(), rank, world)
+    every = Gathered.apply(tails, flat_mesh(mesh, "sp").get_group(), rank, world)
     ending = {g + n: (r, j) for r, own in enumerate(runs) for j, (g, n) in enumerate(own)}
     outs = []
     for (g, n), off in zip(runs[rank], offsets):
         before = every[ending[g]] if g > 0 else torch.zeros_like(tails[0])
         ext = torch.cat([before, x_BCs[..., off:off + n]], dim=-1)
         outs.append(_per_document(conv, ext, h, g, documents))
-    return _Tied.apply(torch.cat(outs, dim=-1), every)
+    return Tied.apply(torch.cat(outs, dim=-1), every)
 
 
 def _per_document(conv, ext: Tensor, h: int, lo: int, documents: Documents) -> Tensor:

@@ -47,7 +47,7 @@ piece's ``positions`` (local), with ``values`` ``[b, n, H, V']`` in place of the
 ``[b, n, H, V']`` and the final state ``[b, H, K, V']``."""
 
 
-class _Gathered(torch.autograd.Function):
+class Gathered(torch.autograd.Function):
     """Every rank's ``x``, stacked in rank order; the backward sends each rank the gradients
     of its ``x`` (an all-to-all: gloo has no reduce-scatter; an all-reduce would send every
     rank's) and sums them."""
@@ -67,7 +67,7 @@ class _Gathered(torch.autograd.Function):
         return mine.sum(0), None, None, None
 
 
-class _Tied(torch.autograd.Function):
+class Tied(torch.autograd.Function):
     """``out`` itself, made to depend on ``gathered``: every rank's backward then reaches the
     gather's (whose all-reduce each rank must join), also on a rank that uses no earlier
     state (the first; one whose piece starts a document)."""
@@ -147,7 +147,7 @@ def state_scan(scan: Scan, value: Tensor, *, group, rank: int, world: int, runs:
                 summary[rows, j, ..., :K] = phi
             summary[rows, j, ..., K:] = final.float()
             offset += n
-    every = _Gathered.apply(summary, group, rank, world)  # [W, B, width, H, K, K + V]
+    every = Gathered.apply(summary, group, rank, world)  # [W, B, width, H, K, K + V]
     incoming = []
     for before in _preceding(runs, rank):  # in sequence order
         state = summary.new_zeros(B, H, K, V)
@@ -160,7 +160,7 @@ def state_scan(scan: Scan, value: Tensor, *, group, rank: int, world: int, runs:
                  o + torch.einsum("bshk,bhkv->bshv", c.float(), incoming[j][rows]).to(o.dtype)
                  for o, c, j in pieces[i]]
         rows_out.append(torch.cat(fixed, dim=1))
-    return _Tied.apply(torch.cat(rows_out, dim=0), every)
+    return Tied.apply(torch.cat(rows_out, dim=0), every)
 
 
 def summary_bytes(batch: int, heads: int, key_dim: int, value_dim: int) -> int:
@@ -168,4 +168,5 @@ def summary_bytes(batch: int, heads: int, key_dim: int, value_dim: int) -> int:
     return 4 * batch * heads * key_dim * (key_dim + value_dim)
 
 
-__all__ = ["MODES", "Runs", "Scan", "contiguous_runs", "state_scan", "summary_bytes"]
+__all__ = ["MODES", "Gathered", "Runs", "Scan", "Tied", "contiguous_runs", "state_scan",
+           "summary_bytes"]

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 
 from arctic.config import SequenceParallelConfig
+from arctic.hf.mixer_kinds import FAMILIES
 from arctic.plan.estimate import Estimate
 from arctic.plan.step import PLANNED_FIELDS
 from arctic.plan.units import format_gib
@@ -129,7 +130,6 @@ def factorizations(sp_size: int, num_heads: int | None, num_kv_heads: int | None
     (``mixer_parallelism="auto"``: gated delta nets, KDA, Mamba2) run on any split; the
     others (Mamba1) under Ulysses only, over degrees their heads split over.
     """
-    from arctic.hf.mixer_kinds import FAMILIES
 
     out = []
     for ring in (r for r in range(1, sp_size + 1) if sp_size % r == 0):
