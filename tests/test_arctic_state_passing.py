@@ -297,3 +297,82 @@ def test_the_config_key_reaches_the_mixers():
         SequenceParallelConfig.from_ds_config(
             {"sequence_parallel_size": 2, "ulysses": {"mixer_parallelism": "ring"}},
             world_size=2)
+
+
+def _rank_ring_engine(engine: str):
+    """Qwen3.5 through apply_sp_recipe on a zigzag ring of 2 (``ulysses.ring_degree``),
+    checkpointed, under DeepSpeed ZeRO-3 (arctic.initialize, 2 ranks) or FSDP2 (dp=2 x
+    ring 2, 4 ranks, each dp replica its own sequence): the loss and the full gradients."""
+    import torch.distributed as dist
+
+    import arctic
+    from arctic.config import SequenceParallelConfig
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.recipe import apply_sp_recipe
+    from helpers import init_deepspeed_comm
+    from ulysses.mesh import axis_rank
+
+    ulysses_block = {"ring_degree": 2, "activation_checkpointing": True, "loss_tiles": 2}
+    model = _model("qwen3_5")
+    if engine == "zero3":
+        import arctic.train.deepspeed
+        from deepspeed.utils import groups, safe_get_full_grad
+
+        init_deepspeed_comm()
+        groups.mpu = None
+        config = {"train_micro_batch_size_per_gpu": 1, "steps_per_print": 10**6,
+                  "optimizer": {"type": "AdamW", "params": {"lr": 1e-3, "torch_adam": True}},
+                  "zero_optimization": {"stage": 3}, "sequence_parallel_size": 2,
+                  "ulysses": ulysses_block}
+        run, _, _, _ = arctic.train.deepspeed.initialize(model=model, config=config)
+        ids = _tokens()
+        loss = run(**prepare_sp_batch({"input_ids": ids, "labels": ids}, run.sp_mesh))
+        run.backward(loss)
+        grads = {n: safe_get_full_grad(p) for n, p in run.module.named_parameters()}
+    else:
+        config = SequenceParallelConfig.from_ds_config(
+            {"sequence_parallel_size": 2, "ulysses": ulysses_block}, world_size=4)
+        mesh = config.dims(4).build_mesh("cpu")
+        apply_sp_recipe(model, config=config, mesh=mesh, averaged_over_sp=True)
+        run = arctic.apply_fsdp(model, mesh=mesh)
+        ids = _two_sequences()[axis_rank(mesh, "dp")]
+        loss = run(**prepare_sp_batch({"input_ids": ids, "labels": ids}, mesh))
+        loss.backward()
+        grads = {n: p.grad for n, p in model.named_parameters()}
+    grads = {n: (g.full_tensor() if hasattr(g, "full_tensor") else g).detach().clone()
+             for n, g in grads.items()}
+    loss = loss.detach().clone()
+    dist.all_reduce(loss)
+    dist.barrier()
+    return loss.item() / dist.get_world_size(), grads
+
+
+def _two_sequences():
+    g = torch.Generator().manual_seed(5)
+    return [torch.randint(3, 96, (1, S), generator=g) for _ in range(2)]
+
+
+def _reference_two_sequences():
+    """The unmodified model on one process: the mean of the two sequences' losses and
+    gradients (what dp=2 averages)."""
+    from helpers import causal_lm_loss, grads_of
+
+    model = _model("qwen3_5")
+    loss = sum(causal_lm_loss(model, ids, None) for ids in _two_sequences()) / 2
+    loss.backward()
+    return loss.item(), grads_of(model)
+
+
+@pytest.mark.parametrize("engine", ["zero3", pytest.param("fsdp2", marks=pytest.mark.slow)])
+def test_qwen3_5_on_a_ring_under_zero3_and_fsdp2(engine):
+    _skip_unless_supported("qwen3_5")
+    ref = _cached_reference("qwen3_5", None) if engine == "zero3" else \
+        _reference_two_sequences()
+    world = 2 if engine == "zero3" else 4
+    results = dist_pool.run(_rank_ring_engine, engine, world_size=world, timeout=240)
+    for loss, grads in results:
+        assert abs(loss - ref[0]) <= 1e-5 * abs(ref[0]), (loss, ref[0])
+        assert set(grads) == set(ref[1])
+        for n, g in grads.items():
+            torch.testing.assert_close(g, ref[1][n], atol=2e-5, rtol=1e-4,
+                                       msg=lambda m: f"{engine} {n}: {m}")
