@@ -216,13 +216,11 @@ def _rank_chained_in_rank_order(family: str, documents):
     """The broken variant of a zigzag ring: the runs chained in rank order (every rank's
     runs as if contiguous), not in sequence order."""
     import ulysses.mixers as mixers
-    from ulysses.state_passing import contiguous_runs
+
+    import arctic.hf.mixer_state as ms
 
     original = mixers.sp_runs
-    mixers.sp_runs = lambda mesh, piece: [[(g, n) for g, n in own] for own in
-                                           _rank_order(original(mesh, piece))]
-    import arctic.hf.mixer_state as ms
-    ms.sp_runs = mixers.sp_runs
+    mixers.sp_runs = ms.sp_runs = lambda mesh, piece: _rank_order(original(mesh, piece))
     try:
         return _rank_step(family, 1, documents, None, None, "auto", 2, True)
     finally:

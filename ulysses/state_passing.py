@@ -56,20 +56,19 @@ class Gathered(torch.autograd.Function):
     def forward(ctx, x, group, rank, world):
         parts = [torch.empty_like(x) for _ in range(world)]
         dist.all_gather(parts, x.contiguous(), group=group)
-        ctx.meta = (group, rank)
+        ctx.group = group
         return torch.stack(parts)
 
     @staticmethod
     def backward(ctx, grad):
-        group, _ = ctx.meta
         mine = torch.empty_like(grad)
-        dist.all_to_all_single(mine, grad.contiguous(), group=group)
+        dist.all_to_all_single(mine, grad.contiguous(), group=ctx.group)
         return mine.sum(0), None, None, None
 
 
 class Tied(torch.autograd.Function):
     """``out`` itself, made to depend on ``gathered``: every rank's backward then reaches the
-    gather's (whose all-reduce each rank must join), also on a rank that uses no earlier
+    gather's (whose all-to-all each rank must join), also on a rank that uses no earlier
     state (the first; one whose piece starts a document)."""
 
     @staticmethod
@@ -105,11 +104,6 @@ def _augmented(scan: Scan, rows: slice, positions: slice, value: Tensor
 Runs = Sequence[Sequence[tuple[int, int]]]
 """Per SP rank, the ``(first position, length)`` runs of the sequence it holds, in the order
 of its piece (one run without a ring; a zigzag ring's two chunks)."""
-
-
-def contiguous_runs(piece: int, world: int) -> Runs:
-    """Rank ``r`` holding positions ``[r piece, (r + 1) piece)``."""
-    return [[(r * piece, piece)] for r in range(world)]
 
 
 def _preceding(runs: Runs, rank: int) -> list[list[tuple[int, int]]]:
@@ -163,10 +157,4 @@ def state_scan(scan: Scan, value: Tensor, *, group, rank: int, world: int, runs:
     return Tied.apply(torch.cat(rows_out, dim=0), every)
 
 
-def summary_bytes(batch: int, heads: int, key_dim: int, value_dim: int) -> int:
-    """Bytes one rank sends in :func:`state_scan`'s gather: its float32 ``(Phi, S_0)``."""
-    return 4 * batch * heads * key_dim * (key_dim + value_dim)
-
-
-__all__ = ["MODES", "Gathered", "Runs", "Scan", "Tied", "contiguous_runs", "state_scan",
-           "summary_bytes"]
+__all__ = ["MODES", "Gathered", "Runs", "Scan", "Tied", "state_scan"]
