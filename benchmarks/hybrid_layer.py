@@ -110,13 +110,14 @@ def count_sent() -> None:
             return 2 * nbytes(args[0]) * (w - 1) // w
         return 0
 
-    for name in ("all_to_all_single", "all_to_all", "all_gather", "all_reduce"):
-        fn = getattr(dist, name)
+    def counting(name, fn):
+        def counted(*args, **kwargs):  # the collective's own arguments, passed on whole
+            SENT[0] += sent(name, args, kwargs)
+            return fn(*args, **kwargs)
+        return counted
 
-        def counted(*args, _fn=fn, _name=name, **kwargs):
-            SENT[0] += sent(_name, args, kwargs)
-            return _fn(*args, **kwargs)
-        setattr(dist, name, counted)
+    for name in ("all_to_all_single", "all_to_all", "all_gather", "all_reduce"):
+        setattr(dist, name, counting(name, getattr(dist, name)))
 
 
 def step(layer, x, starts=None):

@@ -194,7 +194,6 @@ def _rank_step(family: str, ulysses: int, documents: bool, broken: str | None = 
     """One SP step: the loss and the gradients averaged over the ranks (as DDP would).
     ``broken``: ``"local"`` (the mixers' stock forward, on this rank's piece) or
     ``"crossing"`` (the mixers do not see the documents)."""
-    from arctic.data.batch import prepare_sp_batch
     from arctic.hf.attention import apply_sequence_parallel
     from arctic.hf.mixers import token_mixers
     from arctic.loss.head import apply_sp_loss
@@ -210,12 +209,21 @@ def _rank_step(family: str, ulysses: int, documents: bool, broken: str | None = 
             restore_method(m)
         elif broken == "crossing":
             m.sp_mixer.batch = _NoDocuments()
+    return step_on_pieces(model, mesh, DOCS if documents else None)
+
+
+def step_on_pieces(model, mesh, documents):
+    """One step of ``model`` (made sequence-parallel over ``mesh``) on this rank's pieces of
+    the test sequence, ``documents`` packed (their lengths; None: one): the loss and the
+    gradients averaged over the SP ranks (as DDP would)."""
+    from arctic.data.batch import prepare_sp_batch
+
     raw = {"input_ids": _tokens(), "labels": _tokens()}
     if documents:
-        raw["position_ids"] = torch.cat([torch.arange(n) for n in DOCS])[None]
+        raw["position_ids"] = torch.cat([torch.arange(n) for n in documents])[None]
     loss = model(**prepare_sp_batch(raw, mesh))
     loss.backward()
-    return loss.item(), averaged_grads(model, ulysses)
+    return loss.item(), averaged_grads(model, mesh.size())
 
 
 def _worst(got, ref) -> float:

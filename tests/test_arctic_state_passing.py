@@ -15,9 +15,9 @@ import pytest
 import torch
 
 import dist_pool
-from helpers import TOL, assert_step_matches, averaged_grads, get_mesh, value_error_of
+from helpers import TOL, assert_step_matches, get_mesh, value_error_of
 from test_arctic_hybrid_models import (DOCS, S, _config, _NoDocuments, _skip_unless_supported,
-                                       _tokens, _worst)
+                                       _tokens, _worst, step_on_pieces)
 from test_arctic_hybrid_models import _model as _stock_model
 
 pytest.importorskip("transformers", reason="arctic needs transformers ([hf])")
@@ -62,7 +62,6 @@ def _cached_reference(family: str, documents):
 def _rank_step(family: str, ulysses: int, documents, broken: str | None = None,
                heads: int | None = None, mode: str = "state_passing", ring: int = 1,
                zigzag: bool = True):
-    from arctic.data.batch import prepare_sp_batch
     from arctic.hf.attention import apply_sequence_parallel
     from arctic.hf.mixers import token_mixers
     from arctic.loss.head import apply_sp_loss
@@ -81,12 +80,7 @@ def _rank_step(family: str, ulysses: int, documents, broken: str | None = None,
             assert m.sp_mixer.passing or m.sp_mixer.kind.scan is None
             if broken == "crossing":
                 m.sp_mixer.batch = _NoDocuments()
-        raw = {"input_ids": _tokens(), "labels": _tokens()}
-        if documents:
-            raw["position_ids"] = torch.cat([torch.arange(n) for n in documents])[None]
-        loss = model(**prepare_sp_batch(raw, mesh))
-        loss.backward()
-        return loss.item(), averaged_grads(model, ulysses * ring)
+        return step_on_pieces(model, mesh, documents)
     finally:
         sp.Gathered.apply = original
 

@@ -28,14 +28,13 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
 from ulysses.all_to_all import all_to_all
 from ulysses.mesh import axis_rank, axis_size, flat_mesh, mesh_dims
 from ulysses.sharding import head_layout, seq_split, sp_rank_of, valid_degrees
-from ulysses.state_passing import Gathered, Tied
+from ulysses.state_passing import Gathered, Tied, document_runs
 
 Documents = Sequence[Sequence[int]] | None
 
@@ -60,57 +59,16 @@ def check_mixer_heads(what: str, num_heads: int, num_grouped: int, degree: int) 
                          f"{valid_degrees(num_heads, num_grouped)}")
 
 
-class _WithPreviousTail(torch.autograd.Function):
-    """``x [B, C, s]`` -> ``[B, C, width + s]``: the previous rank's last ``width`` positions
-    (zeros on the first rank), then ``x``. The backward returns the tail's gradient to the
-    rank it came from."""
-
-    @staticmethod
-    def forward(ctx, x, width, group, rank, world):
-        tail = x[..., x.shape[-1] - width:].contiguous()
-        parts = [torch.empty_like(tail) for _ in range(world)]
-        dist.all_gather(parts, tail, group=group)
-        ctx.meta = (rank, world, group, width)
-        previous = parts[rank - 1] if rank > 0 else torch.zeros_like(tail)
-        return torch.cat([previous, x], dim=-1)
-
-    @staticmethod
-    def backward(ctx, grad):
-        rank, world, group, width = ctx.meta
-        head = grad[..., :width].contiguous()
-        parts = [torch.empty_like(head) for _ in range(world)]
-        dist.all_gather(parts, head, group=group)
-        dx = grad[..., width:].clone()
-        if rank < world - 1:
-            dx[..., dx.shape[-1] - width:] += parts[rank + 1]
-        return dx, None, None, None, None
-
-
-def _runs(starts: Sequence[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
-    """``(start, end, document start)`` of the positions ``[lo, hi)`` cut at documents."""
-    cuts = sorted({lo, hi, *(d for d in starts if lo < d < hi)})
-    return [(a, b, max(d for d in starts if d <= a)) for a, b in zip(cuts, cuts[1:])]
-
-
 def causal_conv(conv: Callable[[Tensor], Tensor], x_BCs: Tensor, width: int, *,
                 mesh: DeviceMesh, documents: Documents = None) -> Tensor:
     """``conv`` (a causal convolution of width ``width`` along the last dim, ``[B, C, L]`` ->
     ``[B, C, L]``, zero history) of the whole sequence, at this rank's positions: ``x_BCs`` is
     this rank's piece. ``documents``: per row, where each document starts (whole sequence);
     None: one document per row."""
-    if mesh_dims(mesh).ring_degree > 1:
-        return _conv_over_runs(conv, x_BCs, width - 1, mesh=mesh, documents=documents)
-    group = mesh["ulysses"].get_group()
-    rank, world = axis_rank(mesh, "ulysses"), axis_size(mesh, "ulysses")
     h = width - 1
-    s = x_BCs.shape[-1]
-    if world == 1 or h == 0:
+    if mesh_dims(mesh).sp == 1 or h == 0:
         return _per_document(conv, x_BCs, 0, 0, documents)
-    if s < h:
-        raise ValueError(f"each rank's piece ({s} positions) is shorter than the convolution's "
-                         f"history ({h}); use fewer ranks or a longer sequence")
-    ext = _WithPreviousTail.apply(x_BCs, h, group, rank, world)
-    return _per_document(conv, ext, h, rank * s, documents)
+    return _conv_over_runs(conv, x_BCs, h, mesh=mesh, documents=documents)
 
 
 def sp_runs(mesh: DeviceMesh, piece: int) -> list[list[tuple[int, int]]]:
@@ -122,9 +80,10 @@ def sp_runs(mesh: DeviceMesh, piece: int) -> list[list[tuple[int, int]]]:
 
 def _conv_over_runs(conv, x_BCs: Tensor, h: int, *, mesh: DeviceMesh,
                     documents: Documents) -> Tensor:
-    """:func:`causal_conv` on a mesh with a ring: each run of this rank's piece (a zigzag
-    rank holds two) gets the ``h`` positions before it in the sequence, the tail of the run
-    that ends where it starts, whichever rank holds it (one all-gather of every run's tail)."""
+    """:func:`causal_conv` over several ranks: each run of this rank's piece (one without a
+    ring; a zigzag rank holds two) gets the ``h`` positions before it in the sequence, the
+    tail of the run that ends where it starts, whichever rank holds it (one all-gather of
+    every run's tail; its backward returns each tail's gradient to its rank)."""
     runs = sp_runs(mesh, x_BCs.shape[-1])
     rank, world = sp_rank_of(mesh), len(runs)
     short = min(n for own in runs for _, n in own)
@@ -155,7 +114,7 @@ def _per_document(conv, ext: Tensor, h: int, lo: int, documents: Documents) -> T
     rows = []
     for b, starts in enumerate(documents):
         outs = []
-        for a, e, start in _runs(starts, lo, lo + s):
+        for a, e, start in document_runs(starts, lo, lo + s):
             back = min(h, a - start)  # history of the same document
             outs.append(conv(ext[b:b + 1, :, h + a - lo - back:h + e - lo])[..., back:])
         rows.append(torch.cat(outs, dim=-1))

@@ -81,11 +81,11 @@ class Tied(torch.autograd.Function):
         return grad, grad.new_zeros(ctx.shape)
 
 
-def _runs(starts: Sequence[int], lo: int, hi: int) -> list[tuple[int, int, bool]]:
-    """``(start, end, continues)`` of the positions ``[lo, hi)`` cut at document starts;
-    ``continues``: the run's document started before ``lo``."""
+def document_runs(starts: Sequence[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
+    """``(start, end, document start)`` of the positions ``[lo, hi)`` cut at the document
+    starts ``starts`` (the first is 0)."""
     cuts = sorted({lo, hi, *(d for d in starts if lo < d < hi)})
-    return [(a, b, a == lo and lo not in starts) for a, b in zip(cuts, cuts[1:])]
+    return [(a, b, max(d for d in starts if d <= a)) for a, b in zip(cuts, cuts[1:])]
 
 
 def _augmented(scan: Scan, rows: slice, positions: slice, value: Tensor
@@ -129,9 +129,9 @@ def state_scan(scan: Scan, value: Tensor, *, group, rank: int, world: int, runs:
         offset = 0
         for j, (g, n) in enumerate(mine):
             phi = final = None
-            for a, e, continues in _runs(starts, g, g + n):
+            for a, e, start in document_runs(starts, g, g + n):
                 positions = slice(offset + a - g, offset + e - g)
-                if continues:
+                if start < g:  # its document started before this run: the state continues
                     o, c, final, phi = _augmented(scan, rows, positions, value[rows, positions])
                 else:
                     o, final = scan(rows, positions, None, None)
@@ -157,4 +157,4 @@ def state_scan(scan: Scan, value: Tensor, *, group, rank: int, world: int, runs:
     return Tied.apply(torch.cat(rows_out, dim=0), every)
 
 
-__all__ = ["MODES", "Gathered", "Runs", "Scan", "Tied", "state_scan"]
+__all__ = ["MODES", "Gathered", "Runs", "Scan", "Tied", "document_runs", "state_scan"]

@@ -276,15 +276,12 @@ def token_mixers(model: nn.Module) -> list[nn.Module]:
     return [m for m in language_model(model).modules() if type(m).__name__ in FAMILIES]
 
 
-MIXER_PARALLELISM = MODES
-
-
 def mixer_passing(model: nn.Module, mesh: DeviceMesh, mode: str = "auto") -> dict[nn.Module, bool]:
     """Per :func:`token_mixers` module of ``model``, whether its scan passes its state
-    (``mode``: :data:`MIXER_PARALLELISM`); ``ValueError`` (before any collective) for a mesh,
+    (``mode``: :data:`ulysses.state_passing.MODES`); ``ValueError`` (before any collective) for a mesh,
     head counts or a mode they cannot run on."""
-    if mode not in MIXER_PARALLELISM:
-        raise ValueError(f"mixer_parallelism must be one of {list(MIXER_PARALLELISM)}, got "
+    if mode not in MODES:
+        raise ValueError(f"mixer_parallelism must be one of {list(MODES)}, got "
                          f"{mode!r}")
     mixers = token_mixers(model)
     if mode != "auto" and not any(FAMILIES[type(m).__name__].scan for m in mixers):
@@ -341,6 +338,6 @@ def install_mixers(model: nn.Module, mesh: DeviceMesh, batch: BatchState,
 
 
 __all__ = ["ATTENTION_LAYER_TYPES", "FAMILIES", "GATED_DELTA_NET", "KIMI_DELTA_ATTENTION",
-           "MAMBA1", "MAMBA2", "MIXER_LAYER_TYPES", "MIXER_PARALLELISM", "SCAN_OPTIONS",
+           "MAMBA1", "MAMBA2", "MIXER_LAYER_TYPES", "SCAN_OPTIONS",
            "SHORT_CONVOLUTION", "Dispatch", "MixerKind", "MixerSettings", "check_token_mixers",
            "install_mixers", "mixer_passing", "token_mixers", "unreached_calls"]
