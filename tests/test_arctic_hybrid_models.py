@@ -84,6 +84,10 @@ def _config(family: str):
             **{k: v for k, v in SMALL.items() if k != "head_dim"}, attn_layer_period=2,
             attn_layer_offset=1, expert_layer_period=2, num_experts=2, mamba_d_state=4,
             mamba_dt_rank=8, mamba_expand=1),
+        "mamba": lambda: tf.MambaConfig(
+            vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=4, expand=1,
+            time_step_rank=8, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
+            eos_token_id=2),
         "falcon_mamba": lambda: tf.FalconMambaConfig(
             vocab_size=VOCAB, hidden_size=64, num_hidden_layers=2, state_size=4, expand=1,
             time_step_rank=8, tie_word_embeddings=False, pad_token_id=0, bos_token_id=1,
@@ -110,6 +114,7 @@ CLASSES = {"qwen3_5": ("qwen3_5", "Qwen3_5GatedDeltaNet"),
            "zamba2": ("zamba2", "Zamba2MambaMixer"),
            "jamba": ("jamba", "JambaMambaMixer"),
            "falcon_mamba": ("falcon_mamba", "FalconMambaMixer"),
+           "mamba": ("mamba", "MambaMixer"),
            "lfm2": ("lfm2", "Lfm2ShortConv"),
            "lfm2_moe": ("lfm2_moe", "Lfm2MoeShortConv"),
            "mamba2": ("mamba2", "Mamba2Mixer"),
@@ -151,7 +156,7 @@ def _model(family: str):
             for name, p in model.named_parameters():
                 if name.endswith("mamba.in_proj.weight"):
                     p.mul_(10)
-    if family in ("jamba", "falcon_mamba", "falcon_h1"):  # states that last (decays 0.01-0.05)
+    if family in ("jamba", "mamba", "falcon_mamba", "falcon_h1"):  # states that last (decays 0.01-0.05)
         with torch.no_grad():
             for name, p in model.named_parameters():
                 if name.endswith("A_log"):

@@ -951,11 +951,14 @@ def test_plans_a_state_space_model_without_its_attention_settings(tmp_path):
     assert sp["head_chunk_size"] is None and sp["tiled_mlp"] is None
 
 
-def test_the_search_keeps_mamba1_to_ulysses_and_rings_the_others():
-    """Gated delta nets pass their state on rings and at any degree (mixer_parallelism
-    "auto"), so the search keeps every split the attention allows; Mamba1's scan runs under
-    Ulysses only, over degrees its channels split: the search skips the rest (it traced them,
-    and failed, before)."""
+def test_the_search_rings_every_scanning_mixer(monkeypatch):
+    """Gated delta nets, Mamba1 and short convolutions run on rings and at any degree (state
+    passing, mixer_parallelism "auto"), so the search keeps every split the attention allows.
+    A mixer without state passing would run under Ulysses only, over degrees its heads split:
+    the search skips the rest (it would trace them, and fail)."""
+    import dataclasses
+
+    from arctic.hf.mixer_kinds import FAMILIES
     from arctic.plan.models import token_mixer_heads
     from arctic.plan.search import factorizations
 
@@ -963,6 +966,12 @@ def test_the_search_keeps_mamba1_to_ulysses_and_rings_the_others():
     assert mixers == [("Qwen3_5GatedDeltaNet", 4, 2)]
     kept = [(c.ring, c.ulysses) for c in factorizations(8, 4, 2, mixers=mixers) if not c.pruned]
     assert kept == [(2, 4), (4, 2), (8, 1)]  # 4 attention heads do not split over 8
+    for others in ([("JambaMambaMixer", 4, 1)], [("Lfm2ShortConv", 1, 1)]):
+        kept = [(c.ring, c.ulysses) for c in factorizations(4, 4, 2, mixers=others)
+                if not c.pruned]
+        assert kept == [(1, 4), (2, 2), (4, 1)], others
+    monkeypatch.setitem(FAMILIES, "JambaMambaMixer", dataclasses.replace(
+        FAMILIES["JambaMambaMixer"], diagonal=False))
     mamba1 = [("JambaMambaMixer", 4, 1)]
     kept = [(c.ring, c.ulysses) for c in factorizations(4, 4, 2, mixers=mamba1) if not c.pruned]
     assert kept == [(1, 4)]

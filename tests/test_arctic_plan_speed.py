@@ -198,14 +198,26 @@ def test_neighbours_change_one_trade_and_keep_the_config_valid():
     assert any(f["recompute_attention"] is False for f in out)
     assert any(not f["activation_checkpointing"] for f in out)
     assert all(f != base for f in out)
-    # The model's unsupported settings and Mamba1's ring refusal are respected; a gated delta
-    # net passes its state on a ring
-    out = neighbours(base, sp_size=4, heads=(8, 4), unsupported=["fuse_projections"],
-                     mixers=[("JambaMambaMixer", 8, 1)])
+    # The model's unsupported settings and a mixer's ring refusal (one without state
+    # passing) are respected; a gated delta net and Mamba1 pass their state on a ring
+    import dataclasses
+
+    from arctic.hf.mixer_kinds import FAMILIES
+
+    jamba = [("JambaMambaMixer", 8, 1)]
+    kinds = dict(FAMILIES)
+    try:
+        FAMILIES["JambaMambaMixer"] = dataclasses.replace(kinds["JambaMambaMixer"],
+                                                          diagonal=False)
+        out = neighbours(base, sp_size=4, heads=(8, 4), unsupported=["fuse_projections"],
+                         mixers=jamba)
+    finally:
+        FAMILIES.update(kinds)
     assert all(f["ring_degree"] == 1 for f in out)
     assert all(not f.get("fuse_projections") for f in out)
-    out = neighbours(base, sp_size=4, heads=(8, 4), mixers=[("Qwen3_5GatedDeltaNet", 8, 4)])
-    assert {f["ring_degree"] for f in out} == {1, 2, 4}
+    for mixers in (jamba, [("Qwen3_5GatedDeltaNet", 8, 4)]):
+        out = neighbours(base, sp_size=4, heads=(8, 4), mixers=mixers)
+        assert {f["ring_degree"] for f in out} == {1, 2, 4}
 
 
 def test_the_search_takes_the_fastest_prediction_that_fits():

@@ -112,8 +112,11 @@ CASES = [("qwen3_5", 2, True), ("qwen3_5", 4, True), ("qwen3_5", 2, False),
          ("qwen3_5_moe", 4, True), ("qwen3_next", 4, True), ("olmo_hybrid", 2, True),
          ("kimi_linear", 4, True), ("nemotron_h", 2, True), ("bamba", 2, True),
          ("bamba", 4, True), ("granitemoehybrid", 4, True), ("falcon_h1", 4, True),
-         ("zamba2", 2, True), ("zamba2", 4, True), ("mamba2", 4, True)]
-FAST = {("qwen3_5", 4, True), ("kimi_linear", 2, True), ("nemotron_h", 4, True)}
+         ("zamba2", 2, True), ("zamba2", 4, True), ("mamba2", 4, True), ("jamba", 2, True),
+         ("jamba", 4, True), ("mamba", 2, False), ("mamba", 4, True), ("falcon_mamba", 2, True),
+         ("falcon_mamba", 4, True)]
+FAST = {("qwen3_5", 4, True), ("kimi_linear", 2, True), ("nemotron_h", 4, True),
+        ("jamba", 4, True)}
 
 
 @pytest.mark.parametrize("family,ulysses,documents", [
@@ -124,6 +127,28 @@ def test_state_passing_matches_unmodified_model(family, ulysses, documents):
     docs = DOCS if documents else None
     assert_step_matches(dist_pool.run(_rank_step, family, ulysses, docs, world_size=ulysses),
                         _cached_reference(family, docs))
+
+
+def _rank_step_in_chunks(family: str, ulysses: int, documents, elements: int):
+    """:func:`_rank_step` with Mamba1's incoming-state term computed in position chunks of
+    ``elements`` (a few positions each), recomputed in the backward."""
+    import arctic.hf.mixer_state as ms
+
+    original = ms.FIX_ELEMENTS
+    ms.FIX_ELEMENTS = elements
+    try:
+        return _rank_step(family, ulysses, documents)
+    finally:
+        ms.FIX_ELEMENTS = original
+
+
+def test_mamba1_incoming_state_term_in_chunks():
+    """Jamba (Mamba1) with the incoming state's term cut into chunks of 3 positions (the
+    bound that keeps ``[b, C, t, N]`` small at long lengths): still the unmodified model."""
+    _skip_unless_supported("jamba")
+    elements = 3 * 64 * 4  # b * C * N = 1 * 64 * 4: three positions per chunk
+    assert_step_matches(dist_pool.run(_rank_step_in_chunks, "jamba", 2, DOCS, elements,
+                                      world_size=2), _cached_reference("jamba", DOCS))
 
 
 @pytest.mark.parametrize("family", ["qwen3_5", pytest.param("nemotron_h", marks=pytest.mark.slow)])
@@ -154,20 +179,15 @@ def _refusal(mode: str, family: str = "qwen3_5", heads: int | None = 2):
                                                           mixer_parallelism=mode))
 
 
-def test_unsupported_modes_are_refused_by_name():
-    """Mamba1's selective scan has no state passing here; an unknown mode is refused."""
-    _skip_unless_supported("jamba")
-    jamba, unknown = dist_pool.run(_refusal, "state_passing", "jamba", None, world_size=2)[0], \
-        dist_pool.run(_refusal, "ring", "qwen3_5", None, world_size=2)[0]
-    assert "state passing (mixer_parallelism='state_passing', or any ring) is not " \
-        "implemented" in jamba, jamba
-    assert "JambaMambaMixer" in jamba
+def test_an_unknown_mode_is_refused_by_name():
+    unknown = dist_pool.run(_refusal, "ring", "qwen3_5", None, world_size=2)[0]
     assert "mixer_parallelism must be one of" in unknown, unknown
 
 
 @pytest.mark.parametrize("family,broken,documents", [
     ("qwen3_5", "dropped", False), ("qwen3_5", "crossing", True),
     ("nemotron_h", "dropped", False), ("kimi_linear", "crossing", True),
+    ("jamba", "dropped", False), ("falcon_mamba", "crossing", True),
     pytest.param("mamba2", "dropped", False, marks=pytest.mark.slow),
     pytest.param("kimi_linear", "dropped", False, marks=pytest.mark.slow),
     pytest.param("nemotron_h", "crossing", True, marks=pytest.mark.slow)])
@@ -187,18 +207,25 @@ RINGS = [("qwen3_5", 1, 2, True, True), ("qwen3_5", 2, 2, True, True),
          ("qwen3_5", 1, 2, False, True), ("nemotron_h", 1, 2, True, True),
          ("kimi_linear", 2, 2, True, False), ("lfm2", 1, 2, True, True),
          ("mamba2", 1, 4, True, False), ("bamba", 2, 2, True, True),
-         ("olmo_hybrid", 1, 2, True, True), ("falcon_h1", 2, 2, True, True)]
-FAST_RINGS = {("qwen3_5", 2, 2, True, True), ("nemotron_h", 1, 2, True, True)}
+         ("olmo_hybrid", 1, 2, True, True), ("falcon_h1", 2, 2, True, True),
+         ("jamba", 1, 2, True, True), ("falcon_mamba", 2, 2, True, True),
+         ("mamba", 1, 2, False, False), ("qwen3_5", 1, 2, "per_document", True),
+         ("nemotron_h", 2, 2, "per_document", True), ("jamba", 1, 2, "per_document", True),
+         ("lfm2", 1, 4, "per_document", True), ("kimi_linear", 1, 4, "per_document", True)]
+FAST_RINGS = {("qwen3_5", 2, 2, True, True), ("nemotron_h", 1, 2, True, True),
+              ("qwen3_5", 1, 2, "per_document", True)}
+LAYOUTS = {True: "zigzag", False: "contiguous", "per_document": "per_document"}
 
 
 @pytest.mark.parametrize("family,ulysses,ring,zigzag,documents", [
-    pytest.param(*c, id=f"{c[0]}-u{c[1]}r{c[2]}-{'zigzag' if c[3] else 'contiguous'}-"
+    pytest.param(*c, id=f"{c[0]}-u{c[1]}r{c[2]}-{LAYOUTS[c[3]]}-"
                  f"{'documents' if c[4] else 'whole'}",
                  marks=[] if c in FAST_RINGS else [pytest.mark.slow]) for c in RINGS])
 def test_rings_match_unmodified_model(family, ulysses, ring, zigzag, documents):
-    """A ring of 2 (and 4), alone and as Ulysses 2 x Ring 2, zigzag and contiguous: each
-    rank's runs (a zigzag rank holds two) take their convolution's tail and their scan's
-    state from the run before them in the sequence, whichever rank holds it."""
+    """A ring of 2 (and 4), alone and as Ulysses 2 x Ring 2, zigzag, contiguous and cut
+    document by document: each rank's runs (a zigzag rank holds two, a per-document one two
+    per document) take their convolution's tail and their scan's state from the runs before
+    them in the sequence, whichever ranks hold them."""
     _skip_unless_supported(family)
     docs = DOCS if documents else None
     assert_step_matches(dist_pool.run(_rank_step, family, ulysses, docs, None, None, "auto",

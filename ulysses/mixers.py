@@ -18,9 +18,10 @@ call it on what the whole sequence needs, so the result is the whole sequence's,
 
 Packed documents (``documents``: per row, the first position of each document over the whole
 sequence, as the attention takes them) restart both: the convolution's window and the scan's
-state never cross a document start. The sequence must be cut in contiguous pieces, rank
-``r`` holding positions ``[r * s, (r + 1) * s)``: a mesh without a ring (a ring would need the
-state passed from rank to rank; :func:`check_mixer_mesh` refuses it).
+state never cross a document start. The convolution follows any layout of the mesh (each
+rank's runs: contiguous, zigzag, or per document on a ring); :func:`head_scan` needs
+contiguous pieces, rank ``r`` holding positions ``[r * s, (r + 1) * s)`` (no ring: on a ring
+the scan passes its state, :mod:`ulysses.state_passing`).
 """
 
 from __future__ import annotations
@@ -37,17 +38,6 @@ from ulysses.sharding import head_layout, seq_split, sp_rank_of, valid_degrees
 from ulysses.state_passing import Gathered, Tied, document_runs
 
 Documents = Sequence[Sequence[int]] | None
-
-
-def check_mixer_mesh(mesh: DeviceMesh, what: str) -> None:
-    """``ValueError`` unless ``mesh`` cuts the sequence as the mixers here can follow: without
-    a ring, or with one in the zigzag or contiguous layout (every rank's runs fixed by the
-    mesh alone; not cut document by document)."""
-    if mesh_dims(mesh).per_document_ring:
-        raise ValueError(f"{what} mixes tokens along the sequence with a recurrence or a "
-                         f"convolution, whose pieces are not followed here on a ring cut "
-                         f"document by document (ring_layout='per_document'); use "
-                         f"ring_layout='zigzag' or 'contiguous'")
 
 
 def check_mixer_heads(what: str, num_heads: int, num_grouped: int, degree: int) -> None:
@@ -71,38 +61,64 @@ def causal_conv(conv: Callable[[Tensor], Tensor], x_BCs: Tensor, width: int, *,
     return _conv_over_runs(conv, x_BCs, h, mesh=mesh, documents=documents)
 
 
-def sp_runs(mesh: DeviceMesh, piece: int) -> list[list[tuple[int, int]]]:
+def sp_runs(mesh: DeviceMesh, piece: int,
+            documents: Sequence[int] | None = None) -> list[list[tuple[int, int]]]:
     """Per SP rank (the flat ring x Ulysses group), the runs of the sequence it holds in the
-    mesh's layout (zigzag or contiguous; :meth:`ulysses.sharding._SeqSplit.runs`)."""
+    mesh's layout (zigzag, contiguous, or per document given one row's ``documents``;
+    :meth:`ulysses.sharding._SeqSplit.runs`)."""
     split = seq_split(mesh)
-    return [split.runs(piece * split.sp, r) for r in range(split.sp)]
+    row = None if documents is None else tuple(documents)
+    return [split.runs(piece * split.sp, r, row) for r in range(split.sp)]
+
+
+def row_runs(mesh: DeviceMesh, piece: int, batch: int,
+             documents: Documents) -> list[list[list[tuple[int, int]]]]:
+    """:func:`sp_runs` per row: each row's own on a ring cut document by document, else the
+    same for every row."""
+    if documents is None or not mesh_dims(mesh).per_document_ring:
+        return [sp_runs(mesh, piece)] * batch
+    return [sp_runs(mesh, piece, row) for row in documents]
 
 
 def _conv_over_runs(conv, x_BCs: Tensor, h: int, *, mesh: DeviceMesh,
                     documents: Documents) -> Tensor:
     """:func:`causal_conv` over several ranks: each run of this rank's piece (one without a
-    ring; a zigzag rank holds two) gets the ``h`` positions before it in the sequence, the
-    tail of the run that ends where it starts, whichever rank holds it (one all-gather of
-    every run's tail; its backward returns each tail's gradient to its rank)."""
-    runs = sp_runs(mesh, x_BCs.shape[-1])
-    rank, world = sp_rank_of(mesh), len(runs)
-    short = min(n for own in runs for _, n in own)
-    if short < h:
-        raise ValueError(f"a run of {short} positions is shorter than the convolution's "
-                         f"history ({h}); use fewer ranks or a longer sequence")
-    width = max(len(own) for own in runs)
-    offsets = [sum(n for _, n in runs[rank][:j]) for j in range(len(runs[rank]))]
+    ring; a zigzag rank holds two, a per-document ring two per document) gets the ``h``
+    positions before it in the sequence, from the runs that end there, whichever ranks hold
+    them (one all-gather of every run's last ``h`` positions; its backward returns each
+    tail's gradient to its rank)."""
+    B = x_BCs.shape[0]
+    runs = row_runs(mesh, x_BCs.shape[-1], B, documents)
+    rank, world = sp_rank_of(mesh), len(runs[0])
+    groups = [(slice(0, B), runs[0], documents)] if runs[1:] == runs[:-1] else \
+        [(slice(b, b + 1), runs[b], documents[b:b + 1]) for b in range(B)]
+    width = max(len(own) for _, row, _ in groups for own in row)
     tails = x_BCs.new_zeros(width, *x_BCs.shape[:-1], h)
-    for j, ((g, n), off) in enumerate(zip(runs[rank], offsets)):
-        tails[j] = x_BCs[..., off + n - h:off + n]
+    for rows, row, _ in groups:
+        off = 0
+        for j, (g, n) in enumerate(row[rank]):
+            k = min(h, n)
+            tails[j, rows, :, h - k:] = x_BCs[rows, :, off + n - k:off + n]
+            off += n
     every = Gathered.apply(tails, flat_mesh(mesh, "sp").get_group(), rank, world)
-    ending = {g + n: (r, j) for r, own in enumerate(runs) for j, (g, n) in enumerate(own)}
     outs = []
-    for (g, n), off in zip(runs[rank], offsets):
-        before = every[ending[g]] if g > 0 else torch.zeros_like(tails[0])
-        ext = torch.cat([before, x_BCs[..., off:off + n]], dim=-1)
-        outs.append(_per_document(conv, ext, h, g, documents))
-    return Tied.apply(torch.cat(outs, dim=-1), every)
+    for rows, row, docs in groups:
+        ending = {g + n: (r, j, n) for r, own in enumerate(row) for j, (g, n) in enumerate(own)}
+        off, pieces = 0, []
+        for g, n in row[rank]:
+            history, pos = [], g
+            while pos > 0 and sum(t.shape[-1] for t in history) < h:
+                r, j, m = ending[pos]
+                k = min(m, h - sum(t.shape[-1] for t in history))
+                history.insert(0, every[r, j, rows][..., h - k:])
+                pos -= m
+            ext = torch.cat([x_BCs.new_zeros(*x_BCs[rows].shape[:-1],
+                                             h - sum(t.shape[-1] for t in history)),
+                             *history, x_BCs[rows, :, off:off + n]], dim=-1)
+            pieces.append(_per_document(conv, ext, h, g, docs))
+            off += n
+        outs.append(torch.cat(pieces, dim=-1))
+    return Tied.apply(torch.cat(outs, dim=0), every)
 
 
 def _per_document(conv, ext: Tensor, h: int, lo: int, documents: Documents) -> Tensor:
@@ -217,5 +233,5 @@ def traced_scan(inputs: Mapping[str, Tensor], *, out: str, key: str, heads: int,
     return _TracedScan.apply(shapes, *inputs.values())
 
 
-__all__ = ["KERNEL_CHUNK", "causal_conv", "check_mixer_heads", "check_mixer_mesh", "head_scan",
+__all__ = ["KERNEL_CHUNK", "causal_conv", "check_mixer_heads", "head_scan", "row_runs", "sp_runs",
            "traced_scan"]

@@ -28,7 +28,9 @@ H, P, N]`` is its transpose, which the caller converts).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Sequence
+from typing import NamedTuple, Protocol
 
 import torch
 import torch.distributed as dist
@@ -88,73 +90,118 @@ def document_runs(starts: Sequence[int], lo: int, hi: int) -> list[tuple[int, in
     return [(a, b, max(d for d in starts if d <= a)) for a, b in zip(cuts, cuts[1:])]
 
 
-def _augmented(scan: Scan, rows: slice, positions: slice, value: Tensor
-               ) -> tuple[Tensor, Tensor, Tensor, Tensor]:
-    """``(o_0, c, S_0, Phi)`` of one run from a zero state, by one scan with ``K`` more value
-    channels started at the identity."""
-    b, n, H, V = value.shape
-    K = scan.key_dim
-    extra = value.new_zeros(b, n, H, K)
-    initial = value.new_zeros(b, H, K, V + K, dtype=torch.float32)
-    initial[..., V:] = torch.eye(K, dtype=torch.float32, device=value.device)
-    out, final = scan(rows, positions, torch.cat([value, extra], dim=-1), initial)
-    return out[..., :V], out[..., V:], final[..., :V], final[..., V:]
+class Piece(NamedTuple):
+    """One run of a piece scanned from a zero state: its ``out``put, ``fix`` (the term the
+    incoming state adds to it, a function of that state ``[b, *state_shape]``; None where a
+    document starts the run: nothing before passes on), its ``final`` state, and ``phi``
+    (the map from the incoming state to the final one, applied by the scan's ``carry``; None:
+    zero)."""
+
+    out: Tensor
+    fix: Callable[[Tensor], Tensor] | None
+    final: Tensor
+    phi: Tensor | None
+
+
+class MatrixStates:
+    """The delta rules' and Mamba2's states, ``K x V`` per head, from a :data:`Scan` that takes
+    an initial state: ``c(t)`` and ``Phi`` from ``K`` more value channels started at the
+    identity, in the same call."""
+
+    def __init__(self, scan: Scan, value: Tensor) -> None:
+        self.scan, self.value = scan, value
+        H, V, K = value.shape[2], value.shape[3], scan.key_dim
+        self.state_shape, self.phi_shape = (H, K, V), (H, K, K)
+
+    def piece(self, rows: slice, positions: slice, continues: bool) -> Piece:
+        if not continues:
+            out, final = self.scan(rows, positions, None, None)
+            return Piece(out, None, final, None)
+        value = self.value[rows, positions]
+        b, n, H, V = value.shape
+        K = self.scan.key_dim
+        extra = value.new_zeros(b, n, H, K)
+        initial = value.new_zeros(b, H, K, V + K, dtype=torch.float32)
+        initial[..., V:] = torch.eye(K, dtype=torch.float32, device=value.device)
+        out, final = self.scan(rows, positions, torch.cat([value, extra], dim=-1), initial)
+        o, c = out[..., :V], out[..., V:]
+        return Piece(o, lambda state: torch.einsum("bshk,bhkv->bshv", c.float(),
+                                                   state).to(o.dtype),
+                     final[..., :V], final[..., V:])
+
+    @staticmethod
+    def carry(phi: Tensor, state: Tensor) -> Tensor:
+        return phi @ state
+
+
+class PieceStates(Protocol):
+    """What :func:`state_scan` needs of a recurrence: per row, the shapes of its state and of
+    its ``phi``, a run's :class:`Piece`, and ``carry(phi, state)``."""
+
+    state_shape: tuple[int, ...]
+    phi_shape: tuple[int, ...]
+
+    def piece(self, rows: slice, positions: slice, continues: bool) -> Piece: ...
+
+    def carry(self, phi: Tensor, state: Tensor) -> Tensor: ...
 
 
 Runs = Sequence[Sequence[tuple[int, int]]]
 """Per SP rank, the ``(first position, length)`` runs of the sequence it holds, in the order
-of its piece (one run without a ring; a zigzag ring's two chunks)."""
+of its piece (one run without a ring; a zigzag ring's two chunks; a per-document ring's two
+per document)."""
 
 
-def _preceding(runs: Runs, rank: int) -> list[list[tuple[int, int]]]:
-    """For each of ``rank``'s runs, the runs of every rank before it in sequence order, as
-    ``(rank, index)``, first to last."""
-    order = sorted((g, r, j) for r, own in enumerate(runs) for j, (g, _) in enumerate(own))
-    return [[(r, j) for g2, r, j in order if g2 < g] for g, _ in runs[rank]]
-
-
-def state_scan(scan: Scan, value: Tensor, *, group, rank: int, world: int, runs: Runs,
-               documents: Documents = None) -> Tensor:
-    """The scan of the whole sequence at this rank's positions; ``value`` ``[B, s, H, V]``
-    is this rank's piece of the value input, laid out as ``runs[rank]`` says. ``scan``
-    (:data:`Scan`, with ``scan.key_dim`` = ``K``) runs this rank's piece."""
-    B, s, H, V = value.shape
-    K = scan.key_dim
-    mine, width = runs[rank], max(len(own) for own in runs)
-    groups = [(slice(0, B), (0,))] if documents is None else \
-        [(slice(b, b + 1), tuple(documents[b])) for b in range(B)]
-    summary = value.new_zeros(B, width, H, K, K + V, dtype=torch.float32)
-    pieces = [[] for _ in groups]  # per row group: (output, c or None, run index)
-    for i, (rows, starts) in enumerate(groups):
+def state_scan(states: PieceStates, batch: int, *, group, rank: int, world: int,
+               runs: Sequence[Runs], documents: Documents = None) -> Tensor:
+    """The scan of the whole sequence at this rank's positions, ``[B, s, ...]``: every run of
+    this rank's piece (``runs[b][rank]``, per row ``b``; laid out in the piece in that order)
+    scanned from a zero state by ``states``, corrected by the state that the runs before it
+    in sequence order leave. One all-gather brings every rank's ``(phi, final)`` per run."""
+    P, F = math.prod(states.phi_shape), math.prod(states.state_shape)
+    groups = [(slice(0, batch), (0,), runs[0])] if documents is None else \
+        [(slice(b, b + 1), tuple(documents[b]), runs[b]) for b in range(batch)]
+    width = max(len(own) for _, _, row in groups for own in row)
+    summary = None
+    pieces = [[] for _ in groups]  # per row group: (output, fix or None, run index)
+    for i, (rows, starts, row) in enumerate(groups):
         offset = 0
-        for j, (g, n) in enumerate(mine):
-            phi = final = None
+        for j, (g, n) in enumerate(row[rank]):
             for a, e, start in document_runs(starts, g, g + n):
-                positions = slice(offset + a - g, offset + e - g)
-                if start < g:  # its document started before this run: the state continues
-                    o, c, final, phi = _augmented(scan, rows, positions, value[rows, positions])
-                else:
-                    o, final = scan(rows, positions, None, None)
-                    c, phi = None, None  # a document starts here: nothing before passes on
-                pieces[i].append((o, c, j))
-            if phi is not None:
-                summary[rows, j, ..., :K] = phi
-            summary[rows, j, ..., K:] = final.float()
+                p = states.piece(rows, slice(offset + a - g, offset + e - g), start < g)
+                pieces[i].append((p.out, p.fix, j))
+            if summary is None:
+                summary = p.final.new_zeros(batch, width, P + F, dtype=torch.float32)
+            if p.phi is not None:  # the last document run: the one that reaches the run's end
+                summary[rows, j, :P] = p.phi.float().flatten(1)
+            summary[rows, j, P:] = p.final.float().flatten(1)
             offset += n
-    every = Gathered.apply(summary, group, rank, world)  # [W, B, width, H, K, K + V]
-    incoming = []
-    for before in _preceding(runs, rank):  # in sequence order
-        state = summary.new_zeros(B, H, K, V)
-        for r, j in before:
-            state = every[r, :, j, ..., :K] @ state + every[r, :, j, ..., K:]
-        incoming.append(state)
-    rows_out = []
-    for i, (rows, _) in enumerate(groups):
-        fixed = [o if c is None else
-                 o + torch.einsum("bshk,bhkv->bshv", c.float(), incoming[j][rows]).to(o.dtype)
-                 for o, c, j in pieces[i]]
-        rows_out.append(torch.cat(fixed, dim=1))
-    return Tied.apply(torch.cat(rows_out, dim=0), every)
+    every = Gathered.apply(summary, group, rank, world)  # [W, B, width, P + F]
+    outs = []
+    for i, (rows, _, row) in enumerate(groups):
+        incoming = _incoming(states, every[:, rows], row, rank, P)
+        outs.append(torch.cat([o if fix is None else o + fix(incoming[j])
+                               for o, fix, j in pieces[i]], dim=1))
+    return Tied.apply(torch.cat(outs, dim=0), every)
 
 
-__all__ = ["MODES", "Gathered", "Runs", "Scan", "Tied", "document_runs", "state_scan"]
+def _incoming(states: PieceStates, every: Tensor, runs: Runs, rank: int,
+              P: int) -> dict[int, Tensor]:
+    """Per run index of ``rank``, the state that the runs before it in sequence order leave:
+    one pass over every rank's runs in that order (``every``: ``[W, b, width, P + F]``)."""
+    b = every.shape[1]
+    order = sorted((g, r, j) for r, own in enumerate(runs) for j, (g, _) in enumerate(own))
+    last = max(g for g, _ in runs[rank])
+    state, incoming = every.new_zeros(b, *states.state_shape), {}
+    for g, r, j in order:
+        if r == rank:
+            incoming[j] = state
+        if g >= last:
+            break
+        phi = every[r, :, j, :P].reshape(b, *states.phi_shape)
+        state = states.carry(phi, state) + every[r, :, j, P:].reshape(b, *states.state_shape)
+    return incoming
+
+
+__all__ = ["MODES", "Gathered", "MatrixStates", "Piece", "PieceStates", "Runs", "Scan", "Tied",
+           "document_runs", "state_scan"]

@@ -49,6 +49,15 @@ class MixerKind:
     value_first: bool = False
     """The state is ``[B, H, V, K]`` (Mamba2's ``[.., head_dim, state]``), not ``[B, H, K,
     V]``."""
+    diagonal: bool = False
+    """Mamba1's state: per channel and state entry, with a diagonal transition; its scan takes
+    no initial state, and the incoming state's term is computed beside it in closed form
+    (:class:`arctic.hf.mixer_state.SelectiveStates`)."""
+
+    @property
+    def passes_state(self) -> bool:
+        """Whether its scan can run by state passing (:mod:`arctic.hf.mixer_state`)."""
+        return self.initial is not None or self.diagonal
 
     @property
     def calls(self) -> list[str]:
@@ -79,10 +88,12 @@ MAMBA1 = MixerKind(conv="causal_conv1d_fn", scan="mamba_selective_scan",
                    grouped=("B", "C"), per_head=("hidden_states", "dt"),
                    head_params=("A", "D", "delta_bias"), returns_state=False,
                    fused="mamba_inner_fn", num_heads="intermediate_size", gate="z",
-                   output="hidden_states", state_key="C", channels_first=True)
+                   output="hidden_states", state_key="C", channels_first=True,
+                   final="return_last_state", diagonal=True)
 """transformers' Mamba1 selective scan: ``(x [B, C, S], dt [B, C, S], A [C, N], B/C [B, N,
 S], D=[C], z=[B, C, S], delta_bias=[C], ...)``, each of the ``C`` channels its own
-recurrence; returns the output alone (``return_last_state`` refused)."""
+recurrence; returns the output alone (with ``return_last_state``, and its final state ``[B,
+C, N]``)."""
 
 KIMI_DELTA_ATTENTION = MixerKind(conv="causal_conv1d_fn", scan="chunk_kimi_delta_attention",
                                  positional=("query", "key", "value", "g", "beta"),

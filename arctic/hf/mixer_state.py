@@ -11,13 +11,16 @@ from __future__ import annotations
 
 from collections.abc import Callable, Mapping
 
+import torch
+import torch.nn.functional as F
 from torch import Tensor
+from torch.utils.checkpoint import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
 
 from ulysses.mesh import flat_mesh
-from ulysses.mixers import Documents, sp_runs, traced_scan
+from ulysses.mixers import Documents, row_runs, traced_scan
 from ulysses.sharding import sp_rank_of
-from ulysses.state_passing import state_scan
+from ulysses.state_passing import MatrixStates, Piece, state_scan
 from ulysses.trace_shortcuts import is_traced
 
 
@@ -52,18 +55,96 @@ class _PieceScan:
         return out, (final.transpose(-1, -2) if kind.value_first else final)
 
 
+FIX_ELEMENTS = 2**24
+"""The most ``[b, C, t, N]`` elements :class:`SelectiveStates` holds at once for the incoming
+state's term; longer runs go in position chunks, each recomputed in the backward."""
+
+
+class SelectiveStates:
+    """:class:`ulysses.state_passing.PieceStates` of Mamba1's selective scan (``original``, the
+    model file's): per channel ``c`` and state entry ``n``, ``h(t) = exp(dt(t) A[c, n]) h(t-1)
+    + dt(t) B_n(t) x_c(t)``, read out ``y_c(t) = sum_n C_n(t) h(t)`` (+ ``D x``). The
+    transition is diagonal: a state ``S`` entering a run adds ``sum_n C_n(t) exp(A[c, n]
+    T_c(t)) S[c, n]`` to its output, ``T`` the sum of the steps ``dt`` so far, and leaves
+    ``exp(A T_c(end)) S`` beside the run's own final state. The scan runs as it is, from a
+    zero state (it takes no other); that term is computed here in float32. Outputs come
+    ``[b, n, C]``, before the gate ``z``, which the caller applies."""
+
+    def __init__(self, kind, original: Callable, inputs: Mapping[str, Tensor],
+                 params: Mapping[str, Tensor], options: Mapping[str, object]) -> None:
+        self.kind, self.original, self.options = kind, original, options
+        self.inputs, self.params = inputs, params
+        C, N = params["A"].shape
+        self.state_shape = self.phi_shape = (C, N)
+
+    def piece(self, rows: slice, positions: slice, continues: bool) -> Piece:
+        kind = self.kind
+        given = {n: t[rows, :, positions] for n, t in self.inputs.items()}
+        x = given[kind.output]
+        b, C, n = x.shape
+        if is_traced(x):  # the planner's trace: the GPU kernel's allocations
+            traced = {k: t.transpose(1, 2).unsqueeze(2 if k in kind.grouped else -1)
+                      for k, t in given.items()}
+            out = traced_scan(traced, out=kind.output, key=kind.state_key, heads=C)
+            return Piece(out.squeeze(-1), None, x.new_empty(b, *self.state_shape), None)
+        given.update(self.params)
+        out, final = self.original(*(given[k] for k in kind.positional),
+                                   **{k: v for k, v in given.items() if k not in kind.positional},
+                                   **self.options, **{kind.final: True})
+        out = out.transpose(1, 2)
+        if not continues:
+            return Piece(out, None, final, None)
+        dt = given["dt"].float()
+        if given.get("delta_bias") is not None:
+            dt = dt + given["delta_bias"].float()[:, None]
+        if self.options.get("delta_softplus"):
+            dt = F.softplus(dt)
+        steps = dt.cumsum(-1)  # [b, C, n]
+        A, read = given["A"].float(), given["C"]
+        phi = torch.exp(A * steps[..., -1:])
+        return Piece(out, lambda state: _incoming_term(A, steps, read, state).to(out.dtype),
+                     final, phi)
+
+    @staticmethod
+    def carry(phi: Tensor, state: Tensor) -> Tensor:
+        return phi * state
+
+
+def _incoming_term(A: Tensor, steps: Tensor, read: Tensor, state: Tensor) -> Tensor:
+    """``sum_n read_n(t) exp(A[c, n] steps_c(t)) state[c, n]``, ``[b, t, C]``, in position
+    chunks of at most :data:`FIX_ELEMENTS` (each recomputed in the backward)."""
+    def term(steps_t, read_t, state):
+        decay = torch.exp(A[None, :, None, :] * steps_t[..., None])  # [b, C, t, N]
+        return torch.einsum("bnt,bctn->btc", read_t.float(), decay * state[:, :, None, :])
+
+    b, C, n = steps.shape
+    chunk = max(1, FIX_ELEMENTS // (b * C * A.shape[-1]))
+    if chunk >= n:
+        return term(steps, read, state)
+    return torch.cat([checkpoint(term, steps[..., i:i + chunk], read[..., i:i + chunk], state,
+                                 use_reentrant=False) for i in range(0, n, chunk)], dim=1)
+
+
 def passed_scan(kind, original: Callable, inputs: Mapping[str, Tensor],
                 params: Mapping[str, Tensor], options: Mapping[str, object], *,
                 mesh: DeviceMesh, documents: Documents) -> Tensor:
     """The scan of the whole sequence at this rank's positions: ``inputs`` (the scan's
-    sequence inputs, this rank's piece, every head), ``params`` (its per-head parameters,
-    whole), ``options`` (its other arguments), over the mesh's SP ranks (ring x Ulysses, in
-    its sequence layout)."""
-    scan = _PieceScan(kind, original, inputs, params, options)
+    sequence inputs, this rank's piece, every head; Mamba1's gate ``z`` among them),
+    ``params`` (its per-head parameters, whole), ``options`` (its other arguments), over the
+    mesh's SP ranks (ring x Ulysses, in its sequence layout)."""
     value = inputs[kind.output]
-    runs = sp_runs(mesh, value.shape[1])
-    return state_scan(scan, value, group=flat_mesh(mesh, "sp").get_group(),
-                      rank=sp_rank_of(mesh), world=len(runs), runs=runs, documents=documents)
+    B, s = value.shape[0], value.shape[-1 if kind.channels_first else 1]
+    runs = row_runs(mesh, s, B, documents)
+    common = dict(group=flat_mesh(mesh, "sp").get_group(), rank=sp_rank_of(mesh),
+                  world=len(runs[0]), runs=runs, documents=documents)
+    if not kind.diagonal:
+        scan = _PieceScan(kind, original, inputs, params, options)
+        return state_scan(MatrixStates(scan, value), B, **common)
+    inputs = dict(inputs)
+    gate = inputs.pop(kind.gate, None)
+    out = state_scan(SelectiveStates(kind, original, inputs, params, options), B,
+                     **common).transpose(1, 2)
+    return out if gate is None else out * F.silu(gate)
 
 
-__all__ = ["passed_scan"]
+__all__ = ["FIX_ELEMENTS", "SelectiveStates", "passed_scan"]

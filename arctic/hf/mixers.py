@@ -38,8 +38,7 @@ from arctic.hf.mixer_kinds import (FAMILIES, GATED_DELTA_NET, KIMI_DELTA_ATTENTI
                                    MAMBA2, SCAN_OPTIONS, SHORT_CONVOLUTION, MixerKind)
 from arctic.hf.mixer_state import passed_scan
 from ulysses.mesh import axis_size
-from ulysses.mixers import (causal_conv, check_mixer_heads, check_mixer_mesh, head_scan,
-                            traced_scan)
+from ulysses.mixers import causal_conv, check_mixer_heads, head_scan, traced_scan
 from ulysses.patching import replace_method
 from ulysses.sharding import valid_degrees
 from ulysses.state_passing import MODES
@@ -290,7 +289,6 @@ def mixer_passing(model: nn.Module, mesh: DeviceMesh, mode: str = "auto") -> dic
                          f"net, KDA, Mamba2 or Mamba1 layer); leave it 'auto'")
     if not mixers:
         return {}
-    check_mixer_mesh(mesh, type(mixers[0]).__name__)
     degree, ring = axis_size(mesh, "ulysses"), axis_size(mesh, "ring")
     if ring > 1 and mode == "all_to_all":
         raise ValueError(f"{type(mixers[0]).__name__}: mixer_parallelism='all_to_all' runs "
@@ -313,9 +311,9 @@ def mixer_passing(model: nn.Module, mesh: DeviceMesh, mode: str = "auto") -> dic
             continue
         heads = (getattr(m, kind.num_heads),
                  getattr(m, kind.num_grouped) if kind.num_grouped else 1)
-        if mode == "state_passing" or ring > 1 or (mode == "auto" and kind.initial is not None
+        if mode == "state_passing" or ring > 1 or (mode == "auto" and kind.passes_state
                                                    and degree not in valid_degrees(*heads)):
-            if kind.initial is None:
+            if not kind.passes_state:
                 raise ValueError(f"{type(m).__name__}: state passing (mixer_parallelism="
                                  f"'state_passing', or any ring) is not implemented for its "
                                  f"scan ({kind.scan}); use 'all_to_all' and ring_degree=1")

@@ -127,8 +127,9 @@ def factorizations(sp_size: int, num_heads: int | None, num_kv_heads: int | None
     (more ranks than query heads; kv heads that neither divide nor are divided by the degree).
     ``mixers``: the model's token mixers as ``(class, heads, grouped heads)``
     (:func:`arctic.plan.models.token_mixer_heads`): those that pass their state
-    (``mixer_parallelism="auto"``: gated delta nets, KDA, Mamba2) run on any split; the
-    others (Mamba1) under Ulysses only, over degrees their heads split over.
+    (``mixer_parallelism="auto"``: gated delta nets, KDA, Mamba2, Mamba1) and convolutions
+    alone (LFM2) run on any split; a mixer without state passing would run under Ulysses
+    only, over degrees its heads split over.
     """
 
     out = []
@@ -142,8 +143,8 @@ def factorizations(sp_size: int, num_heads: int | None, num_kv_heads: int | None
         for name, heads, grouped in mixers:
             if c.pruned:
                 break
-            if FAMILIES[name].initial is not None:
-                continue  # state passing: any degree, any ring
+            if FAMILIES[name].scan is None or FAMILIES[name].passes_state:
+                continue  # a convolution alone, or state passing: any degree, any ring
             if ring > 1:
                 c.pruned = f"{name} runs under Ulysses only (no ring)"
             elif c.ulysses not in valid_degrees(heads, grouped):
