@@ -14,7 +14,10 @@ the same run:
   its piece ``S / W`` (convolution with the previous rank's tail, delta rule head-sharded over
   the whole sequence; state and window restarting at each document);
 - ``state``: the same, its delta rule on this rank's piece with every head, from the state
-  the earlier pieces leave (``mixer_parallelism="state_passing"``, :mod:`ulysses.state_passing`).
+  the earlier pieces leave (``mixer_parallelism="state_passing"``, :mod:`ulysses.state_passing`);
+- ``state_loop`` (with ``--documents``): ``state`` with one kernel call per document, as
+  before packed documents went in a few calls (:mod:`ulysses.packing`'s length groups made
+  singletons for that step).
 
 The model file's kernels run (transformers' torch fallback where flash-linear-attention and
 causal-conv1d are not installed, theirs where they are: the run records which). Memory: the
@@ -47,6 +50,7 @@ sys.path.insert(0, str(REPO))
 
 from arctic.hf.mixers import install_mixers, mixer_passing  # noqa: E402
 from ulysses import SequenceParallelDims, gather_sequence, shard_sequence  # noqa: E402
+from ulysses import packing  # noqa: E402
 from ulysses.torch_internals import step_mem_tracker  # noqa: E402
 
 MIB = 2**20
@@ -182,10 +186,12 @@ def main() -> None:
     single, _ = build(args, device, dtype)
     starts = documents_of(args.seq, args.documents)
     sp = {}
-    for mode in MODES:
+    modes = MODES + (("state_loop",) if args.documents > 1 else ())
+    for mode in modes:
         sp[mode], _ = build(args, device, dtype)
         holder = _Holder(torch.nn.ModuleList([sp[mode]]))  # where the anatomy finds it
-        passing = mixer_passing(holder, mesh, "state_passing" if mode == "state" else mode)
+        passing = mixer_passing(holder, mesh, "all_to_all" if mode == "all_to_all" else
+                                "state_passing")
         install_mixers(holder, mesh, _Documents(starts), frozenset(), passing)
     x = torch.randn(1, args.seq, args.hidden, generator=torch.Generator().manual_seed(1))
     x = x.to(device, dtype)
@@ -204,8 +210,18 @@ def main() -> None:
             return measure(reference, x, device, starts)
         return 0.0, 0, None, None
 
+    def run_loop():
+        grouped = packing.length_groups
+        packing.length_groups = lambda spans: [[i] for i in range(len(spans))]
+        try:
+            return measure(sp["state_loop"], piece, device)
+        finally:
+            packing.length_groups = grouped
+
     runs = {"single": run_single,
             **{mode: (lambda m=sp[mode]: measure(m, piece, device)) for mode in MODES}}
+    if "state_loop" in sp:
+        runs["state_loop"] = run_loop
     names = list(runs)
     for fn in runs.values():  # warm-up
         fn()
@@ -228,7 +244,7 @@ def main() -> None:
             sent[name] = int(t[2].item())
             outputs[name] = (out, dx)
     gathered = {mode: (gather_sequence(outputs[mode][0], mesh),
-                       gather_sequence(outputs[mode][1], mesh)) for mode in MODES}
+                       gather_sequence(outputs[mode][1], mesh)) for mode in modes}
     if rank != 0:
         dist.destroy_process_group()
         return
@@ -245,8 +261,8 @@ def main() -> None:
         "median_s": median,
         "peak_bytes": peaks,
         "sent_bytes_per_rank": sent,
-        "time_ratio_over_single": {m: median[m] / median["single"] for m in MODES},
-        "peak_ratio_over_single": {m: peaks[m] / peaks["single"] for m in MODES},
+        "time_ratio_over_single": {m: median[m] / median["single"] for m in modes},
+        "peak_ratio_over_single": {m: peaks[m] / peaks["single"] for m in modes},
         "sent_ratio_state_over_all_to_all": sent["state"] / max(sent["all_to_all"], 1),
         "max_rel_diff": {m: {"out": (o.float() - out.float()).abs().max().item() / scale,
                              "dx": (g.float() - dx.float()).abs().max().item() /
@@ -258,6 +274,10 @@ def main() -> None:
     for k in names:
         print(f"{k:11} {median[k]:10.3f} {median[k] / median['single']:9.2f} "
               f"{peaks[k] / MIB:10.1f} {peaks[k] / peaks['single']:9.2f} {sent[k] / MIB:10.3f}")
+    if "state_loop" in median:
+        result["time_ratio_state_over_state_loop"] = median["state"] / median["state_loop"]
+        print(f"packed documents in length groups: {result['time_ratio_state_over_state_loop']:.3f}x"
+              f" the time of one call per document")
     print(f"state passing sends {result['sent_ratio_state_over_all_to_all']:.4f}x the "
           f"all-to-all's bytes; max rel diff {result['max_rel_diff']}; kernels "
           f"{result['kernels']}")

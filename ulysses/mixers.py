@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from ulysses.all_to_all import all_to_all
 from ulysses.mesh import axis_rank, axis_size, flat_mesh, mesh_dims
+from ulysses.packing import batched
 from ulysses.sharding import head_layout, seq_split, sp_rank_of, valid_degrees
 from ulysses.state_passing import Gathered, Tied, document_runs
 
@@ -127,14 +128,15 @@ def _per_document(conv, ext: Tensor, h: int, lo: int, documents: Documents) -> T
     s = ext.shape[-1] - h
     if documents is None:
         return conv(ext)[..., h:]
-    rows = []
+    spans, backs = [], []
     for b, starts in enumerate(documents):
-        outs = []
         for a, e, start in document_runs(starts, lo, lo + s):
-            back = min(h, a - start)  # history of the same document
-            outs.append(conv(ext[b:b + 1, :, h + a - lo - back:h + e - lo])[..., back:])
-        rows.append(torch.cat(outs, dim=-1))
-    return torch.cat(rows, dim=0)
+            backs.append(min(h, a - start))  # history of the same document
+            spans.append((b, h + a - lo - backs[-1], h + e - lo))
+    outs = batched(lambda x: conv(x), {"x": ext}, spans, dim=-1)
+    return torch.cat([torch.cat([o[..., back:] for (row, _, _), o, back in
+                                 zip(spans, outs, backs) if row == b], dim=-1)
+                      for b in range(len(documents))], dim=0)
 
 
 def head_scan(scan: Callable[..., Tensor], grouped: Mapping[str, Tensor],
@@ -149,8 +151,8 @@ def head_scan(scan: Callable[..., Tensor], grouped: Mapping[str, Tensor],
     consecutive value heads; ``head_params``: ``[H, ...]`` tensors (per-head parameters),
     passed to ``scan`` as ``heads`` sliced to this rank's heads (their gradients reach only
     those rows; the ranks' gradients add up to the whole). ``scan`` takes them
-    whole-sequence, this rank's heads, and returns ``[B, S, h, ...]``; it runs once per
-    document."""
+    whole-sequence, this rank's heads, and returns ``[B, S, h, ...]``; packed documents go to
+    it as rows, a few calls for all (:func:`ulysses.packing.batched`)."""
     group = mesh["ulysses"].get_group()
     world = axis_size(mesh, "ulysses")
     H = next(iter(per_head.values())).shape[2]
@@ -170,13 +172,11 @@ def head_scan(scan: Callable[..., Tensor], grouped: Mapping[str, Tensor],
         out = scan(heads=heads, **inputs)
     else:
         S = next(iter(inputs.values())).shape[1]
-        rows = []
-        for b, starts in enumerate(documents):
-            cuts = [*starts, S]
-            rows.append(torch.cat([scan(heads=heads,
-                                        **{n: t[b:b + 1, x:y] for n, t in inputs.items()})
-                                   for x, y in zip(cuts, cuts[1:])], dim=1))
-        out = torch.cat(rows, dim=0)
+        spans = [(b, x, y) for b, starts in enumerate(documents)
+                 for x, y in zip(starts, [*starts[1:], S])]
+        outs = batched(lambda **t: scan(heads=heads, **t), inputs, spans)
+        out = torch.cat([torch.cat([o for (row, _, _), o in zip(spans, outs) if row == b], dim=1)
+                         for b in range(len(documents))], dim=0)
     return all_to_all(out, group, scatter_dim=1, gather_dim=2, gather_sizes=layout.q_sizes)
 
 

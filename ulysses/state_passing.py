@@ -36,17 +36,30 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from ulysses.packing import Span
+
 MODES = ("auto", "all_to_all", "state_passing")
 """How a hybrid's linear mixers run their scans under SP (``mixer_parallelism``): an
 all-to-all over heads, their state passed between the ranks' pieces (here), or (auto) the
-all-to-all where the heads split over the degree, else state passing."""
+all-to-all where the heads split over the degree and there is no ring, else state passing
+(also where flash-linear-attention's own context parallelism runs the scan:
+:mod:`arctic.hf.mixer_fla`)."""
 
 Documents = Sequence[Sequence[int]] | None
-Scan = Callable[[slice, slice, Tensor | None, Tensor | None], tuple[Tensor, Tensor]]
-"""``scan(rows, positions, values, initial)``: the scan of this rank's ``rows`` over its
-piece's ``positions`` (local), with ``values`` ``[b, n, H, V']`` in place of the value input
-(None: the input itself) from ``initial`` (``[b, H, K, V']``, None: zeros); returns the output
-``[b, n, H, V']`` and the final state ``[b, H, K, V']``."""
+class Scan(Protocol):
+    """The model's scan on this rank's piece. ``scan(rows, positions, values, initial)``: over
+    the local ``positions`` of ``rows``, with ``values`` ``[b, n, H, V']`` in place of the
+    value input (None: the input itself) from ``initial`` (``[b, H, K, V']``, None: zeros);
+    returns the output ``[b, n, H, V']`` and the final state ``[b, H, K, V']``.
+    ``scan.outputs(spans)``: the outputs alone of :data:`ulysses.packing.Span` s each from a
+    zero state, in a few calls (:func:`ulysses.packing.batched`). ``scan.key_dim``: ``K``."""
+
+    key_dim: int
+
+    def __call__(self, rows: slice, positions: slice, values: Tensor | None,
+                 initial: Tensor | None) -> tuple[Tensor, Tensor]: ...
+
+    def outputs(self, spans: Sequence[Span]) -> list[Tensor]: ...
 
 
 class Gathered(torch.autograd.Function):
@@ -129,6 +142,9 @@ class MatrixStates:
                                                    state).to(o.dtype),
                      final[..., :V], final[..., V:])
 
+    def outputs(self, spans: Sequence[Span]) -> list[Tensor]:
+        return self.scan.outputs(spans)
+
     @staticmethod
     def carry(phi: Tensor, state: Tensor) -> Tensor:
         return phi @ state
@@ -136,12 +152,16 @@ class MatrixStates:
 
 class PieceStates(Protocol):
     """What :func:`state_scan` needs of a recurrence: per row, the shapes of its state and of
-    its ``phi``, a run's :class:`Piece`, and ``carry(phi, state)``."""
+    its ``phi``, a run's :class:`Piece`, the outputs alone of whole documents inside the
+    piece (``outputs(spans)``, ``[1, n, ...]`` each, in a few calls), and ``carry(phi,
+    state)``."""
 
     state_shape: tuple[int, ...]
     phi_shape: tuple[int, ...]
 
     def piece(self, rows: slice, positions: slice, continues: bool) -> Piece: ...
+
+    def outputs(self, spans: Sequence[Span]) -> list[Tensor]: ...
 
     def carry(self, phi: Tensor, state: Tensor) -> Tensor: ...
 
@@ -162,12 +182,16 @@ def state_scan(states: PieceStates, batch: int, *, group, rank: int, world: int,
     groups = [(slice(0, batch), (0,), runs[0])] if documents is None else \
         [(slice(b, b + 1), tuple(documents[b]), runs[b]) for b in range(batch)]
     width = max(len(own) for _, _, row in groups for own in row)
-    summary = None
-    pieces = [[] for _ in groups]  # per row group: (output, fix or None, run index)
+    summary, spans = None, []
+    pieces = [[] for _ in groups]  # per row group: (output or span index, fix or None, run)
     for i, (rows, starts, row) in enumerate(groups):
         offset = 0
         for j, (g, n) in enumerate(row[rank]):
             for a, e, start in document_runs(starts, g, g + n):
+                if start >= g and e < g + n:  # a document alone, inside the run: its output
+                    spans.append((rows.start, offset + a - g, offset + e - g))
+                    pieces[i].append((len(spans) - 1, None, j))
+                    continue
                 p = states.piece(rows, slice(offset + a - g, offset + e - g), start < g)
                 pieces[i].append((p.out, p.fix, j))
             if summary is None:
@@ -176,11 +200,13 @@ def state_scan(states: PieceStates, batch: int, *, group, rank: int, world: int,
                 summary[rows, j, :P] = p.phi.float().flatten(1)
             summary[rows, j, P:] = p.final.float().flatten(1)
             offset += n
+    alone = states.outputs(spans) if spans else []
     every = Gathered.apply(summary, group, rank, world)  # [W, B, width, P + F]
     outs = []
     for i, (rows, _, row) in enumerate(groups):
         incoming = _incoming(states, every[:, rows], row, rank, P)
-        outs.append(torch.cat([o if fix is None else o + fix(incoming[j])
+        outs.append(torch.cat([alone[o] if isinstance(o, int) else
+                               o if fix is None else o + fix(incoming[j])
                                for o, fix, j in pieces[i]], dim=1))
     return Tied.apply(torch.cat(outs, dim=0), every)
 

@@ -1,24 +1,28 @@
 """A HF mixer's scan by state passing (:mod:`ulysses.state_passing`): the model's own scan
 function runs on this rank's piece, every head, from the state the earlier pieces leave.
 
-The scan is the one transformers resolved for the model's file (its torch fallback on CPU);
-it takes an initial state and returns its final one (``initial_state`` /
-``output_final_state`` for the delta rules, ``initial_states`` / ``return_final_states`` for
-Mamba2's SSD, whose ``[B, H, P, N]`` state is the delta rules' ``[B, H, K, V]`` transposed).
-"""
+The scan is the one transformers resolved for the model's file (its torch fallback on CPU).
+The delta rules and Mamba2's SSD take an initial state and return their final one
+(``initial_state`` / ``output_final_state``; ``initial_states`` / ``return_final_states``,
+whose ``[B, H, P, N]`` state is the delta rules' ``[B, H, K, V]`` transposed). Mamba1's
+selective scan takes none: :class:`SelectiveStates` computes the incoming state's term beside
+it. Where transformers resolved flash-linear-attention's delta-rule kernels, fla's own
+context parallelism runs instead, in one call (:mod:`arctic.hf.mixer_fla`)."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor
-from torch.utils.checkpoint import checkpoint
 from torch.distributed.device_mesh import DeviceMesh
+from torch.utils.checkpoint import checkpoint
 
+from arctic.hf.mixer_fla import fla_cp_scan, fla_kernel, fla_layout
 from ulysses.mesh import flat_mesh
 from ulysses.mixers import Documents, row_runs, traced_scan
+from ulysses.packing import Span, batched
 from ulysses.sharding import sp_rank_of
 from ulysses.state_passing import MatrixStates, Piece, state_scan
 from ulysses.trace_shortcuts import is_traced
@@ -35,24 +39,34 @@ class _PieceScan:
 
     def __call__(self, rows: slice, positions: slice, value: Tensor | None,
                  initial: Tensor | None) -> tuple[Tensor, Tensor]:
-        kind = self.kind
         given = {n: t[rows, positions] for n, t in self.inputs.items()}
         if value is not None:
-            given[kind.output] = value
+            given[self.kind.output] = value
+        if initial is not None and self.kind.value_first:
+            initial = initial.transpose(-1, -2)
+        return self._run(given, initial, True)
+
+    def outputs(self, spans: Sequence[Span]) -> list[Tensor]:
+        return batched(lambda **given: self._run(given, None, False)[0], self.inputs, spans)
+
+    def _run(self, given: dict, initial: Tensor | None,
+             final: bool) -> tuple[Tensor, Tensor | None]:
+        kind = self.kind
         out_like = given[kind.output]
         if is_traced(out_like):  # the planner's trace: the GPU kernel's allocations
             out = traced_scan(given, out=kind.output, key=kind.state_key,
                               heads=out_like.shape[2])
             b, _, H, V = out_like.shape
             return out, out_like.new_empty(b, H, self.key_dim, V)
-        if initial is not None and kind.value_first:
-            initial = initial.transpose(-1, -2)
-        given.update(self.params)
-        out, final = self.original(*(given[n] for n in kind.positional),
-                                   **{n: v for n, v in given.items()
-                                      if n not in kind.positional},
-                                   **self.options, **{kind.initial: initial, kind.final: True})
-        return out, (final.transpose(-1, -2) if kind.value_first else final)
+        given = {**given, **self.params}
+        result = self.original(*(given[n] for n in kind.positional),
+                               **{n: v for n, v in given.items() if n not in kind.positional},
+                               **self.options,
+                               **({kind.initial: initial, kind.final: True} if final else {}))
+        if not final:
+            return (result[0] if kind.returns_state else result), None
+        out, state = result
+        return out, (state.transpose(-1, -2) if kind.value_first else state)
 
 
 FIX_ELEMENTS = 2**24
@@ -83,10 +97,7 @@ class SelectiveStates:
         x = given[kind.output]
         b, C, n = x.shape
         if is_traced(x):  # the planner's trace: the GPU kernel's allocations
-            traced = {k: t.transpose(1, 2).unsqueeze(2 if k in kind.grouped else -1)
-                      for k, t in given.items()}
-            out = traced_scan(traced, out=kind.output, key=kind.state_key, heads=C)
-            return Piece(out.squeeze(-1), None, x.new_empty(b, *self.state_shape), None)
+            return Piece(self._traced(given), None, x.new_empty(b, *self.state_shape), None)
         given.update(self.params)
         out, final = self.original(*(given[k] for k in kind.positional),
                                    **{k: v for k, v in given.items() if k not in kind.positional},
@@ -104,6 +115,28 @@ class SelectiveStates:
         phi = torch.exp(A * steps[..., -1:])
         return Piece(out, lambda state: _incoming_term(A, steps, read, state).to(out.dtype),
                      final, phi)
+
+    def outputs(self, spans: Sequence[Span]) -> list[Tensor]:
+        kind = self.kind
+
+        def scan(**given):
+            if is_traced(given[kind.output]):
+                return self._traced(given).transpose(1, 2)
+            given.update(self.params)
+            return self.original(*(given[k] for k in kind.positional),
+                                 **{k: v for k, v in given.items() if k not in kind.positional},
+                                 **self.options)
+
+        return [o.transpose(1, 2) for o in batched(scan, self.inputs, spans, dim=-1)]
+
+    def _traced(self, given: Mapping[str, Tensor]) -> Tensor:
+        """The planner's trace of the scan on ``given`` (channels first): the GPU kernel's
+        allocations (:func:`ulysses.mixers.traced_scan`); the output ``[b, n, C]``."""
+        kind = self.kind
+        traced = {k: t.transpose(1, 2).unsqueeze(2 if k in kind.grouped else -1)
+                  for k, t in given.items()}
+        return traced_scan(traced, out=kind.output, key=kind.state_key,
+                           heads=given[kind.output].shape[1]).squeeze(-1)
 
     @staticmethod
     def carry(phi: Tensor, state: Tensor) -> Tensor:
@@ -131,10 +164,17 @@ def passed_scan(kind, original: Callable, inputs: Mapping[str, Tensor],
     """The scan of the whole sequence at this rank's positions: ``inputs`` (the scan's
     sequence inputs, this rank's piece, every head; Mamba1's gate ``z`` among them),
     ``params`` (its per-head parameters, whole), ``options`` (its other arguments), over the
-    mesh's SP ranks (ring x Ulysses, in its sequence layout)."""
+    mesh's SP ranks (ring x Ulysses, in its sequence layout): by fla's own context
+    parallelism where transformers resolved fla's kernel and the layout is one of fla's
+    (:mod:`arctic.hf.mixer_fla`), else by :func:`ulysses.state_passing.state_scan`."""
     value = inputs[kind.output]
     B, s = value.shape[0], value.shape[-1 if kind.channels_first else 1]
     runs = row_runs(mesh, s, B, documents)
+    kernel = fla_kernel(kind.scan, original) if B == 1 and not is_traced(value) else None
+    layout = fla_layout(mesh) if kernel is not None else None
+    if layout is not None:  # fla's own CP: one call, its documents as cu_seqlens
+        return fla_cp_scan(kernel, kind, inputs, params, options, mesh=mesh,
+                           starts=(0,) if documents is None else documents[0], layout=layout)
     common = dict(group=flat_mesh(mesh, "sp").get_group(), rank=sp_rank_of(mesh),
                   world=len(runs[0]), runs=runs, documents=documents)
     if not kind.diagonal:

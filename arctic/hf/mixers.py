@@ -36,6 +36,7 @@ from arctic.hf.binding import of_module
 from arctic.hf.features import classify, unknown_arguments_error
 from arctic.hf.mixer_kinds import (FAMILIES, GATED_DELTA_NET, KIMI_DELTA_ATTENTION, MAMBA1,
                                    MAMBA2, SCAN_OPTIONS, SHORT_CONVOLUTION, MixerKind)
+from arctic.hf.mixer_fla import fla_kernel, fla_layout
 from arctic.hf.mixer_state import passed_scan
 from ulysses.mesh import axis_size
 from ulysses.mixers import causal_conv, check_mixer_heads, head_scan, traced_scan
@@ -311,8 +312,9 @@ def mixer_passing(model: nn.Module, mesh: DeviceMesh, mode: str = "auto") -> dic
             continue
         heads = (getattr(m, kind.num_heads),
                  getattr(m, kind.num_grouped) if kind.num_grouped else 1)
-        if mode == "state_passing" or ring > 1 or (mode == "auto" and kind.passes_state
-                                                   and degree not in valid_degrees(*heads)):
+        auto_passes = kind.passes_state and (degree not in valid_degrees(*heads) or
+                                             _fla_cp_runs(m, kind, mesh))
+        if mode == "state_passing" or ring > 1 or (mode == "auto" and auto_passes):
             if not kind.passes_state:
                 raise ValueError(f"{type(m).__name__}: state passing (mixer_parallelism="
                                  f"'state_passing', or any ring) is not implemented for its "
@@ -321,6 +323,16 @@ def mixer_passing(model: nn.Module, mesh: DeviceMesh, mode: str = "auto") -> dic
         else:
             check_mixer_heads(type(m).__name__, *heads, degree)
     return passing
+
+
+def _fla_cp_runs(module: nn.Module, kind: MixerKind, mesh: DeviceMesh) -> bool:
+    """Whether ``module``'s scan would run by flash-linear-attention's own context
+    parallelism (transformers resolved fla's kernel for its file, and the mesh's layout is
+    one of fla's; :mod:`arctic.hf.mixer_fla`)."""
+    current = getattr(sys.modules[type(module).__module__], kind.scan, None)
+    current = current.original if isinstance(current, Dispatch) else current
+    return current is not None and fla_kernel(kind.scan, current) is not None and \
+        fla_layout(mesh) is not None
 
 
 def install_mixers(model: nn.Module, mesh: DeviceMesh, batch: BatchState,
