@@ -25,9 +25,10 @@ peak of what one step allocates (MemTracker on CPU, which sees only allocations 
 context; the CUDA allocator's peak on a GPU), the layer's parameters and the input tracked as
 already there; the max over ranks for the SP runs. Time: medians of ``--iters`` alternating
 rounds, each step timed as the max over ranks. Bytes sent: per rank and step, what its
-collectives hand to other ranks (an all-to-all: all but its own share; an all-gather: its
-part to each other rank; an all-reduce: twice ``(W - 1) / W`` of it, as a ring does). The SP
-outputs and input gradients are checked against the single run's (gathered). Writes
+collectives hand to other ranks (an all-to-all: all but its own share, by its split sizes
+where it has them; an all-gather: its part to each other rank; an all-reduce: twice ``(W -
+1) / W`` of it, as a ring does). The SP outputs and input gradients are checked against the
+single run's (gathered). Writes
 ``results/hybrid_layer_<device>_w<W>.json``.
 """
 
@@ -105,7 +106,12 @@ def count_sent() -> None:
         group = kwargs.get("group")
         w = world(group)
         if name == "all_to_all_single":
-            return nbytes(args[1]) * (w - 1) // w
+            splits = kwargs.get("input_split_sizes", args[3] if len(args) > 3 else None)
+            if splits is None:
+                return nbytes(args[1]) * (w - 1) // w
+            row = nbytes(args[1]) // max(args[1].shape[0], 1) if args[1].dim() else 0
+            mine = dist.get_rank(group)
+            return row * sum(n for q, n in enumerate(splits) if q != mine)
         if name == "all_to_all":
             return sum(nbytes(t) for t in args[1]) * (w - 1) // w
         if name == "all_gather":

@@ -68,10 +68,10 @@ def _rank_step(family: str, ulysses: int, documents, broken: str | None = None,
     from ulysses import flat_mesh
     import ulysses.state_passing as sp
 
-    original = sp.Gathered.apply
+    original = sp.Shared.apply
     try:
         if broken == "dropped":
-            sp.Gathered.apply = lambda x, *a: torch.zeros_like(original(x, *a))
+            sp.Shared.apply = lambda x, *a: torch.zeros_like(original(x, *a))
         mesh = get_mesh(ulysses * ring, ulysses, ring, zigzag)
         model = _model(family) if heads is None else _fewer_heads(family, heads)
         model = apply_sequence_parallel(model, mesh=mesh, mixer_parallelism=mode)
@@ -82,7 +82,7 @@ def _rank_step(family: str, ulysses: int, documents, broken: str | None = None,
                 m.sp_mixer.batch = _NoDocuments()
         return step_on_pieces(model, mesh, documents)
     finally:
-        sp.Gathered.apply = original
+        sp.Shared.apply = original
 
 
 def _fewer_heads(family: str, heads: int):

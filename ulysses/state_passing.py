@@ -81,6 +81,46 @@ class Gathered(torch.autograd.Function):
         return mine.sum(0), None, None, None
 
 
+class Shared(torch.autograd.Function):
+    """Every rank's ``x``, stacked in rank order, each sent only where it is used:
+    ``needs[r][q]``, rank ``q`` reads rank ``r``'s (the rows of the others are zeros). One
+    all-to-all with uneven splits; its backward returns each rank the gradients of its ``x``
+    from the ranks that read it, and sums them. A rank sends at most ``W - 1`` copies, and
+    the ranks that send many in the forward (the first in the sequence) send few back."""
+
+    @staticmethod
+    def forward(ctx, x, group, rank, needs):
+        world, flat = len(needs), x.contiguous().reshape(-1)
+        sends = [needs[rank][q] and q != rank for q in range(world)]
+        takes = [needs[r][rank] and r != rank for r in range(world)]
+        got = _exchange(flat.repeat(sum(sends)), sends, takes, group, flat.numel())
+        out = x.new_zeros(world, *x.shape)
+        for r, part in got.items():
+            out[r] = part.view_as(x)
+        out[rank] = x
+        ctx.group, ctx.rank, ctx.sends, ctx.takes = group, rank, sends, takes
+        return out
+
+    @staticmethod
+    def backward(ctx, grad):
+        own = grad[ctx.rank].contiguous()
+        flat = torch.cat([grad[r].reshape(-1) for r in range(len(ctx.takes)) if ctx.takes[r]]
+                         or [own.new_zeros(0)])
+        parts = _exchange(flat, ctx.takes, ctx.sends, ctx.group, own.numel())
+        return own + sum(p.view_as(own) for p in parts.values()), None, None, None
+
+
+def _exchange(parts: Tensor, sends: Sequence[bool], takes: Sequence[bool], group,
+              numel: int) -> dict[int, Tensor]:
+    """An all-to-all of ``numel`` elements per pair: ``parts`` (one part per rank in
+    ``sends``, in rank order) to those ranks; returns the parts of the ranks in ``takes``."""
+    out = parts.new_empty(numel * sum(takes))
+    dist.all_to_all_single(out, parts, output_split_sizes=[numel * t for t in takes],
+                           input_split_sizes=[numel * s for s in sends], group=group)
+    pieces = iter(out.split(numel)) if numel else iter([])
+    return {r: next(pieces) for r, t in enumerate(takes) if t}
+
+
 class Tied(torch.autograd.Function):
     """``out`` itself, made to depend on ``gathered``: every rank's backward then reaches the
     gather's (whose all-to-all each rank must join), also on a rank that uses no earlier
@@ -201,7 +241,7 @@ def state_scan(states: PieceStates, batch: int, *, group, rank: int, world: int,
             summary[rows, j, P:] = p.final.float().flatten(1)
             offset += n
     alone = states.outputs(spans) if spans else []
-    every = Gathered.apply(summary, group, rank, world)  # [W, B, width, P + F]
+    every = Shared.apply(summary, group, rank, _needs(runs, world))  # [W, B, width, P + F]
     outs = []
     for i, (rows, _, row) in enumerate(groups):
         incoming = _incoming(states, every[:, rows], row, rank, P)
@@ -209,6 +249,13 @@ def state_scan(states: PieceStates, batch: int, *, group, rank: int, world: int,
                                o if fix is None else o + fix(incoming[j])
                                for o, fix, j in pieces[i]], dim=1))
     return Tied.apply(torch.cat(outs, dim=0), every)
+
+
+def _needs(runs: Sequence[Runs], world: int) -> list[list[bool]]:
+    """``[r][q]``: rank ``q`` reads rank ``r``'s summary (in some row, a run of ``r`` starts
+    before ``q``'s last; :func:`_incoming`)."""
+    return [[any(min(g for g, _ in row[r]) < max(g for g, _ in row[q]) for row in runs)
+             for q in range(world)] for r in range(world)]
 
 
 def _incoming(states: PieceStates, every: Tensor, runs: Runs, rank: int,
@@ -229,5 +276,5 @@ def _incoming(states: PieceStates, every: Tensor, runs: Runs, rank: int,
     return incoming
 
 
-__all__ = ["MODES", "Gathered", "MatrixStates", "Piece", "PieceStates", "Runs", "Scan", "Tied",
-           "document_runs", "state_scan"]
+__all__ = ["MODES", "Gathered", "MatrixStates", "Piece", "PieceStates", "Runs", "Scan", "Shared",
+           "Tied", "document_runs", "state_scan"]
