@@ -38,11 +38,12 @@ In order:
 - ``fits``: the planner's peak at ``--fits-tokens`` (``python -m arctic.plan``), then
   ``scale_gpu.py --cap-gib`` at the smallest cap the planner says fits (the step must run) and
   at 0.9 x the predicted peak (the planner says no; the step must run out of memory);
-- ``hybrid``: ``benchmarks/hybrid_layer.py`` on one GPU: a gated delta net layer of
-  Qwen3.5-9B's shapes, 32K tokens in three packed documents, made sequence-parallel (world 1:
-  the dispatch to the model file's kernels, flash-linear-attention's where the carried
-  ``fla-core`` wheel is installed, each document alone) against the unmodified layer run
-  document by document; time, peak memory, and the values within bf16's tolerance.
+- ``hybrid``: ``benchmarks/hybrid_layer.py``, two ranks (sharing one GPU over gloo where
+  that is all there is, the exchanges through host memory): a gated delta net layer of
+  Qwen3.5-9B's shapes, 32K tokens in three packed documents, by the all-to-all over heads and
+  by state passing (flash-linear-attention's own context parallelism, ``fla.ops.cp``, where
+  the carried ``fla-core`` wheel is installed) against the unmodified layer run document by
+  document; time, peak memory, and the values within bf16's tolerance.
 
 One 540 s call holds install, backends, step and the first test files; the checks it leaves
 "not run" go in a second call (``--only tests disk fits hybrid``).

@@ -20,7 +20,11 @@ the same run:
   singletons for that step).
 
 The model file's kernels run (transformers' torch fallback where flash-linear-attention and
-causal-conv1d are not installed, theirs where they are: the run records which). Memory: the
+causal-conv1d are not installed, theirs where they are: the run records which). With fla's
+kernel resolved, ``state`` runs fla's own context parallelism (``fla.ops.cp``, one call per
+rank; :mod:`arctic.hf.mixer_fla`). More ranks than GPUs (one GPU, two ranks) share the GPUs
+over gloo, their collectives staged through host memory: the kernels' results are checked as
+on separate GPUs, and the times compare the paths, not the speed-up. Memory: the
 peak of what one step allocates (MemTracker on CPU, which sees only allocations inside its
 context; the CUDA allocator's peak on a GPU), the layer's parameters and the input tracked as
 already there; the max over ranks for the SP runs. Time: medians of ``--iters`` alternating
@@ -82,6 +86,20 @@ def kernels() -> dict:
     return {"fla": iu.is_flash_linear_attention_available(),
             "causal_conv1d": iu.is_causal_conv1d_available(),
             "fla_importable": importlib.util.find_spec("fla") is not None}
+
+
+def fla_cp(mesh) -> bool:
+    """Whether ``state`` runs by flash-linear-attention's own context parallelism (fla's
+    kernel resolved for the model file, the mesh's layout one of fla's, one row)."""
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as file
+
+    from arctic.hf.mixer_fla import fla_kernel, fla_layout
+    from arctic.hf.mixers import Dispatch
+
+    scan = file.torch_chunk_gated_delta_rule
+    scan = scan.original if isinstance(scan, Dispatch) else scan
+    return fla_kernel("torch_chunk_gated_delta_rule", scan) is not None and \
+        fla_layout(mesh) is not None
 
 
 def documents_of(seq: int, count: int) -> tuple[int, ...] | None:
@@ -178,9 +196,11 @@ def main() -> None:
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
     cuda = torch.cuda.is_available()
-    dist.init_process_group("nccl" if cuda else "gloo")
+    local, world = int(os.environ.get("LOCAL_RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    shared = cuda and torch.cuda.device_count() < world  # the ranks take turns on the GPUs
+    dist.init_process_group("nccl" if cuda and not shared else "gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
-    device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else \
+    device = torch.device("cuda", local % torch.cuda.device_count()) if cuda else \
         torch.device("cpu")
     if cuda:
         torch.cuda.set_device(device)
@@ -263,7 +283,8 @@ def main() -> None:
         "shape": {"seq": args.seq, "hidden": args.hidden, "v_heads": args.v_heads,
                   "k_heads": args.k_heads, "head_dim": args.head_dim},
         "documents": list(starts or (0,)),
-        "kernels": kernels(),
+        "kernels": {**kernels(), "fla_cp": fla_cp(mesh)},
+        "ranks_share_a_gpu": shared,
         "median_s": median,
         "peak_bytes": peaks,
         "sent_bytes_per_rank": sent,
