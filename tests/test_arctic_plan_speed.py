@@ -218,6 +218,12 @@ def test_neighbours_change_one_trade_and_keep_the_config_valid():
     for mixers in (jamba, [("Qwen3_5GatedDeltaNet", 8, 4)]):
         out = neighbours(base, sp_size=4, heads=(8, 4), mixers=mixers)
         assert {f["ring_degree"] for f in out} == {1, 2, 4}
+        # the scans by state passing, or by the all-to-all where the heads split ("auto")
+        assert {f["mixer_parallelism"] for f in out} == {"auto", "state_passing"}
+    assert {f["mixer_parallelism"] for f in neighbours(base, sp_size=4, heads=(8, 4))} == \
+        {"auto"}
+    lfm2 = neighbours(base, sp_size=4, heads=(8, 4), mixers=[("Lfm2ShortConv", 1, 1)])
+    assert {f["mixer_parallelism"] for f in lfm2} == {"auto"}
 
 
 def test_the_search_takes_the_fastest_prediction_that_fits():

@@ -126,12 +126,9 @@ def factorizations(sp_size: int, num_heads: int | None, num_kv_heads: int | None
     :func:`ulysses.sharding.head_layout` refuses Ulysses degrees the heads cannot split over
     (more ranks than query heads; kv heads that neither divide nor are divided by the degree).
     ``mixers``: the model's token mixers as ``(class, heads, grouped heads)``
-    (:func:`arctic.plan.models.token_mixer_heads`): those that pass their state
-    (``mixer_parallelism="auto"``: gated delta nets, KDA, Mamba2, Mamba1) and convolutions
-    alone (LFM2) run on any split; a mixer without state passing would run under Ulysses
-    only, over degrees its heads split over.
-    """
-
+    (:func:`arctic.plan.models.token_mixer_heads`): scans that pass their state (every one
+    now) and convolutions alone run on any split; one without would run under Ulysses only,
+    over degrees its heads split over."""
     out = []
     for ring in (r for r in range(1, sp_size + 1) if sp_size % r == 0):
         c = Candidate(ring=ring, ulysses=sp_size // ring, fields={})
@@ -306,7 +303,8 @@ def neighbours(fields: dict, *, sp_size: int, heads: tuple[int | None, int | Non
                unsupported: Sequence[str] = ()) -> list[dict]:
     """The settings one trade away from ``fields`` (a value of one of :data:`TRADES`, with
     what it needs: no head chunks also means no fused projections or sequence blocks; no
-    checkpointing, no offload and recomputed attention), each a valid
+    checkpointing, no offload and recomputed attention; a hybrid's scans by state passing or
+    by ``"auto"``, the all-to-all where the heads split), each a valid
     :class:`~arctic.config.SequenceParallelConfig` the model supports: ring x Ulysses
     splits that :func:`factorizations` allows, head chunk sizes that
     :func:`ulysses.chunk_schedule.valid_chunk_sizes` allows, and nothing in ``unsupported``
@@ -352,6 +350,9 @@ def neighbours(fields: dict, *, sp_size: int, heads: tuple[int | None, int | Non
     if f.get("tiled_mlp") is not None:
         add(tiled_layer=not f.get("tiled_layer", False))
     add(loss_tiles=1 if f.get("loss_tiles", "auto") != 1 else "auto")
+    if ring == 1 and any(FAMILIES[name].scan for name, _, _ in mixers):
+        add(mixer_parallelism="state_passing" if f.get("mixer_parallelism", "auto") == "auto"
+            else "auto")  # auto: the all-to-all where the heads split (on a ring: state passing)
     if "offload_state" in fields:  # a fallback's: the state back on the device
         out.append({k: v for k, v in f.items() if k != "offload_state"})
     return out

@@ -87,9 +87,11 @@ def train_step(model: nn.Module, optimizer, batch: dict, *, on_phase=None) -> to
 PLANNED_FIELDS = ("sequence_parallel_size", "ring_degree", "ring_layout", "head_chunk_size",
                   "seq_chunk",
                   "fuse_projections", "tiled_mlp", "tiled_norms", "tiled_layer", "loss_tiles",
-                  "activation_checkpointing", "offload_activations", "recompute_attention")
+                  "activation_checkpointing", "offload_activations", "recompute_attention",
+                  "mixer_parallelism")
 """The :class:`SequenceParallelConfig` fields that change what the planner traces (the rest,
-the attention kernel and the exchanges' dtype, do not change memory). The step is traced on
+the attention kernel and the exchanges' dtype, do not change memory; ``mixer_parallelism``
+changes a hybrid's linear mixers' path, the all-to-all or state passing). The step is traced on
 one document per row (a packed batch's documents only shorten the attention's kernel calls),
 so ``ring_layout`` counts through the padding it asks for (``2 R U`` or ``R U``)."""
 
