@@ -117,11 +117,18 @@ class SequenceParallelConfig:
     a kernel that disagrees is refused with a ``ValueError`` instead of training on wrong
     gradients. Process-wide: the last model set up decides."""
     mixer_parallelism: Literal["auto", "all_to_all", "state_passing"] = "auto"
-    """How a hybrid's linear mixers (gated delta nets, KDA, Mamba2) run their scans: an
-    all-to-all over heads (the degree must split the mixer's heads), their state passed
+    """How a hybrid's linear mixers (gated delta nets, KDA, Mamba2, Mamba1) run their scans:
+    an all-to-all over heads (the degree must split the mixer's heads), their state passed
     between the ranks' pieces (any degree; :mod:`ulysses.state_passing`), or ``"auto"``: the
     all-to-all where the heads split, else state passing. A value other than ``"auto"`` on a
     model without such a mixer is refused when the model is set up."""
+    mixer_chunk: int | None = None
+    """A hybrid's mixer layers in sequence chunks of at most this many positions of the
+    rank's piece: the model's forward on one chunk at a time, checkpointed, its
+    convolution's window and scan's state carried between chunks (:mod:`arctic.hf.mixer_chunks`;
+    the scans then pass their state). Bounds a mixer layer's working set by the chunk. None:
+    the whole piece. Refused on a model without such a mixer, and with
+    ``mixer_parallelism="all_to_all"``."""
     communication_dtype: Literal["fp32", "bf16", "fp16"] | None = None
     """dtype of the sequence-parallel exchanges (DeepSpeed's
     ``seq_parallel_communication_data_type``): every all-to-all and ring hop, forward and
@@ -152,6 +159,11 @@ class SequenceParallelConfig:
         if self.attn_implementation not in ATTN_IMPLEMENTATIONS:
             raise ValueError(f"ulysses.attn_implementation must be one of {ATTN_IMPLEMENTATIONS}, "
                              f"got {self.attn_implementation!r}")
+        if self.mixer_chunk is not None and (isinstance(self.mixer_chunk, bool) or
+                                             not isinstance(self.mixer_chunk, int) or
+                                             self.mixer_chunk < 1):
+            raise ValueError(f"ulysses.mixer_chunk must be a positive int or null, got "
+                             f"{self.mixer_chunk!r}")
         if self.mixer_parallelism not in MIXER_MODES:
             raise ValueError(f"ulysses.mixer_parallelism must be one of {MIXER_MODES}, got "
                              f"{self.mixer_parallelism!r}")

@@ -60,7 +60,8 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
                             fuse_projections=config.fuse_projections,
                             communication_dtype=config.comm_dtype,
                             attention_backend=config.attention_backend,
-                            mixer_parallelism=config.mixer_parallelism)
+                            mixer_parallelism=config.mixer_parallelism,
+                            mixer_chunk=config.mixer_chunk)
     if config.tiled_mlp is not None:
         apply_tiled_mlp(model, tiles=config.tiled_mlp)
         if config.tiled_norms:

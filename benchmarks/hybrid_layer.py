@@ -15,6 +15,9 @@ the same run:
   the whole sequence; state and window restarting at each document);
 - ``state``: the same, its delta rule on this rank's piece with every head, from the state
   the earlier pieces leave (``mixer_parallelism="state_passing"``, :mod:`ulysses.state_passing`);
+- ``chunked`` (with ``--mixer-chunk N``): ``state`` with the layer run in sequence chunks
+  of ``N`` positions, each checkpointed, the window and state carried between them
+  (``mixer_chunk``, :mod:`arctic.hf.mixer_chunks`);
 - ``state_loop`` (with ``--documents``): ``state`` with one kernel call per document, as
   before packed documents went in a few calls (:mod:`ulysses.packing`'s length groups made
   singletons for that step).
@@ -192,6 +195,8 @@ def main() -> None:
     p.add_argument("--head-dim", type=int, default=64)
     p.add_argument("--documents", type=int, default=1,
                    help="packed documents of near-equal lengths (the reference runs each alone)")
+    p.add_argument("--mixer-chunk", type=int, default=None,
+                   help="also run state passing with the layer in chunks of this many positions")
     p.add_argument("--iters", type=int, default=3)
     p.add_argument("--out", type=Path, default=None)
     args = p.parse_args()
@@ -212,13 +217,15 @@ def main() -> None:
     single, _ = build(args, device, dtype)
     starts = documents_of(args.seq, args.documents)
     sp = {}
-    modes = MODES + (("state_loop",) if args.documents > 1 else ())
+    modes = MODES + (("chunked",) if args.mixer_chunk else ()) + \
+        (("state_loop",) if args.documents > 1 else ())
     for mode in modes:
         sp[mode], _ = build(args, device, dtype)
         holder = _Holder(torch.nn.ModuleList([sp[mode]]))  # where the anatomy finds it
         passing = mixer_passing(holder, mesh, "all_to_all" if mode == "all_to_all" else
                                 "state_passing")
-        install_mixers(holder, mesh, _Documents(starts), frozenset(), passing)
+        install_mixers(holder, mesh, _Documents(starts), frozenset(), passing,
+                       args.mixer_chunk if mode == "chunked" else None)
     x = torch.randn(1, args.seq, args.hidden, generator=torch.Generator().manual_seed(1))
     x = x.to(device, dtype)
     piece = shard_sequence(x, mesh).contiguous()
@@ -245,7 +252,8 @@ def main() -> None:
             packing.length_groups = grouped
 
     runs = {"single": run_single,
-            **{mode: (lambda m=sp[mode]: measure(m, piece, device)) for mode in MODES}}
+            **{mode: (lambda m=sp[mode]: measure(m, piece, device)) for mode in modes
+               if mode != "state_loop"}}
     if "state_loop" in sp:
         runs["state_loop"] = run_loop
     names = list(runs)
@@ -301,6 +309,12 @@ def main() -> None:
     for k in names:
         print(f"{k:11} {median[k]:10.3f} {median[k] / median['single']:9.2f} "
               f"{peaks[k] / MIB:10.1f} {peaks[k] / peaks['single']:9.2f} {sent[k] / MIB:10.3f}")
+    if "chunked" in median:
+        result["mixer_chunk"] = args.mixer_chunk
+        result["peak_ratio_chunked_over"] = {m: peaks["chunked"] / peaks[m]
+                                             for m in ("all_to_all", "state")}
+        print(f"mixer_chunk={args.mixer_chunk}: peak {result['peak_ratio_chunked_over']} of the "
+              f"whole-piece paths'")
     if "state_loop" in median:
         result["time_ratio_state_over_state_loop"] = median["state"] / median["state_loop"]
         print(f"packed documents in length groups: {result['time_ratio_state_over_state_loop']:.3f}x"

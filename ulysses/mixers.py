@@ -58,7 +58,7 @@ def causal_conv(conv: Callable[[Tensor], Tensor], x_BCs: Tensor, width: int, *,
     None: one document per row."""
     h = width - 1
     if mesh_dims(mesh).sp == 1 or h == 0:
-        return _per_document(conv, x_BCs, 0, 0, documents)
+        return conv_documents(conv, x_BCs, 0, 0, documents)
     return _conv_over_runs(conv, x_BCs, h, mesh=mesh, documents=documents)
 
 
@@ -104,25 +104,33 @@ def _conv_over_runs(conv, x_BCs: Tensor, h: int, *, mesh: DeviceMesh,
     every = Gathered.apply(tails, flat_mesh(mesh, "sp").get_group(), rank, world)
     outs = []
     for rows, row, docs in groups:
-        ending = {g + n: (r, j, n) for r, own in enumerate(row) for j, (g, n) in enumerate(own)}
         off, pieces = 0, []
         for g, n in row[rank]:
-            history, pos = [], g
-            while pos > 0 and sum(t.shape[-1] for t in history) < h:
-                r, j, m = ending[pos]
-                k = min(m, h - sum(t.shape[-1] for t in history))
-                history.insert(0, every[r, j, rows][..., h - k:])
-                pos -= m
-            ext = torch.cat([x_BCs.new_zeros(*x_BCs[rows].shape[:-1],
-                                             h - sum(t.shape[-1] for t in history)),
-                             *history, x_BCs[rows, :, off:off + n]], dim=-1)
-            pieces.append(_per_document(conv, ext, h, g, docs))
+            ext = torch.cat([run_history(every[:, :, rows], row, g, h),
+                             x_BCs[rows, :, off:off + n]], dim=-1)
+            pieces.append(conv_documents(conv, ext, h, g, docs))
             off += n
         outs.append(torch.cat(pieces, dim=-1))
     return Tied.apply(torch.cat(outs, dim=0), every)
 
 
-def _per_document(conv, ext: Tensor, h: int, lo: int, documents: Documents) -> Tensor:
+def run_history(every: Tensor, runs, g: int, h: int) -> Tensor:
+    """The ``h`` positions before global position ``g`` (``[b, C, h]``, zeros before the
+    sequence starts), from ``every`` (``[W, width, b, C, h]``: each rank's runs' last ``h``
+    positions, right-aligned) and the ranks' ``runs``: the runs that end there, back to back,
+    as many as ``h`` spans."""
+    ending = {a + n: (r, j, n) for r, own in enumerate(runs) for j, (a, n) in enumerate(own)}
+    history, pos, have = [], g, 0
+    while pos > 0 and have < h:
+        r, j, m = ending[pos]
+        k = min(m, h - have)
+        history.insert(0, every[r, j][..., h - k:])
+        pos, have = pos - m, have + k
+    first = every[0, 0]
+    return torch.cat([first.new_zeros(*first.shape[:-1], h - have), *history], dim=-1)
+
+
+def conv_documents(conv, ext: Tensor, h: int, lo: int, documents: Documents) -> Tensor:
     """``conv`` on ``ext`` (``h`` positions of history, then the piece starting at global
     position ``lo``), each document on its own; the piece's outputs."""
     s = ext.shape[-1] - h
@@ -233,5 +241,5 @@ def traced_scan(inputs: Mapping[str, Tensor], *, out: str, key: str, heads: int,
     return _TracedScan.apply(shapes, *inputs.values())
 
 
-__all__ = ["KERNEL_CHUNK", "causal_conv", "check_mixer_heads", "head_scan", "row_runs", "sp_runs",
-           "traced_scan"]
+__all__ = ["KERNEL_CHUNK", "causal_conv", "check_mixer_heads", "conv_documents", "head_scan",
+           "row_runs", "run_history", "sp_runs", "traced_scan"]

@@ -185,6 +185,11 @@ class MatrixStates:
     def outputs(self, spans: Sequence[Span]) -> list[Tensor]:
         return self.scan.outputs(spans)
 
+    def from_state(self, rows: slice, positions: slice, state: Tensor) -> tuple[Tensor, Tensor]:
+        """The output and final state of a run that starts from ``state`` (the scan's own
+        initial state: no extra channels)."""
+        return self.scan(rows, positions, None, state)
+
     @staticmethod
     def carry(phi: Tensor, state: Tensor) -> Tensor:
         return phi @ state
@@ -193,8 +198,9 @@ class MatrixStates:
 class PieceStates(Protocol):
     """What :func:`state_scan` needs of a recurrence: per row, the shapes of its state and of
     its ``phi``, a run's :class:`Piece`, the outputs alone of whole documents inside the
-    piece (``outputs(spans)``, ``[1, n, ...]`` each, in a few calls), and ``carry(phi,
-    state)``."""
+    piece (``outputs(spans)``, ``[1, n, ...]`` each, in a few calls), a run's output and final
+    state from a known incoming state (``from_state``: a chunk of a piece,
+    :mod:`arctic.hf.mixer_chunks`), and ``carry(phi, state)``."""
 
     state_shape: tuple[int, ...]
     phi_shape: tuple[int, ...]
@@ -202,6 +208,9 @@ class PieceStates(Protocol):
     def piece(self, rows: slice, positions: slice, continues: bool) -> Piece: ...
 
     def outputs(self, spans: Sequence[Span]) -> list[Tensor]: ...
+
+    def from_state(self, rows: slice, positions: slice,
+                   state: Tensor) -> tuple[Tensor, Tensor]: ...
 
     def carry(self, phi: Tensor, state: Tensor) -> Tensor: ...
 

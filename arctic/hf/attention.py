@@ -197,7 +197,8 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
                             fuse_projections: bool = False,
                             communication_dtype: torch.dtype | None = None,
                             attention_backend: str | None = None,
-                            mixer_parallelism: str = "auto") -> nn.Module:
+                            mixer_parallelism: str = "auto",
+                            mixer_chunk: int | None = None) -> nn.Module:
     """Switch a HF causal LM to sequence-parallel attention over ``mesh``; returns ``model``.
 
     Args:
@@ -226,12 +227,16 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
             Checked here for the device and head dim (and the dtype: the parameters', or
             bf16 for fp32 parameters, which mixed precision computes in); each call checks
             the dtype it gets before any collective.
-        mixer_parallelism: how a hybrid's linear mixers (gated delta nets, KDA, Mamba2) run
-            their scans: ``"all_to_all"`` over heads (each rank scans the whole sequence for
-            its heads; the degree must split the mixer's heads), ``"state_passing"`` (each
-            rank scans its own piece, every head, from the state the earlier pieces leave:
-            :mod:`ulysses.state_passing`), or ``"auto"``: the all-to-all where the heads
-            split, else state passing. Mamba1's selective scan has the all-to-all only.
+        mixer_parallelism: how a hybrid's linear mixers (gated delta nets, KDA, Mamba2,
+            Mamba1) run their scans: ``"all_to_all"`` over heads (each rank scans the whole
+            sequence for its heads; the degree must split the mixer's heads),
+            ``"state_passing"`` (each rank scans its own piece, every head, from the state
+            the earlier pieces leave: :mod:`ulysses.state_passing`), or ``"auto"``: the
+            all-to-all where the heads split and there is no ring, else state passing.
+        mixer_chunk: run each mixer layer (projections, convolution, scan, gated norm,
+            output projection) in sequence chunks of at most this many positions of the
+            rank's piece, each checkpointed, the window and state carried between them
+            (:mod:`arctic.hf.mixer_chunks`; the scans pass their state); None: whole.
 
     Raises ``ValueError`` (before any communication) when the head counts do not fit the
     mesh, the chunk size is invalid, the config asks for an attention feature the SP attention
@@ -258,7 +263,7 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
     layouts = {}
     for H, K, _, _ in set(heads.values()):  # ValueError names the valid degrees
         layouts[H, K] = head_layout(H, K, axis_size(mesh, "ulysses"))
-    passing = mixer_passing(model, mesh, mixer_parallelism)
+    passing = mixer_passing(model, mesh, mixer_parallelism, mixer_chunk)
     backend = IMPLEMENTATIONS[attn_implementation]
     if attention_backend is not None:
         if backend is not None and attention_backend != backend:
@@ -311,7 +316,7 @@ def apply_sequence_parallel(model: nn.Module, *, mesh: DeviceMesh,
     if modules:  # a state-space model (FalconMamba) has no attention to switch
         (language_model(model) if vlm else model).set_attn_implementation(REGISTERED)
     install_batch_hook(model, batch)
-    install_mixers(model, mesh, batch, passed_over, passing)
+    install_mixers(model, mesh, batch, passed_over, passing, mixer_chunk)
     if vlm:
         install_vision(model, vision)
     # model(..., labels=) on the pieces: HF's loss of the whole sequence

@@ -129,6 +129,12 @@ class SelectiveStates:
 
         return [o.transpose(1, 2) for o in batched(scan, self.inputs, spans, dim=-1)]
 
+    def from_state(self, rows: slice, positions: slice, state: Tensor) -> tuple[Tensor, Tensor]:
+        p = self.piece(rows, positions, True)
+        if p.fix is None:  # the planner's trace
+            return p.out, p.final
+        return p.out + p.fix(state), self.carry(p.phi, state) + p.final.float()
+
     def _traced(self, given: Mapping[str, Tensor]) -> Tensor:
         """The planner's trace of the scan on ``given`` (channels first): the GPU kernel's
         allocations (:func:`ulysses.mixers.traced_scan`); the output ``[b, n, C]``."""
@@ -175,16 +181,28 @@ def passed_scan(kind, original: Callable, inputs: Mapping[str, Tensor],
     if layout is not None:  # fla's own CP: one call, its documents as cu_seqlens
         return fla_cp_scan(kernel, kind, inputs, params, options, mesh=mesh,
                            starts=(0,) if documents is None else documents[0], layout=layout)
-    common = dict(group=flat_mesh(mesh, "sp").get_group(), rank=sp_rank_of(mesh),
-                  world=len(runs[0]), runs=runs, documents=documents)
+    states, finish = piece_states(kind, original, inputs, params, options)
+    return finish(state_scan(states, B, group=flat_mesh(mesh, "sp").get_group(),
+                             rank=sp_rank_of(mesh), world=len(runs[0]), runs=runs,
+                             documents=documents))
+
+
+def piece_states(kind, original: Callable, inputs: Mapping[str, Tensor],
+                 params: Mapping[str, Tensor], options: Mapping[str, object]):
+    """The :class:`ulysses.state_passing.PieceStates` of the scan ``original`` on ``inputs``
+    (this rank's piece, or a chunk of it), and what makes its ``[B, s, ...]`` outputs the
+    scan's own (Mamba1: channels first, its gate ``z`` applied)."""
     if not kind.diagonal:
-        scan = _PieceScan(kind, original, inputs, params, options)
-        return state_scan(MatrixStates(scan, value), B, **common)
+        return MatrixStates(_PieceScan(kind, original, inputs, params, options),
+                            inputs[kind.output]), lambda out: out
     inputs = dict(inputs)
     gate = inputs.pop(kind.gate, None)
-    out = state_scan(SelectiveStates(kind, original, inputs, params, options), B,
-                     **common).transpose(1, 2)
-    return out if gate is None else out * F.silu(gate)
+
+    def finish(out: Tensor) -> Tensor:
+        out = out.transpose(1, 2)
+        return out if gate is None else out * F.silu(gate)
+
+    return SelectiveStates(kind, original, inputs, params, options), finish
 
 
-__all__ = ["FIX_ELEMENTS", "SelectiveStates", "passed_scan"]
+__all__ = ["FIX_ELEMENTS", "SelectiveStates", "passed_scan", "piece_states"]

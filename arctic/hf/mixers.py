@@ -36,6 +36,7 @@ from arctic.hf.binding import of_module
 from arctic.hf.features import classify, unknown_arguments_error
 from arctic.hf.mixer_kinds import (FAMILIES, GATED_DELTA_NET, KIMI_DELTA_ATTENTION, MAMBA1,
                                    MAMBA2, SCAN_OPTIONS, SHORT_CONVOLUTION, MixerKind)
+from arctic.hf.mixer_chunks import Chunk, chunk_conv, chunk_scan, chunked_forward
 from arctic.hf.mixer_fla import fla_kernel, fla_layout
 from arctic.hf.mixer_state import passed_scan
 from ulysses.mesh import axis_size
@@ -62,6 +63,9 @@ class MixerSettings:
     passing: bool = False
     """The scan passes its state between the ranks' pieces; False: an all-to-all over
     heads."""
+    chunk: int | None = None
+    """``mixer_chunk``: the forward runs in sequence chunks of at most this many positions
+    (:mod:`arctic.hf.mixer_chunks`); None: on the whole piece."""
 
 
 @dataclass(slots=True)
@@ -72,6 +76,8 @@ class _Call:
     sp: MixerSettings
     documents: object
     made: list[str] = field(default_factory=list)
+    chunk: Chunk | None = None
+    """The sequence chunk this forward runs on, and its pass (``mixer_chunk``)."""
 
 
 _ACTIVE: contextvars.ContextVar[_Call | None] = contextvars.ContextVar("sp_mixer", default=None)
@@ -119,6 +125,9 @@ def _conv(call: _Call, original, args, kwargs):
     bias = args[2] if len(args) > 2 else rest.pop("bias", None)
     activation = args[3] if len(args) > 3 else rest.pop("activation", None)
     _check_extra(call, rest, "causal convolution")
+    if call.chunk is not None:
+        return chunk_conv(call.chunk, lambda t: original(t, weight, bias, activation=activation),
+                          x, weight.shape[-1], call.documents)
     return causal_conv(lambda t: original(t, weight, bias, activation=activation), x,
                        weight.shape[-1], mesh=call.sp.mesh, documents=call.documents)
 
@@ -148,6 +157,9 @@ def _scan(call: _Call, original, args, kwargs):
     _check_extra(call, kw, "scan")
 
     grouped = {n: values[n] for n in kind.grouped}
+    if call.chunk is not None:
+        return chunk_scan(call.chunk, kind, original, {**grouped, **per_head}, params, options,
+                          call.documents)
     if call.sp.passing:
         out = passed_scan(kind, original, {**grouped, **per_head}, params, options,
                           mesh=call.sp.mesh, documents=call.documents)
@@ -218,19 +230,29 @@ def _sp_mixer_forward(module: nn.Module, *args, **kwargs):
         raise ValueError(f"{type(module).__name__} got a padding mask; under sequence "
                          f"parallelism mark padding with labels=-100 and documents with "
                          f"position_ids (arctic.data does both)")
-    call = _Call(module, sp, sp.batch.segments())
-    token = _ACTIVE.set(call)
-    try:
-        out = type(module).forward(module, *args, **kwargs)
-    finally:
-        _ACTIVE.reset(token)
-    if call.made != sp.kind.calls:
-        raise ValueError(f"{type(module).__name__}'s forward made {call.made or 'none'} of its "
-                         f"sequence-mixing calls through sequence parallelism, not its "
-                         f"convolution then its scan (another transformers release, or a "
-                         f"kernel installed after arctic.apply_sequence_parallel); its result "
-                         f"would be this rank's piece alone")
-    return out
+    documents = sp.batch.segments()
+
+    def run(chunk: Chunk | None, *args, **kwargs):
+        call = _Call(module, sp, documents, chunk=chunk)
+        token = _ACTIVE.set(call)
+        try:
+            out = type(module).forward(module, *args, **kwargs)
+        finally:
+            _ACTIVE.reset(token)
+        if call.made != sp.kind.calls:
+            raise ValueError(f"{type(module).__name__}'s forward made {call.made or 'none'} of "
+                             f"its sequence-mixing calls through sequence parallelism, not its "
+                             f"convolution then its scan (another transformers release, or a "
+                             f"kernel installed after arctic.apply_sequence_parallel); its "
+                             f"result would be this rank's piece alone")
+        return out
+
+    hidden = bound.first
+    if sp.chunk is None or hidden.shape[1] <= sp.chunk:
+        return run(None, *args, **kwargs)
+    rest = {**bound.named, **bound.extra}
+    return chunked_forward(lambda x, chunk: run(chunk, x, **rest), hidden, kind=sp.kind,
+                           mesh=sp.mesh, documents=documents, size=sp.chunk)
 
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention",
@@ -276,14 +298,29 @@ def token_mixers(model: nn.Module) -> list[nn.Module]:
     return [m for m in language_model(model).modules() if type(m).__name__ in FAMILIES]
 
 
-def mixer_passing(model: nn.Module, mesh: DeviceMesh, mode: str = "auto") -> dict[nn.Module, bool]:
+def mixer_passing(model: nn.Module, mesh: DeviceMesh, mode: str = "auto",
+                  chunk: int | None = None) -> dict[nn.Module, bool]:
     """Per :func:`token_mixers` module of ``model``, whether its scan passes its state
-    (``mode``: :data:`ulysses.state_passing.MODES`); ``ValueError`` (before any collective) for a mesh,
-    head counts or a mode they cannot run on."""
+    (``mode``: :data:`ulysses.state_passing.MODES`; ``chunk``, ``mixer_chunk``, needs it);
+    ``ValueError`` (before any collective) for a mesh, head counts or a mode they cannot run
+    on."""
     if mode not in MODES:
         raise ValueError(f"mixer_parallelism must be one of {list(MODES)}, got "
                          f"{mode!r}")
     mixers = token_mixers(model)
+    if chunk is not None:
+        if isinstance(chunk, bool) or not isinstance(chunk, int) or chunk < 1:
+            raise ValueError(f"mixer_chunk must be a positive number of positions or None, "
+                             f"got {chunk!r}")
+        if not mixers:
+            raise ValueError(f"mixer_chunk={chunk} would have no effect: "
+                             f"{type(model).__name__} has no convolution or scan mixer (a "
+                             f"gated delta net, KDA, Mamba or short-convolution layer); leave "
+                             f"it None")
+        if mode == "all_to_all":
+            raise ValueError(f"mixer_chunk={chunk} runs the mixers' scans in chunks by passing "
+                             f"their state; mixer_parallelism='all_to_all' scans each head "
+                             f"over the whole sequence: use 'auto' or 'state_passing'")
     if mode != "auto" and not any(FAMILIES[type(m).__name__].scan for m in mixers):
         raise ValueError(f"mixer_parallelism={mode!r} would have no effect: "
                          f"{type(model).__name__} has no mixer with a scan (a gated delta "
@@ -313,7 +350,7 @@ def mixer_passing(model: nn.Module, mesh: DeviceMesh, mode: str = "auto") -> dic
         heads = (getattr(m, kind.num_heads),
                  getattr(m, kind.num_grouped) if kind.num_grouped else 1)
         auto_passes = kind.passes_state and (degree not in valid_degrees(*heads) or
-                                             _fla_cp_runs(m, kind, mesh))
+                                             chunk is not None or _fla_cp_runs(m, kind, mesh))
         if mode == "state_passing" or ring > 1 or (mode == "auto" and auto_passes):
             if not kind.passes_state:
                 raise ValueError(f"{type(m).__name__}: state passing (mixer_parallelism="
@@ -336,14 +373,15 @@ def _fla_cp_runs(module: nn.Module, kind: MixerKind, mesh: DeviceMesh) -> bool:
 
 
 def install_mixers(model: nn.Module, mesh: DeviceMesh, batch: BatchState,
-                   loss_arguments: frozenset[str], passing: dict[nn.Module, bool]) -> None:
+                   loss_arguments: frozenset[str], passing: dict[nn.Module, bool],
+                   chunk: int | None = None) -> None:
     """Make every :func:`token_mixers` module of ``model`` sequence-parallel over ``mesh``,
     reading the documents from ``batch`` (the attention's); ``passing``: from
-    :func:`mixer_passing`, called first."""
+    :func:`mixer_passing`, called first; ``chunk``: ``mixer_chunk``."""
     for m in token_mixers(model):
         kind = FAMILIES[type(m).__name__]
         _install_dispatch(m, kind)
-        m.sp_mixer = MixerSettings(mesh, kind, batch, loss_arguments, passing[m])
+        m.sp_mixer = MixerSettings(mesh, kind, batch, loss_arguments, passing[m], chunk)
         replace_method(m, _sp_mixer_forward, bind=True)
 
 

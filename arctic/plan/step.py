@@ -88,10 +88,11 @@ PLANNED_FIELDS = ("sequence_parallel_size", "ring_degree", "ring_layout", "head_
                   "seq_chunk",
                   "fuse_projections", "tiled_mlp", "tiled_norms", "tiled_layer", "loss_tiles",
                   "activation_checkpointing", "offload_activations", "recompute_attention",
-                  "mixer_parallelism")
+                  "mixer_parallelism", "mixer_chunk")
 """The :class:`SequenceParallelConfig` fields that change what the planner traces (the rest,
 the attention kernel and the exchanges' dtype, do not change memory; ``mixer_parallelism``
-changes a hybrid's linear mixers' path, the all-to-all or state passing). The step is traced on
+changes a hybrid's linear mixers' path, the all-to-all or state passing, and
+``mixer_chunk`` their working set). The step is traced on
 one document per row (a packed batch's documents only shorten the attention's kernel calls),
 so ``ring_layout`` counts through the padding it asks for (``2 R U`` or ``R U``)."""
 
