@@ -166,7 +166,11 @@ def chunked_forward(run: Callable[[Tensor, Chunk], Tensor], hidden: Tensor, *, k
             for (g, n), off in zip(mine, offsets)]
 
     def after(history: Tensor, conv_in: Tensor) -> Tensor:
-        return torch.cat([history, conv_in], dim=-1)[..., -h:]
+        """The window after a chunk, a tensor of its own (a view would keep the chunk's whole
+        convolution input alive, which each next chunk saves)."""
+        if conv_in.shape[-1] >= h:
+            return conv_in[..., conv_in.shape[-1] - h:].clone()
+        return torch.cat([history, conv_in], dim=-1)[..., -h:].clone()
 
     shapes: list = []
 
