@@ -317,8 +317,9 @@ def main() -> None:
               f"whole-piece paths'")
     if "state_loop" in median:
         result["time_ratio_state_over_state_loop"] = median["state"] / median["state_loop"]
-        print(f"packed documents in length groups: {result['time_ratio_state_over_state_loop']:.3f}x"
-              f" the time of one call per document")
+        ratio = result["time_ratio_state_over_state_loop"]
+        print(f"packed documents in length groups: {ratio:.3f}x the time of one call per "
+              f"document")
     print(f"state passing sends {result['sent_ratio_state_over_all_to_all']:.4f}x the "
           f"all-to-all's bytes; max rel diff {result['max_rel_diff']}; kernels "
           f"{result['kernels']}")

@@ -250,24 +250,25 @@ def state_scan(states: PieceStates, batch: int, *, group, rank: int, world: int,
             summary[rows, j, P:] = p.final.float().flatten(1)
             offset += n
     alone = states.outputs(spans) if spans else []
-    every = Shared.apply(summary, group, rank, _needs(runs, world))  # [W, B, width, P + F]
+    every = Shared.apply(summary, group, rank,
+                         summary_readers(runs, world))  # [W, B, width, P + F]
     outs = []
     for i, (rows, _, row) in enumerate(groups):
-        incoming = _incoming(states, every[:, rows], row, rank, P)
+        incoming = incoming_states(states, every[:, rows], row, rank, P)
         outs.append(torch.cat([alone[o] if isinstance(o, int) else
                                o if fix is None else o + fix(incoming[j])
                                for o, fix, j in pieces[i]], dim=1))
     return Tied.apply(torch.cat(outs, dim=0), every)
 
 
-def _needs(runs: Sequence[Runs], world: int) -> list[list[bool]]:
+def summary_readers(runs: Sequence[Runs], world: int) -> list[list[bool]]:
     """``[r][q]``: rank ``q`` reads rank ``r``'s summary (in some row, a run of ``r`` starts
-    before ``q``'s last; :func:`_incoming`)."""
+    before ``q``'s last; :func:`incoming_states`)."""
     return [[any(min(g for g, _ in row[r]) < max(g for g, _ in row[q]) for row in runs)
              for q in range(world)] for r in range(world)]
 
 
-def _incoming(states: PieceStates, every: Tensor, runs: Runs, rank: int,
+def incoming_states(states: PieceStates, every: Tensor, runs: Runs, rank: int,
               P: int) -> dict[int, Tensor]:
     """Per run index of ``rank``, the state that the runs before it in sequence order leave:
     one pass over every rank's runs in that order (``every``: ``[W, b, width, P + F]``)."""
@@ -286,4 +287,4 @@ def _incoming(states: PieceStates, every: Tensor, runs: Runs, rank: int,
 
 
 __all__ = ["MODES", "Gathered", "MatrixStates", "Piece", "PieceStates", "Runs", "Scan", "Shared",
-           "Tied", "document_runs", "state_scan"]
+           "Tied", "document_runs", "incoming_states", "state_scan", "summary_readers"]

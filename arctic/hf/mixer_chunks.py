@@ -41,7 +41,8 @@ from arctic.hf.mixer_state import piece_states
 from ulysses.mesh import flat_mesh
 from ulysses.mixers import Documents, conv_documents, row_runs, run_history
 from ulysses.sharding import sp_rank_of
-from ulysses.state_passing import Gathered, Shared, Tied, _incoming, _needs, document_runs
+from ulysses.state_passing import (Gathered, Shared, Tied, document_runs, incoming_states,
+                                   summary_readers)
 
 TAIL = 64
 """Positions of a run's end that the tail pass runs (at least the convolution's history)."""
@@ -209,8 +210,9 @@ def chunked_forward(run: Callable[[Tensor, Chunk], Tensor], hidden: Tensor, *, k
                 final = f_c if final is None else carrier.carry(p_c, final) + f_c
                 phi = p_c if phi is None else carrier.carry(p_c, phi)
             summary[:, j] = torch.cat([phi.flatten(1), final.flatten(1)], dim=1)
-        exchanged = Shared.apply(summary, group, rank, _needs([runs], world))
-        incoming = _incoming(carrier, exchanged, runs, rank, math.prod(carrier.phi_shape))
+        exchanged = Shared.apply(summary, group, rank, summary_readers([runs], world))
+        incoming = incoming_states(carrier, exchanged, runs, rank,
+                                   math.prod(carrier.phi_shape))
 
     outs = []
     for j, (g, _) in enumerate(mine):
