@@ -252,11 +252,13 @@ def test_every_config_key_has_its_effect():
     other choice (flash_attn) cannot run on CPU: test_arctic_models checks it is refused there
     and the CUDA test picks its kernel."""
     accepted = {f.name for f in __import__("dataclasses").fields(SequenceParallelConfig)}
-    # mixer_parallelism acts on hybrids' mixers only: test_arctic_state_passing.py
+    # mixer_parallelism and mixer_chunk act on hybrids' mixers only:
+    # test_arctic_state_passing.py, test_arctic_mixer_chunks.py (through the config's key)
     covered = {k for k in KEY_EFFECTS if k in accepted} | {"sequence_parallel_size",
                                                              "attn_implementation",
                                                              "communication_dtype",
-                                                             "mixer_parallelism"}
+                                                             "mixer_parallelism",
+                                                             "mixer_chunk"}
     assert accepted <= covered, accepted - covered
     base_ds = {"sequence_parallel_size": 2}
     base = dist_pool.run(_rank_fingerprint, base_ds, world_size=2)[0]

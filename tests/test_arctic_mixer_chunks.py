@@ -128,6 +128,12 @@ def test_mixer_chunk_is_refused_where_it_cannot_act():
     assert "mixer_parallelism='all_to_all' scans each head" in got[0], got[0]
     assert "mixer_chunk=16 would have no effect" in got[1], got[1]
     assert "mixer_chunk must be a positive number" in got[2], got[2]
+    from arctic.config import SequenceParallelConfig
+
+    for bad in (0, -4, 2.5, True, "auto"):
+        with pytest.raises(ValueError, match="ulysses.mixer_chunk must be a positive int"):
+            SequenceParallelConfig.from_ds_config(
+                {"sequence_parallel_size": 2, "ulysses": {"mixer_chunk": bad}}, world_size=2)
 
 
 def _rank_recipe(family: str, documents):
