@@ -8,8 +8,9 @@ from (``fla.ops.gated_delta_rule.chunk_gated_delta_rule``, ``fla.ops.kda.chunk_k
 - a kernel given ``cp_context`` takes one row, no initial state and no final state, and
   returns this rank's output of the whole sequence's recurrence, each document alone.
 
-The kernels compute it with transformers' torch scans on the gathered sequence (the
-gather's backward returns each rank its gradients). Every call is recorded in
+The kernels compute it with transformers' torch scans on the gathered sequence, the
+documents as the rows of a few calls (:func:`ulysses.packing.batched`; the gather's backward
+returns each rank its gradients). Every call is recorded in
 :data:`CALLS`.
 """
 
@@ -21,6 +22,7 @@ import types
 import torch
 import torch.distributed as dist
 
+from ulysses.packing import batched
 from ulysses.state_passing import Gathered
 
 CALLS: list[dict] = []
@@ -61,9 +63,12 @@ def _cp(torch_scan, context, inputs: list, l2norm: bool):
     bounds = context.global_bounds
     if bounds[-1] != whole[0].shape[1]:
         raise ValueError(f"cu_seqlens ends at {bounds[-1]}, the sequence has {whole[0].shape[1]}")
-    out = torch.cat([torch_scan(*(t[:, a:b] for t in whole[:3]), g=whole[3][:, a:b],
-                                beta=whole[4][:, a:b], use_qk_l2norm_in_kernel=l2norm)[0]
-                     for a, b in zip(bounds, bounds[1:])], dim=1)
+    def scan(q, k, v, g, beta):
+        return torch_scan(q, k, v, g=g, beta=beta, use_qk_l2norm_in_kernel=l2norm)[0]
+
+    spans = [(0, a, b) for a, b in zip(bounds, bounds[1:])]  # each document alone
+    out = torch.cat(batched(scan, dict(zip(("q", "k", "v", "g", "beta"), whole)), spans),
+                    dim=1)
     mine = [m for m, (r, _) in enumerate(parts) if r == rank]
     return torch.cat([out[:, m * size:(m + 1) * size] for m in mine], dim=1)
 
