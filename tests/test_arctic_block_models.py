@@ -112,6 +112,12 @@ def _rank_recipe(family: str, blocks: str, settings: dict):
         # the MoE block and the shared MLP beside it, in every layer
         assert all(isinstance(m.forward, TiledForward) for layer in decoder.layers
                    for m in (layer.block_sparse_moe, layer.shared_mlp))
+    elif config.tiled_mlp is not None and family == "zamba2":
+        # the MLP of the shared attention block that the hybrid layers run (with the calling
+        # layer's index, which picks its adapter, passed to every tile)
+        shared = [layer.shared_transformer.feed_forward for layer in decoder.layers
+                  if hasattr(layer, "shared_transformer")]
+        assert shared and all(isinstance(m.forward, TiledForward) for m in shared)
     elif config.tiled_mlp is not None:
         # the MLP and MoE blocks' sublayer is tiled, a token mixer or attention never is
         assert [isinstance(b.mixer.forward, TiledForward) for b in decoder.layers] == [
@@ -139,10 +145,9 @@ def test_layers_of_the_decoder_list_through_the_recipe(family):
     """Zamba2 (a hybrid layer runs the shared attention block, then a Mamba2 layer) and
     GraniteMoeHybrid (an MoE beside a shared MLP): the decoder's layer list is what the
     recipe checkpoints (every element, its input offloaded); head chunks of 1, the loss in 2
-    tiles. GraniteMoeHybrid's MoE block and shared MLP are both tiled; Zamba2's MLPs, inside
-    its shared attention block, are not found, so tiled_mlp is refused there (below)."""
-    settings = dict(head_chunk_size=1, **{k: v for k, v in RECIPE.items()
-                                          if k != "tiled_mlp" or family == "granitemoehybrid"})
+    tiles. GraniteMoeHybrid's MoE block and shared MLP are both tiled; so is the MLP of
+    Zamba2's shared attention block, called with each hybrid layer's index."""
+    settings = dict(head_chunk_size=1, **RECIPE)
     assert_step_matches(dist_pool.run(_rank_recipe, family, "mlp", settings, world_size=SP),
            _reference(family))
 
@@ -197,7 +202,6 @@ def _recipe_refusal(family: str, settings: dict):
      "recompute_attention=False would have no effect"),
     ("mamba2", dict(tiled_mlp=2), "tiled_mlp would have no effect"),
     ("falcon_mamba", dict(tiled_mlp="auto"), "tiled_mlp would have no effect"),
-    ("zamba2", dict(tiled_mlp=2), "tiled_mlp would have no effect"),
 ])
 def test_settings_without_effect_are_refused(family, settings, expected):
     """On every rank, by name, before the model changes: head chunks, the attention kernel

@@ -327,3 +327,26 @@ def test_no_matrix_product_of_a_bf16_loss_head_takes_float32(tiles):
     assert len(mode.seen) >= 3 * tiles, mode.seen  # logits, and both gradients per tile
     wide = [(name, dtypes) for name, dtypes in mode.seen if torch.float32 in dtypes]
     assert not wide, wide
+
+
+class _ScaledMLP(_GatedMLP):
+    """An MLP whose forward takes an argument beside its input (as Zamba2's takes the calling
+    layer's index): a number every tile needs as given, or a tensor, which no tile can cut."""
+
+    def forward(self, x, scale=1.0, bias=None):
+        out = super().forward(x) * scale
+        return out if bias is None else out + bias
+
+
+def test_a_tiled_forward_passes_numbers_to_every_tile_and_refuses_tensors():
+    from arctic.tiling.tiles import TiledForward
+
+    torch.manual_seed(0)
+    mlp = _ScaledMLP(16, 64)
+    x = torch.randn(2, 50, 16)
+    ref = mlp(x, 3.0)
+    tiled = TiledForward(mlp.forward, 5, 64, 4096, None)
+    torch.testing.assert_close(tiled(x, 3.0), ref, atol=1e-6, rtol=1e-5)
+    torch.testing.assert_close(tiled(x, scale=3.0), ref, atol=1e-6, rtol=1e-5)
+    with pytest.raises(ValueError, match=r"got \['bias'\] as well, which the tiles cannot"):
+        tiled(x, bias=torch.zeros(16))

@@ -102,17 +102,24 @@ SIDE_MLP_NAMES = ("block_sparse_moe", "shared_mlp")
 """A decoder layer without an MLP of :data:`MLP_NAMES` may hold these side by side
 (GraniteMoeHybrid: an MoE block and a shared MLP, each on the same normed input, their sum the
 layer's MLP)."""
+SHARED_BLOCK_NAMES = ("shared_transformer",)
+"""A decoder layer without an MLP of its own may run a block shared with other layers that
+holds one (Zamba2's hybrid layers: the shared attention block, its ``feed_forward``)."""
 
 
 def layer_mlps(layer: nn.Module) -> list[nn.Module]:
     """The per-token feed-forward modules of a decoder layer, each a ``[B, S, E] -> [B, S, E]``
-    function of its tokens alone: :func:`layer_mlp`'s, else those of :data:`SIDE_MLP_NAMES`
-    it holds. What the tiled MLP tiles (:func:`arctic.tiling.mlps_to_tile`)."""
+    function of its tokens alone: :func:`layer_mlp`'s, else that of a shared block it runs
+    (:data:`SHARED_BLOCK_NAMES`) and those of :data:`SIDE_MLP_NAMES` it holds. What the tiled
+    MLP tiles (:func:`arctic.tiling.mlps_to_tile`)."""
     mlp = layer_mlp(layer)
     if mlp is not None:
         return [mlp]
-    return [getattr(layer, n) for n in SIDE_MLP_NAMES
-            if isinstance(getattr(layer, n, None), nn.Module)]
+    shared = [layer_mlp(getattr(layer, n)) for n in SHARED_BLOCK_NAMES
+              if isinstance(getattr(layer, n, None), nn.Module)]
+    return [m for m in shared if m is not None] + \
+        [getattr(layer, n) for n in SIDE_MLP_NAMES
+         if isinstance(getattr(layer, n, None), nn.Module)]
 
 
 def decoder_layers(model: nn.Module) -> list[nn.Module]:

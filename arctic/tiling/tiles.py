@@ -15,6 +15,8 @@ Shape legend: B batch, S this rank's sequence piece, E hidden size, F MLP interm
 
 from __future__ import annotations
 
+import functools
+
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
@@ -137,9 +139,10 @@ class TiledForward:
     """Replaces one module instance's ``forward``: the original forward, run over tiles.
 
     A call is bound through the original forward's signature (:mod:`arctic.hf.binding`), so
-    the input is found whatever the release names it (``x``, ``hidden_states``); any other
-    argument given would have to be split along the sequence too, or not, which the tiles
-    cannot tell, so it is refused."""
+    the input is found whatever the release names it (``x``, ``hidden_states``). Other
+    arguments that are not tensors (Zamba2's MLP takes the calling layer's ``layer_idx``, to
+    pick its adapter) reach every tile as given; a tensor would have to be split along the
+    sequence too, or not, which the tiles cannot tell, so it is refused."""
 
     def __init__(self, forward, tiles, intermediate_size, budget_bytes, group) -> None:
         self.inner = forward
@@ -149,11 +152,14 @@ class TiledForward:
 
     def __call__(self, *args, **kwargs) -> Tensor:
         bound = self.signature.bind(args, kwargs)
-        if bound.given or bound.extra:
-            raise ValueError(f"a tiled {self.signature.owner} takes its input only; got "
-                             f"{sorted(bound.given | set(bound.extra))} as well, which the "
-                             f"tiles cannot split: set tiled_mlp / tiled_norms to false")
-        return tiled_call(self.inner, bound.first, *self.args)
+        others = {**{n: bound.named[n] for n in bound.given}, **bound.extra}
+        tensors = sorted(n for n, v in others.items() if isinstance(v, Tensor))
+        if tensors:
+            raise ValueError(f"a tiled {self.signature.owner} takes its input as its only "
+                             f"tensor; got {tensors} as well, which the tiles cannot split: "
+                             f"set tiled_mlp / tiled_norms to false")
+        inner = functools.partial(self.inner, **others) if others else self.inner
+        return tiled_call(inner, bound.first, *self.args)
 
 
 def tile_forwards(model: nn.Module, modules, tiles, intermediate_size, budget_bytes,
