@@ -146,18 +146,25 @@ def chunked_forward(run: Callable[[Tensor, Chunk], Tensor], hidden: Tensor, *, k
     offsets = [sum(n for _, n in mine[:j]) for j in range(len(mine))]
 
     tails, h = [], 0
-    for (g, n), off in zip(mine, offsets):
-        k = min(n, TAIL)
-        chunk = Chunk("tail", g + n - k)
+    widths = []
+
+    def tail_of(x, lo):
+        chunk = Chunk("tail", lo)
         try:
-            run(hidden[:, off + n - k:off + n], chunk)
+            run(x, chunk)
         except Stop:
             pass
-        h = chunk.width - 1
+        widths[:] = [chunk.width]
+        return chunk.conv_in[..., max(0, x.shape[1] - (chunk.width - 1)):].clone()
+
+    for (g, n), off in zip(mine, offsets):
+        k = min(n, TAIL)
+        t = checkpoint(tail_of, hidden[:, off + n - k:off + n], g + n - k, use_reentrant=False)
+        h = widths[0] - 1
         if h > TAIL:
-            raise ValueError(f"{kind.conv}'s window ({chunk.width}) is wider than {TAIL} "
+            raise ValueError(f"{kind.conv}'s window ({widths[0]}) is wider than {TAIL} "
                              f"positions, which mixer_chunk carries")
-        tails.append(chunk.conv_in[..., max(0, k - h):])
+        tails.append(t)
     width = max(len(own) for own in runs)
     tail = tails[0].new_zeros(width, *tails[0].shape[:-1], h)
     for j, t in enumerate(tails):
