@@ -15,7 +15,7 @@ import dist_pool
 from helpers import TOL, assert_step_matches, get_mesh, value_error_of
 from test_arctic_hybrid_models import DOCS, S, _NoDocuments, _skip_unless_supported, _worst, \
     step_on_pieces
-from test_arctic_state_passing import _cached_reference, _model
+from test_arctic_state_passing import _cached_reference, _model, family_cases
 
 pytest.importorskip("transformers", reason="arctic needs transformers ([hf])")
 
@@ -70,9 +70,7 @@ CASES = [("qwen3_5", 2, True), ("nemotron_h", 2, True), ("qwen3_5", 4, False),
 FAST = {("qwen3_5", 2, True), ("nemotron_h", 2, True), ("jamba", 2, True)}
 
 
-@pytest.mark.parametrize("family,ulysses,documents", [
-    pytest.param(*c, id=f"{c[0]}-sp{c[1]}-{'documents' if c[2] else 'whole'}",
-                 marks=[] if c in FAST else [pytest.mark.slow]) for c in CASES])
+@pytest.mark.parametrize("family,ulysses,documents", family_cases(CASES, FAST))
 def test_chunked_mixers_match_unmodified_model(family, ulysses, documents):
     _skip_unless_supported(family)
     docs = DOCS if documents else None

@@ -119,9 +119,14 @@ FAST = {("qwen3_5", 4, True), ("kimi_linear", 2, True), ("nemotron_h", 4, True),
         ("jamba", 4, True)}
 
 
-@pytest.mark.parametrize("family,ulysses,documents", [
-    pytest.param(*c, id=f"{c[0]}-sp{c[1]}-{'documents' if c[2] else 'whole'}",
-                 marks=[] if c in FAST else [pytest.mark.slow]) for c in CASES])
+def family_cases(cases, fast) -> list:
+    """``(family, ulysses degree, documents)`` cases as pytest params, those not in ``fast``
+    marked slow."""
+    return [pytest.param(*c, id=f"{c[0]}-sp{c[1]}-{'documents' if c[2] else 'whole'}",
+                         marks=[] if c in fast else [pytest.mark.slow]) for c in cases]
+
+
+@pytest.mark.parametrize("family,ulysses,documents", family_cases(CASES, FAST))
 def test_state_passing_matches_unmodified_model(family, ulysses, documents):
     _skip_unless_supported(family)
     docs = DOCS if documents else None

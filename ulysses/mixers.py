@@ -104,9 +104,9 @@ def _conv_over_runs(conv, x_BCs: Tensor, h: int, *, mesh: DeviceMesh,
     every = Gathered.apply(tails, flat_mesh(mesh, "sp").get_group(), rank, world)
     outs = []
     for rows, row, docs in groups:
-        off, pieces = 0, []
+        off, pieces, ending = 0, [], run_ends(row)
         for g, n in row[rank]:
-            ext = torch.cat([run_history(every[:, :, rows], row, g, h),
+            ext = torch.cat([run_history(every[:, :, rows], ending, g, h),
                              x_BCs[rows, :, off:off + n]], dim=-1)
             pieces.append(conv_documents(conv, ext, h, g, docs))
             off += n
@@ -114,12 +114,16 @@ def _conv_over_runs(conv, x_BCs: Tensor, h: int, *, mesh: DeviceMesh,
     return Tied.apply(torch.cat(outs, dim=0), every)
 
 
-def run_history(every: Tensor, runs, g: int, h: int) -> Tensor:
+def run_ends(runs) -> dict[int, tuple[int, int, int]]:
+    """The ranks' ``runs`` by the position where each ends: ``(rank, index, length)``."""
+    return {a + n: (r, j, n) for r, own in enumerate(runs) for j, (a, n) in enumerate(own)}
+
+
+def run_history(every: Tensor, ending, g: int, h: int) -> Tensor:
     """The ``h`` positions before global position ``g`` (``[b, C, h]``, zeros before the
     sequence starts), from ``every`` (``[W, width, b, C, h]``: each rank's runs' last ``h``
-    positions, right-aligned) and the ranks' ``runs``: the runs that end there, back to back,
-    as many as ``h`` spans."""
-    ending = {a + n: (r, j, n) for r, own in enumerate(runs) for j, (a, n) in enumerate(own)}
+    positions, right-aligned) and ``ending`` (:func:`run_ends`): the runs that end there,
+    back to back, as many as ``h`` spans."""
     history, pos, have = [], g, 0
     while pos > 0 and have < h:
         r, j, m = ending[pos]
@@ -242,4 +246,4 @@ def traced_scan(inputs: Mapping[str, Tensor], *, out: str, key: str, heads: int,
 
 
 __all__ = ["KERNEL_CHUNK", "causal_conv", "check_mixer_heads", "conv_documents", "head_scan",
-           "row_runs", "run_history", "sp_runs", "traced_scan"]
+           "row_runs", "run_ends", "run_history", "sp_runs", "traced_scan"]

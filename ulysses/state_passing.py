@@ -28,6 +28,7 @@ H, P, N]`` is its transpose, which the caller converts).
 
 from __future__ import annotations
 
+import bisect
 import math
 from collections.abc import Callable, Sequence
 from typing import NamedTuple, Protocol
@@ -139,8 +140,10 @@ class Tied(torch.autograd.Function):
 def document_runs(starts: Sequence[int], lo: int, hi: int) -> list[tuple[int, int, int]]:
     """``(start, end, document start)`` of the positions ``[lo, hi)`` cut at the document
     starts ``starts`` (the first is 0)."""
-    cuts = sorted({lo, hi, *(d for d in starts if lo < d < hi)})
-    return [(a, b, max(d for d in starts if d <= a)) for a, b in zip(cuts, cuts[1:])]
+    order = sorted(starts)
+    i, j = bisect.bisect_right(order, lo), bisect.bisect_left(order, hi)
+    cuts = [lo, *order[i:j], hi]
+    return [(a, b, order[bisect.bisect_right(order, a) - 1]) for a, b in zip(cuts, cuts[1:])]
 
 
 class Piece(NamedTuple):

@@ -39,7 +39,7 @@ from torch.utils.checkpoint import checkpoint
 
 from arctic.hf.mixer_state import piece_states
 from ulysses.mesh import flat_mesh
-from ulysses.mixers import Documents, conv_documents, row_runs, run_history
+from ulysses.mixers import Documents, conv_documents, row_runs, run_ends, run_history
 from ulysses.sharding import sp_rank_of
 from ulysses.state_passing import (Gathered, Shared, Tied, document_runs, incoming_states,
                                    summary_readers)
@@ -170,6 +170,7 @@ def chunked_forward(run: Callable[[Tensor, Chunk], Tensor], hidden: Tensor, *, k
     for j, t in enumerate(tails):
         tail[j, ..., h - t.shape[-1]:] = t
     every_tail = Gathered.apply(tail, group, rank, world)
+    ending = run_ends(runs)
     cuts = [[(off + a, off + min(a + size, n), g + a) for a in range(0, n, size)]
             for (g, n), off in zip(mine, offsets)]
 
@@ -201,7 +202,7 @@ def chunked_forward(run: Callable[[Tensor, Chunk], Tensor], hidden: Tensor, *, k
         carrier = None
         summary = None
         for j, (g, _) in enumerate(mine):
-            history, phi, final = run_history(every_tail, runs, g, h), None, None
+            history, phi, final = run_history(every_tail, ending, g, h), None, None
             for a, b, lo in cuts[j]:
                 part, history = checkpoint(summary_of, hidden[:, a:b], history, lo,
                                            use_reentrant=False)
@@ -223,7 +224,7 @@ def chunked_forward(run: Callable[[Tensor, Chunk], Tensor], hidden: Tensor, *, k
 
     outs = []
     for j, (g, _) in enumerate(mine):
-        history, state = run_history(every_tail, runs, g, h), incoming.get(j)
+        history, state = run_history(every_tail, ending, g, h), incoming.get(j)
         for a, b, lo in cuts[j]:
             out, state, history = checkpoint(output_of, hidden[:, a:b], history, state, lo,
                                              use_reentrant=False)

@@ -89,9 +89,7 @@ def fla_cp_scan(kernel: Callable, kind, inputs: Mapping[str, Tensor],
     context = build_cp_context(bounds.to(value.device), group=group, cu_seqlens_cpu=bounds,
                                layout=layout)
     given = {**inputs, **params}
-    out, _ = kernel(*(given[n] for n in kind.positional),
-                    **{n: v for n, v in given.items() if n not in kind.positional},
-                    **options, cp_context=context)
+    out, _ = kind.call(kernel, given, **options, cp_context=context)
     return out
 
 

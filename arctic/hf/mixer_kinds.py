@@ -54,6 +54,12 @@ class MixerKind:
     no initial state, and the incoming state's term is computed beside it in closed form
     (:class:`arctic.hf.mixer_state.SelectiveStates`)."""
 
+    def call(self, fn, given, **extra):
+        """``fn`` (the scan) on ``given`` (its inputs and parameters by name): the
+        :attr:`positional` ones in order, the rest and ``extra`` by keyword."""
+        return fn(*(given[n] for n in self.positional),
+                  **{n: v for n, v in given.items() if n not in self.positional}, **extra)
+
     @property
     def passes_state(self) -> bool:
         """Whether its scan can run by state passing (:mod:`arctic.hf.mixer_state`)."""

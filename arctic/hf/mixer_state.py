@@ -59,10 +59,8 @@ class _PieceScan:
             b, _, H, V = out_like.shape
             return out, out_like.new_empty(b, H, self.key_dim, V)
         given = {**given, **self.params}
-        result = self.original(*(given[n] for n in kind.positional),
-                               **{n: v for n, v in given.items() if n not in kind.positional},
-                               **self.options,
-                               **({kind.initial: initial, kind.final: True} if final else {}))
+        result = kind.call(self.original, given, **self.options,
+                           **({kind.initial: initial, kind.final: True} if final else {}))
         if not final:
             return (result[0] if kind.returns_state else result), None
         out, state = result
@@ -99,9 +97,7 @@ class SelectiveStates:
         if is_traced(x):  # the planner's trace: the GPU kernel's allocations
             return Piece(self._traced(given), None, x.new_empty(b, *self.state_shape), None)
         given.update(self.params)
-        out, final = self.original(*(given[k] for k in kind.positional),
-                                   **{k: v for k, v in given.items() if k not in kind.positional},
-                                   **self.options, **{kind.final: True})
+        out, final = kind.call(self.original, given, **self.options, **{kind.final: True})
         out = out.transpose(1, 2)
         if not continues:
             return Piece(out, None, final, None)
@@ -123,9 +119,7 @@ class SelectiveStates:
             if is_traced(given[kind.output]):
                 return self._traced(given).transpose(1, 2)
             given.update(self.params)
-            return self.original(*(given[k] for k in kind.positional),
-                                 **{k: v for k, v in given.items() if k not in kind.positional},
-                                 **self.options)
+            return kind.call(self.original, given, **self.options)
 
         return [o.transpose(1, 2) for o in batched(scan, self.inputs, spans, dim=-1)]
 

@@ -176,10 +176,7 @@ def _scan(call: _Call, original, args, kwargs):
         if kind.channels_first:  # back to the scan's own layout, this rank's channels
             inputs = {n: t.squeeze(2 if n in kind.grouped else -1).transpose(1, 2)
                       for n, t in inputs.items()}
-        given = {**inputs, **heads}
-        result = original(*(given[n] for n in kind.positional),
-                          **{n: v for n, v in given.items() if n not in kind.positional},
-                          **options)
+        result = kind.call(original, {**inputs, **heads}, **options)
         result = result[0] if kind.returns_state else result
         return result.transpose(1, 2).unsqueeze(-1) if kind.channels_first else result
 
