@@ -134,33 +134,46 @@ def test_mixer_chunk_is_refused_where_it_cannot_act():
                 {"sequence_parallel_size": 2, "ulysses": {"mixer_chunk": bad}}, world_size=2)
 
 
-def _rank_recipe(family: str, documents):
+def _rank_recipe(family: str, documents, world: int = 2):
     """``family`` through apply_sp_recipe from a DeepSpeed config's ``ulysses`` block with
     mixer_chunk and the memory stack around it: checkpointed layers with their inputs on the
-    host, head chunks in the attention layers, the tiled MLP and the tiled loss."""
+    host, head chunks in the attention layers, the tiled MLP and the tiled loss; on Qwen3.5,
+    the gated attention's fused projections and the tiled layer tail on every layer."""
     from arctic.config import SequenceParallelConfig
     from arctic.hf.mixers import token_mixers
     from arctic.recipe import apply_sp_recipe
 
     config = SequenceParallelConfig.from_ds_config(
-        {"sequence_parallel_size": 2,
-         "ulysses": {"mixer_chunk": CHUNK, "activation_checkpointing": True,
+        {"sequence_parallel_size": world,
+         "ulysses": {"mixer_chunk": CHUNK // (world // 2), "activation_checkpointing": True,
                      "offload_activations": True, "head_chunk_size": 1, "tiled_mlp": 2,
-                     "loss_tiles": 2}}, world_size=2)
+                     "fuse_projections": family == "qwen3_5",
+                     "tiled_layer": family == "qwen3_5",
+                     "loss_tiles": 2}}, world_size=world)
     model = _model(family)
-    mesh = config.dims(2).build_mesh("cpu")
+    mesh = config.dims(world).build_mesh("cpu")
     apply_sp_recipe(model, config=config, mesh=mesh, averaged_over_sp=True)
-    assert all(m.sp_mixer.chunk == CHUNK and (m.sp_mixer.passing or not m.sp_mixer.kind.scan)
+    assert all(m.sp_mixer.chunk == CHUNK // (world // 2) and (m.sp_mixer.passing or not m.sp_mixer.kind.scan)
                for m in token_mixers(model))
+    if family == "qwen3_5":  # the gated attention fused, every layer's tail tiled
+        layers = model.model.layers
+        assert all(layer.self_attn._sp_fused for layer in layers if hasattr(layer, "self_attn"))
+        assert all("forward" in vars(layer) and layer._z3_leaf for layer in layers)
     return step_on_pieces(model, mesh, documents)
 
 
-@pytest.mark.parametrize("family,documents", [
-    ("qwen3_5", True), ("nemotron_h", False),
-    pytest.param("qwen3_5", False, marks=pytest.mark.slow),
-    pytest.param("nemotron_h", True, marks=pytest.mark.slow)])
-def test_through_the_recipe_with_the_memory_stack(family, documents):
+@pytest.mark.parametrize("family,documents,world", [
+    ("qwen3_5", True, 2), ("nemotron_h", False, 2),
+    pytest.param("qwen3_5", False, 2, marks=pytest.mark.slow),
+    pytest.param("nemotron_h", True, 2, marks=pytest.mark.slow),
+    pytest.param("qwen3_5", True, 4, marks=pytest.mark.slow),
+    pytest.param("qwen3_5", False, 4, marks=pytest.mark.slow),
+    pytest.param("nemotron_h", True, 4, marks=pytest.mark.slow),
+    pytest.param("nemotron_h", False, 4, marks=pytest.mark.slow)])
+def test_through_the_recipe_with_the_memory_stack(family, documents, world):
+    """The loss and every gradient of the unmodified model, with the memory stack on: on
+    Qwen3.5, also the gated attention's fused projections and every layer's tiled tail."""
     _skip_unless_supported(family)
     docs = DOCS if documents else None
-    assert_step_matches(dist_pool.run(_rank_recipe, family, docs, world_size=2),
+    assert_step_matches(dist_pool.run(_rank_recipe, family, docs, world, world_size=world),
                         _cached_reference(family, docs))

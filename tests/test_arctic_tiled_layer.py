@@ -19,9 +19,13 @@ S, VOCAB = 96, 256
 def _model(family: str, dtype=torch.float32, layers: int = 2):
     import transformers
 
+    extra = {} if family != "Qwen3_5Text" else dict(  # a gated delta net, then attention
+        linear_num_value_heads=4, linear_num_key_heads=2, linear_key_head_dim=8,
+        linear_value_head_dim=8,
+        layer_types=(["linear_attention", "full_attention"] * layers)[:layers])
     cfg = getattr(transformers, f"{family}Config")(
         vocab_size=VOCAB, hidden_size=64, intermediate_size=160, num_hidden_layers=layers,
-        num_attention_heads=4, num_key_value_heads=2, head_dim=16)
+        num_attention_heads=4, num_key_value_heads=2, head_dim=16, **extra)
     torch.manual_seed(0)
     return transformers.AutoModelForCausalLM.from_config(cfg, attn_implementation="sdpa").to(dtype)
 
@@ -37,8 +41,28 @@ def _loss_and_grads(model):
     return loss.detach(), {n: p.grad.clone() for n, p in model.named_parameters()}
 
 
+def test_a_skipped_tile_fails_the_check(monkeypatch):
+    """Qwen3.5's tiled tails, with a tile left out of the forward and the backward, no longer
+    match the stock layers: the check above can fail."""
+    import arctic.tiling.layer as layer_module
+    from arctic import apply_tiled_layers
+
+    loss0, grads0 = _loss_and_grads(_model("Qwen3_5Text"))
+    tiles = layer_module.tile_rows
+
+    def all_but_one(*args):
+        got = list(tiles(*args))
+        return got[:1] + got[2:]
+
+    monkeypatch.setattr(layer_module, "tile_rows", all_but_one)
+    model = apply_tiled_layers(_model("Qwen3_5Text"), tiles=5)
+    loss1, grads1 = _loss_and_grads(model)
+    worst = max((grads1[n] - g).abs().max().item() for n, g in grads0.items())
+    assert not torch.isclose(loss1, loss0, rtol=1e-4) or worst > 1e-3
+
+
 @pytest.mark.hf_facing
-@pytest.mark.parametrize("family", ["Llama", "Mistral", "Qwen2", "Qwen3"])
+@pytest.mark.parametrize("family", ["Llama", "Mistral", "Qwen2", "Qwen3", "Qwen3_5Text"])
 @pytest.mark.parametrize("before", ["none", "tiled_mlp_and_norms"])
 def test_tiled_layer_matches_the_stock_layer(family, before):
     from arctic import apply_tiled_layers, apply_tiled_mlp

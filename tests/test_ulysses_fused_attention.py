@@ -423,7 +423,7 @@ def _rank_errors():
         "kv_cache": _error(lambda: fused(input_ids=ids, position_ids=pos, use_cache=True)),
         "block_no_chunking": _error(lambda: block(head_chunk_size=None)),
         "block_wq_shape": _error(lambda: block(wq=torch.randn(4 * D, E + 1))),
-        "block_cos_shape": _error(lambda: block(cos=torch.ones(1, 8, D // 2))),
+        "block_cos_shape": _error(lambda: block(cos=torch.ones(1, 8, D + 2))),
         "block_one_norm": _error(lambda: block(q_norm_weight=torch.ones(D))),
         "block_dtype": _error(lambda: block(x=x.double())),
     }

@@ -20,7 +20,11 @@ A step (the schedule, kv sharing, uneven heads, idle ranks, overlap and buffers 
 2. attend (local kernel, ring for hybrid meshes, or per document for packed sequences);
 3. head -> seq: the chunk's output lands in its heads of ``out_BsHD``.
 
-After the loop ``y = out @ Wo^T + bo`` is one GEMM.
+After the loop ``y = out @ Wo^T + bo`` is one GEMM. A gated block (Qwen3.5, Qwen3-Next:
+``gated``) has, per head, D gate rows after the D query rows of ``Wq``, and its output is
+``(out * sigmoid(x @ Wg^T + bg)) @ Wo^T + bo``: that runs in row tiles, so no all-heads gate
+exists either; in backward a row-tiled pass gives the gate's and o_proj's gradients, and each
+step's ``dout`` is ``(dy @ Wo[:, cols]) * sigmoid(gate of those heads)``, recomputed per step.
 
 Trade-off (what backward keeps): ``x``, cos/sin, the fp32 lse ``[B, h, S]`` and ``out_BsHD``,
 the one seq-local tensor of all-heads size. The kernel backward needs each chunk's ``out``,
@@ -62,8 +66,8 @@ from ulysses.buffer_pool import BufferPool
 from ulysses.chunk_loop import ChunkConfig, run_backward, run_forward
 from ulysses.chunk_schedule import (DEFAULT_CHUNK_BUDGET_BYTES, Step, build_schedule,
                                     resolve_chunk_size)
-from ulysses.head_projection import (HeadSet, Projection, ProjectionGrads, head_set, project,
-                                     project_backward)
+from ulysses.head_projection import (HeadSet, Projection, ProjectionGrads, gated_output,
+                                     gated_output_backward, head_set, project, project_backward)
 from ulysses.hybrid import check_hybrid
 from ulysses.keep import kept_or_computed
 from ulysses.kernels import default_scale, select_backend
@@ -92,6 +96,14 @@ class FusedConfig:
     """Per step: the kv heads whose summed dk/dv come back."""
     seq: SeqChunking | None = None
     """Sequence blocks per piece (:mod:`ulysses.seq_chunk`), or None: the head-chunk loop."""
+    gated: bool = False
+    """Wq holds each head's gate rows after its query rows; the output is gated."""
+    zero_centered: bool = False
+    """The per-head norms are Qwen3.5's (``1 + weight``)."""
+    all_heads: HeadSet | None = None
+    """Every query head (the gate's rows and o_proj's columns of the gated output)."""
+    tile_rows: int = 1
+    """Rows of ``x`` per tile of the gated output."""
 
 
 @dataclass(slots=True)
@@ -104,7 +116,7 @@ class _ProjectedChunks:
     x_NE: Tensor
     rotary: tuple[Tensor, Tensor]
     proj: dict[str, Projection]
-    """``"q"``, ``"k"``, ``"v"``."""
+    """``"q"``, ``"k"``, ``"v"`` (and ``"gate"`` for a gated block)."""
     cfg: FusedConfig
     shape: tuple[int, int, int]
     """``(B, s, D)``."""
@@ -144,10 +156,14 @@ class _ProjectedChunks:
         heads = self._heads(kind, j, sending=True)
         B, _, D = self.shape
         shape = (B, rows.stop - rows.start, D)
+        rotary = tuple(r[:, rows] for r in self.rotary)
         if kind == "dout":  # [B b, E] @ [E, n D] -> [B, b, n, D]
             g = self._rows(self.dy_NE, rows) @ self.wo.index_select(1, heads.rows)
-            return g.view(*shape[:2], heads.count, D), heads.local
-        rotary = tuple(r[:, rows] for r in self.rotary)
+            g = g.view(*shape[:2], heads.count, D)
+            if "gate" in self.proj:  # times the gate of these heads, recomputed
+                g = g * torch.sigmoid(project(self._rows(self.x_NE, rows), self.proj["gate"],
+                                              heads, shape, rotary, self.cfg.norm_eps))
+            return g, heads.local
         return project(self._rows(self.x_NE, rows), self.proj[kind], heads, shape, rotary,
                        self.cfg.norm_eps), heads.local
 
@@ -164,9 +180,14 @@ class _ProjectedChunks:
             self.dx_NE.view(B, self.shape[1], -1)[:, rows] += dx.view(B, b, -1)
 
 
-def _projections(wq, bq, wk, bk, wv, bv, q_norm, k_norm) -> dict[str, Projection]:
-    return {"q": Projection(wq, bq, q_norm, True), "k": Projection(wk, bk, k_norm, True),
+def _projections(cfg: FusedConfig, wq, bq, wk, bk, wv, bv, q_norm,
+                 k_norm) -> dict[str, Projection]:
+    z, half = cfg.zero_centered, 0 if cfg.gated else None
+    proj = {"q": Projection(wq, bq, q_norm, True, z, half), "k": Projection(wk, bk, k_norm, True, z),
             "v": Projection(wv, bv, None, False)}
+    if cfg.gated:
+        proj["gate"] = Projection(wq, bq, None, False, half=1)
+    return proj
 
 
 def _zeros_if(needed: bool, t: Tensor | None, dtype=None) -> Tensor | None:
@@ -181,8 +202,8 @@ class _FusedFn(torch.autograd.Function):
         def compute():
             rotary = (cos.unsqueeze(2), sin.unsqueeze(2))  # [B|1, s, D] -> [B|1, s, 1, D]
             src = _ProjectedChunks(x.reshape(B * s, E), rotary,
-                                   _projections(wq, bq, wk, bk, wv, bv, q_norm, k_norm), cfg,
-                                   (B, s, cfg.head_dim))
+                                   _projections(cfg, wq, bq, wk, bk, wv, bv, q_norm, k_norm),
+                                   cfg, (B, s, cfg.head_dim))
             out = x.new_empty(B, s, sum(cfg.chunks.layout.q_sizes), cfg.head_dim)
             if cfg.seq is None:
                 lse = run_forward(src, out, cfg.chunks, pool)
@@ -199,6 +220,10 @@ class _FusedFn(torch.autograd.Function):
         ctx.save_for_backward(x, cos, sin, wq, bq, wk, bk, wv, bv, wo, q_norm, k_norm, out, lse)
         ctx.cfg, ctx.pool, ctx.has_bo = cfg, pool, bo is not None
         B, s, H, D = out.shape
+        if cfg.gated:
+            gate = _projections(cfg, wq, bq, wk, bk, wv, bv, q_norm, k_norm)["gate"]
+            return gated_output(x.reshape(B * s, -1), out.view(B * s, H * D), gate,
+                                cfg.all_heads, D, wo, bo, cfg.tile_rows).view(B, s, -1)
         return F.linear(out.view(B, s, H * D), wo, bo)
 
     @staticmethod
@@ -220,15 +245,21 @@ class _FusedFn(torch.autograd.Function):
         B, s, E = x.shape
         H, D = out.shape[2], out.shape[3]
         dy_NE = dy.contiguous().reshape(B * s, E)
-        # o_proj's gradients first: one GEMM over the saved all-heads out.
-        if grads["wo"] is not None:
+        proj = _projections(ctx.cfg, wq, bq, wk, bk, wv, bv, q_norm, k_norm)
+        # o_proj's gradients first: one GEMM over the saved all-heads out (row tiles, with
+        # the gate's gradients, for a gated block).
+        if ctx.cfg.gated:
+            gated_output_backward(
+                x.reshape(B * s, E), out.view(B * s, H * D), dy_NE, proj["gate"],
+                ctx.cfg.all_heads, D, wo, ctx.cfg.tile_rows, grads["wo"],
+                ProjectionGrads(grads["q"].weight, grads["q"].bias, None),
+                None if dx is None else dx.view(B * s, E))
+        elif grads["wo"] is not None:
             grads["wo"].addmm_(dy_NE.t(), out.view(B * s, H * D))
         if grads["bo"] is not None:
             grads["bo"] += dy_NE.sum(0)
-        src = _ProjectedChunks(x.reshape(B * s, E), rotary,
-                               _projections(wq, bq, wk, bk, wv, bv, q_norm, k_norm), ctx.cfg,
-                               (B, s, D), dy_NE, wo, grads,
-                               None if dx is None else dx.view(B * s, E))
+        src = _ProjectedChunks(x.reshape(B * s, E), rotary, proj, ctx.cfg, (B, s, D), dy_NE, wo,
+                               grads, None if dx is None else dx.view(B * s, E))
         if ctx.cfg.seq is None:
             run_backward(src, out, lse, ctx.cfg.chunks, ctx.pool)
         else:
@@ -247,31 +278,33 @@ def _check_shape(name: str, t: Tensor | None, shape: tuple[int, ...]) -> None:
         raise ValueError(f"{name} must have shape {shape}, got {tuple(t.shape)}")
 
 
-def _validate(x, cos, sin, weights: dict, num_heads: int, num_kv_heads: int) -> int:
+def _validate(x, cos, sin, weights: dict, num_heads: int, num_kv_heads: int,
+              gated: bool) -> int:
     """Every input check of :func:`fused_attention` that needs no mesh; returns D."""
     if x.dim() != 3:
         raise ValueError(f"x must be [batch, seq, hidden], got shape {tuple(x.shape)}")
     B, s, E = x.shape
     H, K = num_heads, num_kv_heads
-    wq = weights["wq"]
-    if wq.dim() != 2 or wq.shape[0] % H != 0:
-        raise ValueError(f"wq must be [num_heads * head_dim, hidden] with num_heads={H}, got "
-                         f"shape {tuple(wq.shape)}")
-    D = wq.shape[0] // H
+    wo, q_rows = weights["wo"], 2 * H if gated else H
+    if wo.dim() != 2 or wo.shape[1] % H != 0:
+        raise ValueError(f"wo must be [hidden, num_heads * head_dim] with num_heads={H}, got "
+                         f"shape {tuple(wo.shape)}")
+    D = wo.shape[1] // H
     if D % 2:
         raise ValueError(f"RoPE needs an even head_dim, got {D}")
-    expected = {"wq": (H * D, E), "wk": (K * D, E), "wv": (K * D, E), "wo": (E, H * D),
-                "bq": (H * D,), "bk": (K * D,), "bv": (K * D,), "bo": (E,),
+    expected = {"wq": (q_rows * D, E), "wk": (K * D, E), "wv": (K * D, E), "wo": (E, H * D),
+                "bq": (q_rows * D,), "bk": (K * D,), "bv": (K * D,), "bo": (E,),
                 "q_norm_weight": (D,), "k_norm_weight": (D,)}
     for name, shape in expected.items():
         _check_shape(name, weights[name], shape)
     if (weights["q_norm_weight"] is None) != (weights["k_norm_weight"] is None):
         raise ValueError("pass both q_norm_weight and k_norm_weight (Qwen3), or neither")
     if cos.shape != sin.shape or cos.dim() != 3 or cos.shape[0] not in (1, B) or \
-            tuple(cos.shape[1:]) != (s, D):
-        raise ValueError(f"cos and sin must both be [{B} or 1, {s}, {D}] (HF's position_embeddings "
-                         f"for this rank's piece, full head_dim rotary), got {tuple(cos.shape)} "
-                         f"and {tuple(sin.shape)}")
+            cos.shape[1] != s or not 0 < cos.shape[2] <= D or cos.shape[2] % 2:
+        raise ValueError(f"cos and sin must both be [{B} or 1, {s}, r] with r even and at most "
+                         f"head_dim={D} (HF's position_embeddings for this rank's piece: the "
+                         f"rotary dims, the first r of each head), got {tuple(cos.shape)} and "
+                         f"{tuple(sin.shape)}")
     if cos.requires_grad or sin.requires_grad:
         raise ValueError("cos/sin must not require grad: the fused path returns no gradient "
                          "for the rotary embedding")
@@ -302,19 +335,25 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
                     window: int | None = None,
                     comm_dtype: torch.dtype | None = None,
                     seq_chunk: int | str | None = None,
-                    softcap: float | None = None) -> Tensor:
+                    softcap: float | None = None, gated: bool = False,
+                    norm_zero_centered: bool = False) -> Tensor:
     """A Llama-style attention block, ``o_proj(attn(rope(q_proj(x)), rope(k_proj(x)),
     v_proj(x)))``, sequence-parallel and head-chunked, with no all-heads q/k/v.
 
     Args:
         x: ``x_BsE``, this rank's sequence piece of the block's (normed) input.
-        cos, sin: ``[B or 1, s, D]``, the rotary tables of this piece's positions (HF's
-            ``position_embeddings``), rotate-half convention; no gradient.
+        cos, sin: ``[B or 1, s, r]``, the rotary tables of this piece's positions (HF's
+            ``position_embeddings``), rotate-half convention over the first ``r <= D`` dims of
+            each head (partial rotary); no gradient.
         wq, wk, wv: ``[H D, E]``, ``[K D, E]``, ``[K D, E]`` (``nn.Linear`` weights);
             ``bq``/``bk``/``bv`` their optional biases (Qwen2).
         wo, bo: o_proj, ``[E, H D]`` and optional ``[E]``.
         q_norm_weight, k_norm_weight, norm_eps: optional per-head RMSNorm ``[D]`` applied to
-            q and k before RoPE (Qwen3); both or neither.
+            q and k before RoPE (Qwen3); both or neither. ``norm_zero_centered``: Qwen3.5's
+            norm, ``x * rstd * (1 + weight)`` in fp32, then cast.
+        gated: ``wq`` (and ``bq``) ``[2 H D, E]`` hold, per head, D query rows and then D gate
+            rows, and the output is ``o_proj(attn(...) * sigmoid(gate))`` (Qwen3.5's and
+            Qwen3-Next's gated attention).
         num_heads, num_kv_heads: H and K; heads are split over the mesh's ``"ulysses"`` axis
             as in :func:`ulysses.sharding.head_layout`.
         mesh: from :meth:`SequenceParallelDims.build_mesh`; with ``"ring"`` > 1 each chunk
@@ -335,7 +374,9 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
     """
     weights = dict(wq=wq, wk=wk, wv=wv, wo=wo, bq=bq, bk=bk, bv=bv, bo=bo,
                    q_norm_weight=q_norm_weight, k_norm_weight=k_norm_weight)
-    D = _validate(x, cos, sin, weights, num_heads, num_kv_heads)
+    if norm_zero_centered and q_norm_weight is None:
+        raise ValueError("norm_zero_centered=True needs q_norm_weight and k_norm_weight")
+    D = _validate(x, cos, sin, weights, num_heads, num_kv_heads, gated)
     check_comm_dtype(comm_dtype)
     softcap = check_softcap(softcap)
     check_mesh(mesh)
@@ -372,7 +413,11 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
         q_heads=tuple(plan(st.q) for st in schedule),
         kv_new=tuple(plan(st.kv_sent()) for st in schedule),
         kv_done=tuple(plan(st.kv_returned()) for st in schedule),
-        seq=None if blocks is None else seq_chunking(attn, blocks))
+        seq=None if blocks is None else seq_chunking(attn, blocks),
+        gated=gated, zero_centered=norm_zero_centered,
+        all_heads=plan(((0, num_heads),)) if gated else None,
+        # a tile's gate and gated output, [rows, H D] each, within the chunk budget
+        tile_rows=max(1, chunk_budget_bytes // (2 * num_heads * D * x.element_size())))
     pool = BufferPool(keep_between_calls=False) if buffer_pool is None else buffer_pool
     return _FusedFn.apply(x, cos, sin, wq, bq, wk, bk, wv, bv, wo, bo, q_norm_weight,
                           k_norm_weight, cfg, pool)

@@ -1,5 +1,8 @@
-"""The per-head prologue of a fused attention block: ``x @ W[rows]^T + b[rows]``, Qwen3's
-per-head RMSNorm, RoPE, for any set of heads; and the transpose of each.
+"""The per-head prologue of a fused attention block: ``x @ W[rows]^T + b[rows]``, a per-head
+RMSNorm (Qwen3's, or Qwen3.5's zero-centered one), RoPE over all or the first part of the head
+dim, for any set of heads; and the transpose of each. A gated block's q_proj (Qwen3.5,
+Qwen3-Next) holds, per head, D query rows and then D gate rows: :attr:`Projection.half` picks
+one of the two.
 
 :mod:`ulysses.fused_attention` calls :func:`project` for the heads one exchange sends and
 :func:`project_backward` when their gradient comes back. Both only ever touch those heads:
@@ -45,13 +48,25 @@ def head_set(ranges, D: int, device) -> HeadSet:
 
 @dataclass(frozen=True, slots=True)
 class Projection:
-    """One of q/k/v: ``weight [heads D, E]``, optional ``bias [heads D]``, optional per-head
-    RMSNorm ``norm [D]`` (Qwen3), and whether RoPE applies (q and k)."""
+    """One of q/k/v (or a gated block's gate): ``weight [heads D, E]``, optional
+    ``bias [heads D]``, optional per-head RMSNorm ``norm [D]`` (Qwen3; ``zero_centered``:
+    Qwen3.5's, ``x * rstd * (1 + norm)`` in fp32, then cast), and whether RoPE applies (q
+    and k). ``half``: None, or which half of each head's ``2 D`` rows of ``weight [2 heads D,
+    E]`` this projection is (0 the query, 1 the gate: Qwen3.5's q_proj)."""
 
     weight: Tensor
     bias: Tensor | None
     norm: Tensor | None
     rope: bool
+    zero_centered: bool = False
+    half: int | None = None
+
+    def rows(self, heads: HeadSet, D: int) -> Tensor:
+        """The weight (and bias) rows of ``heads``: ``heads.rows`` where each head has D rows,
+        each head's ``half`` of ``2 D`` rows otherwise."""
+        if self.half is None:
+            return heads.rows
+        return heads.rows + (torch.div(heads.rows, D, rounding_mode="floor") + self.half) * D
 
 
 @dataclass(slots=True)
@@ -64,40 +79,66 @@ class ProjectionGrads:
     """fp32; cast to the weight dtype at the end."""
 
 
-def rope(t_BsnD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """HF's ``q * cos + rotate_half(q) * sin``; cos/sin ``[B|1, s, 1, D]``."""
+def _rotate(t_BsnD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     t1, t2 = t_BsnD.chunk(2, dim=-1)
     return t_BsnD * cos + torch.cat((-t2, t1), dim=-1) * sin
 
 
-def rope_backward(g_BsnD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
-    """The transpose of :func:`_rope`: rotate_half^T(z) = cat(z2, -z1)."""
+def _rotate_backward(g_BsnD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
     z1, z2 = (g_BsnD * sin).chunk(2, dim=-1)
     return g_BsnD * cos + torch.cat((z2, -z1), dim=-1)
 
 
-def rms_norm(p_BsnD: Tensor, weight: Tensor, eps: float) -> Tensor:
-    """Qwen3's per-head RMSNorm: in fp32, cast back, times ``weight [D]``."""
+def _partial(fn, t_BsnD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """``fn`` on the first ``cos.shape[-1]`` of the head dim, the rest passed through (HF's
+    partial rotary: ``cat(rope(t[..., :r]), t[..., r:])``)."""
+    r = cos.shape[-1]
+    if r == t_BsnD.shape[-1]:
+        return fn(t_BsnD, cos, sin)
+    return torch.cat((fn(t_BsnD[..., :r], cos, sin), t_BsnD[..., r:]), dim=-1)
+
+
+def rope(t_BsnD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """HF's ``q * cos + rotate_half(q) * sin``; cos/sin ``[B|1, s, 1, r]``, over the first
+    ``r <= D`` of the head dim."""
+    return _partial(_rotate, t_BsnD, cos, sin)
+
+
+def rope_backward(g_BsnD: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    """The transpose of :func:`rope`: rotate_half^T(z) = cat(z2, -z1)."""
+    return _partial(_rotate_backward, g_BsnD, cos, sin)
+
+
+def rms_norm(p_BsnD: Tensor, weight: Tensor, eps: float, zero_centered: bool = False) -> Tensor:
+    """A per-head RMSNorm in fp32: Qwen3's (cast back, times ``weight [D]``), or
+    ``zero_centered`` Qwen3.5's (times ``1 + weight`` in fp32, then cast)."""
     p32 = p_BsnD.float()
-    rstd = torch.rsqrt(p32.pow(2).mean(-1, keepdim=True) + eps)
-    return weight * (p32 * rstd).to(p_BsnD.dtype)
+    normed = p32 * torch.rsqrt(p32.pow(2).mean(-1, keepdim=True) + eps)
+    if zero_centered:
+        return (normed * (1.0 + weight.float())).to(p_BsnD.dtype)
+    return weight * normed.to(p_BsnD.dtype)
 
 
-def rms_norm_backward(p_BsnD: Tensor, weight: Tensor, eps: float,
-                       g_BsnD: Tensor) -> tuple[Tensor, Tensor]:
-    """``(dp, dweight_fp32)`` of :func:`_rms_norm` at ``p`` for the output gradient ``g``."""
+def rms_norm_backward(p_BsnD: Tensor, weight: Tensor, eps: float, g_BsnD: Tensor,
+                      zero_centered: bool = False) -> tuple[Tensor, Tensor]:
+    """``(dp, dweight_fp32)`` of :func:`rms_norm` at ``p`` for the output gradient ``g``."""
     p32 = p_BsnD.float()
     rstd = torch.rsqrt(p32.pow(2).mean(-1, keepdim=True) + eps)
     normed = p32 * rstd
-    dweight = (g_BsnD.float() * normed.to(p_BsnD.dtype)).sum(dim=(0, 1, 2))
-    dn = (g_BsnD * weight).float()
+    if zero_centered:
+        g32 = g_BsnD.float()
+        dweight = (g32 * normed).sum(dim=(0, 1, 2))
+        dn = g32 * (1.0 + weight.float())
+    else:
+        dweight = (g_BsnD.float() * normed.to(p_BsnD.dtype)).sum(dim=(0, 1, 2))
+        dn = (g_BsnD * weight).float()
     dp = rstd * (dn - normed * (dn * normed).mean(-1, keepdim=True))
     return dp.to(p_BsnD.dtype), dweight
 
 
-def _linear(x_NE: Tensor, proj: Projection, heads: HeadSet, w_rows: Tensor) -> Tensor:
+def _linear(x_NE: Tensor, proj: Projection, rows: Tensor, w_rows: Tensor) -> Tensor:
     """``x @ W[rows]^T + b[rows]``: ``[B s, n D]``."""
-    b = None if proj.bias is None else proj.bias.index_select(0, heads.rows)
+    b = None if proj.bias is None else proj.bias.index_select(0, rows)
     return F.linear(x_NE, w_rows, b)
 
 
@@ -105,13 +146,13 @@ def project(x_NE: Tensor, proj: Projection, heads: HeadSet, shape, rotary,
             eps: float) -> Tensor:
     """The heads ``heads`` of one projection, normed and rotated: ``[B, s, n, D]``.
 
-    ``shape`` is ``(B, s, D)``; ``rotary`` the ``(cos, sin)`` tables as ``[B|1, s, 1, D]``.
+    ``shape`` is ``(B, s, D)``; ``rotary`` the ``(cos, sin)`` tables as ``[B|1, s, 1, r]``.
     """
     B, s, D = shape
-    w_rows = proj.weight.index_select(0, heads.rows)
-    t = _linear(x_NE, proj, heads, w_rows).view(B, s, heads.count, D)
+    rows = proj.rows(heads, D)
+    t = _linear(x_NE, proj, rows, proj.weight.index_select(0, rows)).view(B, s, heads.count, D)
     if proj.norm is not None:
-        t = rms_norm(t, proj.norm, eps)
+        t = rms_norm(t, proj.norm, eps, proj.zero_centered)
     return rope(t, *rotary) if proj.rope else t
 
 
@@ -122,19 +163,64 @@ def project_backward(x_NE: Tensor, proj: Projection, heads: HeadSet, shape, rota
     into ``grads`` (these heads' rows of the weight, bias and the norm weight) and ``dx_NE``.
     """
     B, s, D = shape
-    w_rows = proj.weight.index_select(0, heads.rows)
+    rows = proj.rows(heads, D)
+    w_rows = proj.weight.index_select(0, rows)
     if proj.rope:
         g_BsnD = rope_backward(g_BsnD, *rotary)
     if proj.norm is not None:
-        p = _linear(x_NE, proj, heads, w_rows)  # recomputed: the pre-norm values of these heads
-        g_BsnD, dnorm = rms_norm_backward(p.view(B, s, heads.count, D), proj.norm, eps, g_BsnD)
+        p = _linear(x_NE, proj, rows, w_rows)  # recomputed: the pre-norm values of these heads
+        g_BsnD, dnorm = rms_norm_backward(p.view(B, s, heads.count, D), proj.norm, eps, g_BsnD,
+                                          proj.zero_centered)
         if grads.norm is not None:
             grads.norm += dnorm
-    # [B, s, n, D] -> [B s, n D]
-    g = g_BsnD.reshape(B * s, heads.count * D)
+    linear_backward(x_NE, g_BsnD.reshape(B * s, heads.count * D), rows, w_rows, grads, dx_NE)
+
+
+def linear_backward(x_NE: Tensor, g: Tensor, rows: Tensor, w_rows: Tensor,
+                    grads: ProjectionGrads, dx_NE: Tensor | None) -> None:
+    """The transpose of ``x @ W[rows]^T + b[rows]`` for its gradient ``g [B s, n D]``:
+    ``dx += g W[rows]``, ``dW[rows] += g^T x``, ``db[rows] += sum(g)``."""
     if dx_NE is not None:
         dx_NE.addmm_(g, w_rows)
     if grads.weight is not None:
-        grads.weight.index_add_(0, heads.rows, g.t() @ x_NE)
+        grads.weight.index_add_(0, rows, g.t() @ x_NE)
     if grads.bias is not None:
-        grads.bias.index_add_(0, heads.rows, g.sum(0))
+        grads.bias.index_add_(0, rows, g.sum(0))
+
+
+def _row_tiles(n: int, per_tile: int):
+    return (slice(a, min(a + per_tile, n)) for a in range(0, n, per_tile))
+
+
+def _all_rows(gate: Projection, heads: HeadSet, D: int):
+    rows = gate.rows(heads, D)
+    return rows, gate.weight.index_select(0, rows), \
+        None if gate.bias is None else gate.bias.index_select(0, rows)
+
+
+def gated_output(x_NE: Tensor, out_NX: Tensor, gate: Projection, heads: HeadSet, D: int,
+                 wo: Tensor, bo: Tensor | None, tile_rows: int) -> Tensor:
+    """A gated block's output, ``(out * sigmoid(x @ Wg^T + bg)) @ Wo^T + bo``, over
+    ``tile_rows`` rows of ``x_NE`` at a time (``heads``: every query head, ``out_NX``
+    ``[B s, H D]``): ``[B s, E]``, with no all-heads gate."""
+    _, wg, bg = _all_rows(gate, heads, D)
+    y = x_NE.new_empty(x_NE.shape[0], wo.shape[0])
+    for t in _row_tiles(x_NE.shape[0], tile_rows):
+        y[t] = F.linear(out_NX[t] * torch.sigmoid(F.linear(x_NE[t], wg, bg)), wo, bo)
+    return y
+
+
+def gated_output_backward(x_NE: Tensor, out_NX: Tensor, dy_NE: Tensor, gate: Projection,
+                          heads: HeadSet, D: int, wo: Tensor, tile_rows: int,
+                          dwo: Tensor | None, grads: ProjectionGrads,
+                          dx_NE: Tensor | None) -> None:
+    """The gradients of :func:`gated_output` but that of ``out`` (the fused loop's ``dout``,
+    per step): ``dwo``, the gate's rows of ``grads`` (weight and bias) and its part of
+    ``dx_NE``, in the same row tiles."""
+    rows, wg, bg = _all_rows(gate, heads, D)
+    for t in _row_tiles(x_NE.shape[0], tile_rows):
+        sig = torch.sigmoid(F.linear(x_NE[t], wg, bg))
+        if dwo is not None:
+            dwo.addmm_(dy_NE[t].t(), out_NX[t] * sig)
+        dgate = (dy_NE[t] @ wo) * out_NX[t] * sig * (1 - sig)
+        linear_backward(x_NE[t], dgate, rows, wg, grads, None if dx_NE is None else dx_NE[t])

@@ -10,8 +10,11 @@ the hidden states inside the head-chunk loop.
 
 Only modules whose forward is known to be "q/k/v Linear (+ bias) -> [per-head RMSNorm] ->
 rotate-half RoPE from ``position_embeddings`` -> attention -> o_proj" are accepted
-(:data:`FUSABLE`); anything else, including a projection that is not a plain ``nn.Linear``
-(LoRA, quantized layers), is refused by :func:`check_fusable`.
+(:data:`FUSABLE`), or its gated form (:data:`GATED`: Qwen3.5's and Qwen3-Next's q_proj gives
+each head's query and an output gate, the norms are zero-centered, RoPE may cover part of the
+head dim, and ``o_proj`` reads ``out * sigmoid(gate)``); anything else, including a projection
+that is not a plain ``nn.Linear`` (LoRA, quantized layers), is refused by
+:func:`check_fusable`.
 
 Parameter sharding: FSDP2 unshards a decoder layer's parameters for its whole forward and
 backward, so reading ``q_proj.weight`` directly is fine. ZeRO-3 gathers a module's own
@@ -41,11 +44,18 @@ _STOCK_WINDOW = {
     "MistralAttention": lambda m: getattr(m.config, "sliding_window", None),
     "Qwen2Attention": lambda m: m.sliding_window,
     "Qwen3Attention": lambda m: m.sliding_window,
+    "Qwen3_5Attention": lambda m: None,
+    "Qwen3_5MoeAttention": lambda m: None,
+    "Qwen3NextAttention": lambda m: None,
 }
 """Per fusable class, the ``sliding_window`` its stock forward passes to the attention (per
 layer for Qwen2/3, whose ``layer_types`` say which layers slide)."""
 FUSABLE = tuple(_STOCK_WINDOW)
 """Attention classes whose forward the fused path reproduces."""
+GATED = {"Qwen3_5Attention": "Qwen3_5RMSNorm", "Qwen3_5MoeAttention": "Qwen3_5MoeRMSNorm",
+         "Qwen3NextAttention": "Qwen3NextRMSNorm"}
+"""The gated ones (transformers 5: line for line the same), with their norm's class (a
+zero-centered RMSNorm, ``(1 + weight)`` in fp32)."""
 _PROJECTIONS = ("q_proj", "k_proj", "v_proj", "o_proj")
 _NORMS = ("q_norm", "k_norm")
 
@@ -67,7 +77,8 @@ def check_fusable(module: nn.Module, *, num_heads: int, num_kv_heads: int,
     D = getattr(module, "head_dim", None)
     if not isinstance(D, int):
         raise ValueError(f"{name} has no integer head_dim ({D!r}); use fuse_projections=False")
-    expected = {"q_proj": (H * D, E), "k_proj": (K * D, E), "v_proj": (K * D, E),
+    q_rows = 2 * H * D if name in GATED else H * D
+    expected = {"q_proj": (q_rows, E), "k_proj": (K * D, E), "v_proj": (K * D, E),
                 "o_proj": (E, H * D)}
     for proj, shape in expected.items():
         got = tuple(getattr(module, proj).weight.shape)
@@ -75,12 +86,13 @@ def check_fusable(module: nn.Module, *, num_heads: int, num_kv_heads: int,
             raise ValueError(f"{name}.{proj}.weight is {got}, expected {shape} from "
                              f"num_heads={H}, num_kv_heads={K}, head_dim={D}, hidden={E}")
     norms = [getattr(module, n, None) for n in _NORMS]
-    if any(n is not None for n in norms):
+    if any(n is not None for n in norms) or name in GATED:
+        norm_class = GATED.get(name, "Qwen3RMSNorm")
         for n_name, norm in zip(_NORMS, norms):
-            ok = (norm is not None and type(norm).__name__ == "Qwen3RMSNorm"
+            ok = (norm is not None and type(norm).__name__ == norm_class
                   and tuple(norm.weight.shape) == (D,))
             if not ok:
-                raise ValueError(f"{name}.{n_name} is not a per-head Qwen3RMSNorm of size {D}; "
+                raise ValueError(f"{name}.{n_name} is not a per-head {norm_class} of size {D}; "
                                  f"use fuse_projections=False")
     known = {f"{p}.{w}" for p in _PROJECTIONS + _NORMS for w in ("weight", "bias")}
     extra = sorted(n for n, _ in module.named_parameters() if n not in known)
@@ -121,6 +133,11 @@ def _fused_forward(self, *args, **kwargs):
                          "KV cache: call the model with use_cache=False (arctic's SP loss does)")
     cos, sin = position_embeddings
     q_norm, k_norm = (getattr(self, n, None) for n in _NORMS)
+    gated = type(self).__name__ in GATED
+    if not gated and cos.shape[-1] != self.head_dim:
+        raise ValueError(f"{type(self).__name__} got rotary tables of {cos.shape[-1]} dims for "
+                         f"a head_dim of {self.head_dim}; its stock forward rotates the whole "
+                         f"head: use fuse_projections=False")
     if call.sinks is not None:  # no fusable class passes sinks; refuse rather than drop them
         raise ValueError(f"{type(self).__name__} passed attention sinks, which "
                          f"fuse_projections does not apply; use fuse_projections=False")
@@ -131,7 +148,8 @@ def _fused_forward(self, *args, **kwargs):
         wv=self.v_proj.weight, bv=self.v_proj.bias, wo=self.o_proj.weight, bo=self.o_proj.bias,
         q_norm_weight=None if q_norm is None else q_norm.weight,
         k_norm_weight=None if k_norm is None else k_norm.weight,
-        norm_eps=1e-6 if q_norm is None else q_norm.variance_epsilon,
+        norm_eps=1e-6 if q_norm is None else q_norm.eps if gated else q_norm.variance_epsilon,
+        gated=gated, norm_zero_centered=gated,
         num_heads=sp.num_heads, num_kv_heads=sp.num_kv_heads, mesh=sp.mesh,
         head_chunk_size=sp.head_chunk_size, softmax_scale=call.scaling, backend=sp.backend,
         buffer_pool=sp.pool, segments=sp.batch.segments(), window=call.window,

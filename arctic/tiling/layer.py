@@ -19,7 +19,9 @@ both as the same tensor. Everything else of the tail (``h``, ``norm2(h)``, the M
 intermediates and their gradients) lives one tile at a time.
 
 Only layer classes whose forward is exactly "norm1, attention, add, norm2, MLP, add"
-(:data:`TILABLE`) are accepted; the tail calls the norm's and the MLP's own ``forward`` (the
+(:data:`TILABLE`) are accepted, where the attention may be a token mixer instead
+(:data:`MIXED`: Qwen3.5's layers run either a gated delta net or attention, by their
+``block_type``); the tail calls the norm's and the MLP's own ``forward`` (the
 untiled one when :func:`arctic.apply_tiled_mlp` already wrapped it), so forward hooks on
 those two modules would be skipped and are refused. Parameter sharding: FSDP2 unshards the
 decoder layer for its forward and backward; ZeRO-3 gathers parameters in each module's
@@ -55,11 +57,32 @@ from ulysses.patching import (
 )
 from ulysses.torch_internals import forward_hooks
 
+MIXED = {"Qwen3_5DecoderLayer": {"linear_attention": "linear_attn",
+                                 "full_attention": "self_attn"}}
+"""Decoder layers whose stock forward is that of :data:`TILABLE` with, by the layer's
+``block_type``, a token mixer in attention's place, called with the hidden states, the cache,
+the attention mask and the layer's other keywords (not the rotary tables nor the positions),
+and returning one tensor; value: ``block_type`` -> the module it runs."""
 TILABLE = ("LlamaDecoderLayer", "MistralDecoderLayer", "Qwen2DecoderLayer",
-           "Qwen3DecoderLayer")
+           "Qwen3DecoderLayer", *MIXED)
 """Decoder layers whose stock forward is ``h = x + attn(norm1(x)); y = h + mlp(norm2(h))``
-(transformers 5: the four are line for line the same)."""
+(transformers 5: the four are line for line the same), and :data:`MIXED`."""
 _PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+_MIXER_ONLY = ("position_embeddings", "position_ids")
+"""The roles a :data:`MIXED` layer passes to attention only."""
+
+
+def _parts(layer: nn.Module) -> tuple[str, ...]:
+    """The modules ``layer``'s forward runs: norm1, the mixer, norm2, the MLP."""
+    mixers = MIXED.get(type(layer).__name__)
+    if mixers is None:
+        return _PARTS
+    mixer = mixers.get(getattr(layer, "block_type", None))
+    if mixer is None:
+        raise ValueError(f"{type(layer).__name__}.block_type is "
+                         f"{getattr(layer, 'block_type', None)!r}, not one of {list(mixers)}; "
+                         f"set tiled_layer to false")
+    return ("input_layernorm", mixer, "post_attention_layernorm", "mlp")
 
 
 def _own_forward(module: nn.Module):
@@ -129,10 +152,17 @@ def _tiled_layer_forward(self, *args, **kwargs):
     (:mod:`arctic.hf.binding`) and handed on to the attention module as the stock forward
     hands it: every argument by keyword, each role under the attention's own name for it."""
     bound = of_module(self).bind(args, kwargs)
-    attention = of_module(self.self_attn)
+    name = self._sp_tiled_mixer  # by the class as applied (FSDP2 renames it)
+    mixer = getattr(self, name)
+    attention = of_module(mixer)
     hidden_states = bound.first
-    a, _ = self.self_attn(**{attention.first: self.input_layernorm(hidden_states)},
-                          **bound.keywords_for(attention))
+    keywords = bound.keywords_for(attention)
+    if name != "self_attn":  # a token mixer: what the stock forward passes it
+        for role in _MIXER_ONLY:
+            keywords.pop(attention.roles.get(role, bound.signature.roles.get(role, role)), None)
+    a = mixer(**{attention.first: self.input_layernorm(hidden_states)}, **keywords)
+    if name == "self_attn":
+        a, _ = a
     tiles = self._sp_tiled_layer
     x = hidden_states
     row = 3 * x.shape[0] * tiles.intermediate_size * x.element_size()
@@ -162,10 +192,11 @@ def check_tilable(layer: nn.Module) -> None:
     if instance_method(layer) is not None and not is_bound_replacement(layer):
         raise ValueError(f"{name}.forward is already replaced ({type(layer.forward).__name__}); "
                          f"apply tiled_layer before activation checkpointing")
-    missing = [p for p in _PARTS if not isinstance(getattr(layer, p, None), nn.Module)]
+    parts = _parts(layer)
+    missing = [p for p in parts if not isinstance(getattr(layer, p, None), nn.Module)]
     if missing:
-        raise ValueError(f"{name} has no {missing}; tiled_layer needs {list(_PARTS)}")
-    extra = sorted(n for n, _ in layer.named_children() if n not in _PARTS)
+        raise ValueError(f"{name} has no {missing}; tiled_layer needs {list(parts)}")
+    extra = sorted(n for n, _ in layer.named_children() if n not in parts)
     if extra:
         raise ValueError(f"{name} has modules the tiled forward would not run: {extra}; set "
                          f"tiled_layer to false")
@@ -210,6 +241,7 @@ def apply_tiled_layers(model: nn.Module, *, tiles: int | str = "auto",
     settings = _TileSettings(tiles, intermediate, budget_bytes, group)
     for layer in layers:
         if not isinstance(getattr(layer, "_sp_tiled_layer", None), _TileSettings):
+            layer._sp_tiled_mixer = _parts(layer)[1]
             replace_method(layer, _tiled_layer_forward, bind=True)
             layer._z3_leaf = True
             layer.register_forward_pre_hook(positional_input, with_kwargs=True)
