@@ -184,7 +184,7 @@ def test_work_read_off_shorter_and_shallower_counts_matches_the_counted_step():
 
 def test_neighbours_change_one_trade_and_keep_the_config_valid():
     from arctic.config import SequenceParallelConfig
-    from arctic.plan.search import neighbours
+    from arctic.plan.fastest import neighbours
     from arctic.plan.step import STACKS
 
     base = dict(STACKS["ours"], sequence_parallel_size=4, ring_degree=1)
@@ -229,7 +229,7 @@ def test_neighbours_change_one_trade_and_keep_the_config_valid():
 def test_the_search_takes_the_fastest_prediction_that_fits():
     """A stand-in world: time falls with each trade taken, memory rises; the search walks to
     the fastest settings that fit and never returns one that does not."""
-    from arctic.plan.search import fastest
+    from arctic.plan.fastest import fastest
     from arctic.plan.step import STACKS
 
     def cost(f):  # fewer memory-saving settings: faster, more memory
@@ -324,7 +324,7 @@ def test_the_search_starts_from_a_fallback_when_the_least_memory_settings_do_not
     """The least-memory stack does not fit, its first fallback (sequence blocks) neither, the
     optimizer state on the host does: the search starts there, returns settings that fit
     and keeps the state's placement in them."""
-    from arctic.plan.search import fastest
+    from arctic.plan.fastest import fastest
     from arctic.plan.step import STACKS
 
     class E:

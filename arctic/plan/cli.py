@@ -24,7 +24,8 @@ from arctic.plan.args import (  # noqa: F401 - parse_args, settings_from_args: t
 from arctic.plan.estimate import Estimate, plan, predict_step, prefetch_work
 from arctic.plan.launch import command_lines, ulysses_block, write_config
 from arctic.plan.models import model_config, token_mixer_heads, unsupported_settings
-from arctic.plan.search import fastest, find_max, search
+from arctic.plan.fastest import fastest
+from arctic.plan.search import MIXER_CHUNK, find_max, search
 from arctic.plan.speed import calibrate, rates_from
 from arctic.plan.step import STACKS, stack_config
 from arctic.plan import traces
@@ -177,6 +178,11 @@ def _main(args: argparse.Namespace) -> int:
             if fields.get(key) not in (None, False) and getattr(args, arg, None) is None:
                 fields[key] = off
                 print(f"note: {key}={off}: {why}")
+    if searches(args) and fields.get("mixer_chunk") is None and \
+            fields.get("mixer_parallelism", "auto") != "all_to_all" and token_mixer_heads(config):
+        fields["mixer_chunk"] = MIXER_CHUNK  # the least memory; the descent may take it back
+        print(f"note: mixer_chunk={MIXER_CHUNK}: the search starts from the hybrid's mixer "
+              f"layers in sequence chunks, which hold the least memory")
     world = args.gpus * args.nodes
     common = dict(gpus=args.gpus, nodes=args.nodes, gpu_memory=args.gpu_memory,
                   host_memory=args.host_memory, reserve=args.reserve,

@@ -63,6 +63,28 @@ def trace_layers(config) -> tuple[int, int]:
     return TRACE_LAYERS if p == 1 else (p, 2 * p)
 
 
+TRACE_GC_THRESHOLD = 200
+"""Python's youngest-generation collection threshold while a memory trace runs (700 by
+default). A traced step leaves reference cycles that hold fake storages until the collector
+runs (a real step's do not: on CPU, a Qwen3.5 step's backward peak grows per layer period by
+the layer inputs alone, with or without ``mixer_chunk``); with the default threshold a
+Qwen3.5-9B trace with ``mixer_chunk`` at 418K tokens per rank kept two hidden-sized tensors
+more at 8 layers than at 4 (48.95 against 42.57 GiB), and the depth line multiplied them.
+At 200 the peaks are those of a collector that runs at once, for 9% more trace time."""
+
+
+@contextlib.contextmanager
+def _collecting_often():
+    import gc
+
+    before = gc.get_threshold()
+    gc.set_threshold(TRACE_GC_THRESHOLD, *before[1:])
+    try:
+        yield
+    finally:
+        gc.set_threshold(*before)
+
+
 def trace(config, sp, world: int, seq_len: int, *, shard: bool,
            shortcuts: bool = True) -> dict[str, Peak]:
     """One traced step: each phase's peak, with the offload pool's host peak (and that of the
@@ -75,7 +97,7 @@ def trace(config, sp, world: int, seq_len: int, *, shard: bool,
     fake_world(world)
     mesh = sp.dims(world).build_mesh("cpu")  # outside: the mesh reads its rank map
     skipping = memory_trace() if shortcuts else contextlib.nullcontext()
-    with FakeTensorMode(allow_non_fake_inputs=True), skipping:
+    with FakeTensorMode(allow_non_fake_inputs=True), skipping, _collecting_often():
         model, optimizer = build(config, sp, mesh, device="cpu", shard=shard,
                                  host_memory_limit=1 << 62)  # the host is judged after
         init_optimizer_state(model, optimizer)
