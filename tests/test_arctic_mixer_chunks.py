@@ -134,6 +134,10 @@ def test_mixer_chunk_is_refused_where_it_cannot_act():
                 {"sequence_parallel_size": 2, "ulysses": {"mixer_chunk": bad}}, world_size=2)
 
 
+GATED = ("qwen3_5", "qwen3_5_moe", "qwen3_next")
+"""The families whose gated attention fuse_projections runs."""
+
+
 def _rank_recipe(family: str, documents, world: int = 2):
     """``family`` through apply_sp_recipe from a DeepSpeed config's ``ulysses`` block with
     mixer_chunk and the memory stack around it: checkpointed layers with their inputs on the
@@ -147,7 +151,7 @@ def _rank_recipe(family: str, documents, world: int = 2):
         {"sequence_parallel_size": world,
          "ulysses": {"mixer_chunk": CHUNK // (world // 2), "activation_checkpointing": True,
                      "offload_activations": True, "head_chunk_size": 1, "tiled_mlp": 2,
-                     "fuse_projections": family == "qwen3_5",
+                     "fuse_projections": family in GATED,
                      "tiled_layer": family == "qwen3_5",
                      "loss_tiles": 2}}, world_size=world)
     model = _model(family)
@@ -155,9 +159,10 @@ def _rank_recipe(family: str, documents, world: int = 2):
     apply_sp_recipe(model, config=config, mesh=mesh, averaged_over_sp=True)
     assert all(m.sp_mixer.chunk == CHUNK // (world // 2) and (m.sp_mixer.passing or not m.sp_mixer.kind.scan)
                for m in token_mixers(model))
-    if family == "qwen3_5":  # the gated attention fused, every layer's tail tiled
-        layers = model.model.layers
+    layers = model.model.layers
+    if family in GATED:  # the gated attention fused
         assert all(layer.self_attn._sp_fused for layer in layers if hasattr(layer, "self_attn"))
+    if family == "qwen3_5":  # every layer's tail tiled
         assert all("forward" in vars(layer) and layer._z3_leaf for layer in layers)
     return step_on_pieces(model, mesh, documents)
 
@@ -169,7 +174,9 @@ def _rank_recipe(family: str, documents, world: int = 2):
     pytest.param("qwen3_5", True, 4, marks=pytest.mark.slow),
     pytest.param("qwen3_5", False, 4, marks=pytest.mark.slow),
     pytest.param("nemotron_h", True, 4, marks=pytest.mark.slow),
-    pytest.param("nemotron_h", False, 4, marks=pytest.mark.slow)])
+    pytest.param("nemotron_h", False, 4, marks=pytest.mark.slow),
+    pytest.param("qwen3_5_moe", True, 2, marks=pytest.mark.slow),
+    pytest.param("qwen3_next", True, 2, marks=pytest.mark.slow)])
 def test_through_the_recipe_with_the_memory_stack(family, documents, world):
     """The loss and every gradient of the unmodified model, with the memory stack on: on
     Qwen3.5, also the gated attention's fused projections and every layer's tiled tail."""
