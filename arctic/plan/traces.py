@@ -75,14 +75,21 @@ At 200 the peaks are those of a collector that runs at once, for 9% more trace t
 
 @contextlib.contextmanager
 def _collecting_often():
+    """The collector as in a fresh process, at :data:`TRACE_GC_THRESHOLD`: what exists before
+    the trace (a worker's earlier traces, the preloaded modules) is collected and frozen, so
+    that the oldest generation's full collections, which wait for it to grow by a quarter,
+    count the trace's own objects only."""
     import gc
 
     before = gc.get_threshold()
+    gc.collect()
+    gc.freeze()
     gc.set_threshold(TRACE_GC_THRESHOLD, *before[1:])
     try:
         yield
     finally:
         gc.set_threshold(*before)
+        gc.unfreeze()
 
 
 def trace(config, sp, world: int, seq_len: int, *, shard: bool,
