@@ -81,9 +81,11 @@ def _reference(H, K, B, S, bias, seed):
 
 
 def _rank(world, ulysses, H, K, B, S, chunk, bias, seed, seq_chunk=None, tile_budget=None,
-          broken=None):
+          broken=None, norm_tile=None):
     import ulysses.head_projection as hp
 
+    if norm_tile is not None:  # the normed projections over sequence tiles of 3 positions
+        hp.NORM_TILE_BYTES = norm_tile
     mesh = get_mesh(world, ulysses, world // ulysses)
     x, dy, cos, sin = (shard_sequence(t, mesh) for t in _inputs(seed, B, S))
     p = _params(seed, H, K, bias)
@@ -111,6 +113,7 @@ def _rank(world, ulysses, H, K, B, S, chunk, bias, seed, seq_chunk=None, tile_bu
         import ulysses.fused_attention as fa
 
         fa.gated_output_backward = restore
+        hp.NORM_TILE_BYTES = 1 << 28
     for n in ("y", "x"):
         got[n] = gather_sequence(got[n], mesh, dim=1)
     for n in sorted(set(got) - {"y", "x"}):
@@ -120,8 +123,9 @@ def _rank(world, ulysses, H, K, B, S, chunk, bias, seed, seq_chunk=None, tile_bu
     return got
 
 
-CASES = {  # world, ulysses, H, K, chunk, bias, seq_chunk, tile budget (bytes)
+CASES = {  # world, ulysses, H, K, chunk, bias, seq_chunk, tile budget (bytes), norm tile
     "u2-gqa-c1": (2, 2, 4, 2, 1, False, None, None),
+    "u2-norm-tiles-bias": (2, 2, 4, 2, 1, True, None, None, 4 * 2 * 2 * D * 3),
     "u2-gqa-c2-bias-tiled-output": (2, 2, 4, 2, 2, True, None, 1024),
     "u4-replicated-kv-c1": (4, 4, 4, 2, 1, True, None, None),
     "u2xr2-ring": (4, 2, 4, 2, 1, False, None, None),
@@ -132,12 +136,13 @@ CASES = {  # world, ulysses, H, K, chunk, bias, seq_chunk, tile budget (bytes)
 @pytest.mark.parametrize("case", list(CASES))
 def test_gated_block_matches_the_hf_block(case):
     """y, dx and every weight, bias and norm gradient (summed over ranks) within fp32
-    tolerance of the float64 HF block; one case tiles the gated output over 4 rows."""
-    world, ulysses, H, K, chunk, bias, seq_chunk, budget = CASES[case]
+    tolerance of the float64 HF block; one case tiles the gated output over 4 rows, one the
+    normed q and k projections over 3 positions (B = 2)."""
+    world, ulysses, H, K, chunk, bias, seq_chunk, budget, *norm_tile = CASES[case]
     seed = sum(map(ord, case)) % 1000
     ref = _reference(H, K, 2, 32, bias, seed)
     for got in dist_pool.run(_rank, world, ulysses, H, K, 2, 32, chunk, bias, seed, seq_chunk,
-                             budget, world_size=world):
+                             budget, None, *norm_tile, world_size=world):
         assert set(got) == set(ref)
         for name in ref:
             torch.testing.assert_close(got[name].double(), ref[name], **TOL[torch.float32],

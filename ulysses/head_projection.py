@@ -142,38 +142,86 @@ def _linear(x_NE: Tensor, proj: Projection, rows: Tensor, w_rows: Tensor) -> Ten
     return F.linear(x_NE, w_rows, b)
 
 
+NORM_TILE_BYTES = 1 << 28
+"""The float32 bytes of one tile of a normed projection's rows: a per-head norm runs in
+float32 (the input, the normed values and, in backward, their gradients), so a projection
+with a norm runs over sequence tiles of at most this many float32 values' bytes; 256 MiB is
+62K positions of Qwen3.5-9B's two 256-wide heads a step."""
+
+
+def _tiles(proj: Projection, B: int, s: int, n: int, D: int) -> list[slice]:
+    if proj.norm is None:
+        return [slice(0, s)]
+    step = max(1, NORM_TILE_BYTES // (4 * B * n * D))
+    return [slice(a, min(a + step, s)) for a in range(0, s, step)]
+
+
+def _seq_rows(t_NX: Tensor, B: int, s: int, cut: slice) -> Tensor:
+    """Positions ``cut`` of each batch row of a ``[B s, X]`` tensor, as ``[B b, X]``."""
+    return t_NX.view(B, s, -1)[:, cut].reshape(-1, t_NX.shape[-1])
+
+
+def _project_rows(x_NE: Tensor, proj: Projection, rows: Tensor, w_rows: Tensor, shape,
+                  rotary, eps: float) -> Tensor:
+    t = _linear(x_NE, proj, rows, w_rows).view(*shape)
+    if proj.norm is not None:
+        t = rms_norm(t, proj.norm, eps, proj.zero_centered)
+    return rope(t, *rotary) if proj.rope else t
+
+
 def project(x_NE: Tensor, proj: Projection, heads: HeadSet, shape, rotary,
             eps: float) -> Tensor:
-    """The heads ``heads`` of one projection, normed and rotated: ``[B, s, n, D]``.
+    """The heads ``heads`` of one projection, normed and rotated: ``[B, s, n, D]``; with a
+    norm, over sequence tiles of :data:`NORM_TILE_BYTES`.
 
     ``shape`` is ``(B, s, D)``; ``rotary`` the ``(cos, sin)`` tables as ``[B|1, s, 1, r]``.
     """
     B, s, D = shape
+    n = heads.count
     rows = proj.rows(heads, D)
-    t = _linear(x_NE, proj, rows, proj.weight.index_select(0, rows)).view(B, s, heads.count, D)
-    if proj.norm is not None:
-        t = rms_norm(t, proj.norm, eps, proj.zero_centered)
-    return rope(t, *rotary) if proj.rope else t
+    w_rows = proj.weight.index_select(0, rows)
+    cuts = _tiles(proj, B, s, n, D)
+    if len(cuts) == 1:
+        return _project_rows(x_NE, proj, rows, w_rows, (B, s, n, D), rotary, eps)
+    out = x_NE.new_empty(B, s, n, D)
+    for cut in cuts:
+        out[:, cut] = _project_rows(_seq_rows(x_NE, B, s, cut), proj, rows, w_rows,
+                                    (B, cut.stop - cut.start, n, D),
+                                    tuple(r[:, cut] for r in rotary), eps)
+    return out
 
 
 def project_backward(x_NE: Tensor, proj: Projection, heads: HeadSet, shape, rotary,
                      eps: float, g_BsnD: Tensor, grads: ProjectionGrads,
                      dx_NE: Tensor | None) -> None:
     """Accumulate the gradients of :func:`project` for its output gradient ``g_BsnD``:
-    into ``grads`` (these heads' rows of the weight, bias and the norm weight) and ``dx_NE``.
-    """
+    into ``grads`` (these heads' rows of the weight, bias and the norm weight) and ``dx_NE``,
+    over the same sequence tiles."""
     B, s, D = shape
+    n = heads.count
     rows = proj.rows(heads, D)
     w_rows = proj.weight.index_select(0, rows)
-    if proj.rope:
-        g_BsnD = rope_backward(g_BsnD, *rotary)
-    if proj.norm is not None:
-        p = _linear(x_NE, proj, rows, w_rows)  # recomputed: the pre-norm values of these heads
-        g_BsnD, dnorm = rms_norm_backward(p.view(B, s, heads.count, D), proj.norm, eps, g_BsnD,
-                                          proj.zero_centered)
-        if grads.norm is not None:
-            grads.norm += dnorm
-    linear_backward(x_NE, g_BsnD.reshape(B * s, heads.count * D), rows, w_rows, grads, dx_NE)
+    cuts = _tiles(proj, B, s, n, D)
+    for cut in cuts:
+        whole = len(cuts) == 1
+        b = cut.stop - cut.start
+        x = x_NE if whole else _seq_rows(x_NE, B, s, cut)
+        g = g_BsnD if whole else g_BsnD[:, cut]
+        if proj.rope:
+            g = rope_backward(g, *(rotary if whole else (r[:, cut] for r in rotary)))
+        if proj.norm is not None:
+            p = _linear(x, proj, rows, w_rows)  # recomputed: the pre-norm values of these heads
+            g, dnorm = rms_norm_backward(p.view(B, b, n, D), proj.norm, eps, g,
+                                         proj.zero_centered)
+            if grads.norm is not None:
+                grads.norm += dnorm
+        g = g.reshape(B * b, n * D)
+        if whole or dx_NE is None:
+            linear_backward(x, g, rows, w_rows, grads, dx_NE)
+            continue
+        dx = x.new_zeros(B * b, x_NE.shape[-1])
+        linear_backward(x, g, rows, w_rows, grads, dx)
+        dx_NE.view(B, s, -1)[:, cut] += dx.view(B, b, -1)
 
 
 def linear_backward(x_NE: Tensor, g: Tensor, rows: Tensor, w_rows: Tensor,
