@@ -157,7 +157,8 @@ def _rank_recipe(family: str, documents, world: int = 2):
     model = _model(family)
     mesh = config.dims(world).build_mesh("cpu")
     apply_sp_recipe(model, config=config, mesh=mesh, averaged_over_sp=True)
-    assert all(m.sp_mixer.chunk == CHUNK // (world // 2) and (m.sp_mixer.passing or not m.sp_mixer.kind.scan)
+    assert all(m.sp_mixer.chunk == CHUNK // (world // 2) and
+               (m.sp_mixer.passing or not m.sp_mixer.kind.scan)
                for m in token_mixers(model))
     layers = model.model.layers
     if family in GATED:  # the gated attention fused

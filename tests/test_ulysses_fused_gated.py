@@ -58,7 +58,8 @@ def _hf_block(x, cos, sin, p, H, K, eps=1e-6):
     q, gate = torch.chunk(F.linear(x, p["wq"], p.get("bq")).view(B, s, -1, 2 * D), 2, dim=-1)
     gate = gate.reshape(B, s, -1)
     q = norm(q, p["q_norm_weight"]).transpose(1, 2)
-    k = norm(F.linear(x, p["wk"], p.get("bk")).view(B, s, -1, D), p["k_norm_weight"]).transpose(1, 2)
+    k = norm(F.linear(x, p["wk"], p.get("bk")).view(B, s, -1, D), p["k_norm_weight"])
+    k = k.transpose(1, 2)
     v = F.linear(x, p["wv"], p.get("bv")).view(B, s, -1, D).transpose(1, 2)
     q, k = apply_rotary_pos_emb(q, k, cos, sin)
     out = local_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,

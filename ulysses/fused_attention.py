@@ -183,7 +183,8 @@ class _ProjectedChunks:
 def _projections(cfg: FusedConfig, wq, bq, wk, bk, wv, bv, q_norm,
                  k_norm) -> dict[str, Projection]:
     z, half = cfg.zero_centered, 0 if cfg.gated else None
-    proj = {"q": Projection(wq, bq, q_norm, True, z, half), "k": Projection(wk, bk, k_norm, True, z),
+    proj = {"q": Projection(wq, bq, q_norm, True, z, half),
+            "k": Projection(wk, bk, k_norm, True, z),
             "v": Projection(wv, bv, None, False)}
     if cfg.gated:
         proj["gate"] = Projection(wq, bq, None, False, half=1)
