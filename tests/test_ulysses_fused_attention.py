@@ -37,13 +37,13 @@ def _block_params(seed, H, K, bias, norm):
     return p
 
 
-def _inputs(seed, B, S):
-    """x and dy ``[B, S, E]``, and HF-style cos/sin ``[B, S, D]`` (rows start at different
-    positions)."""
+def _inputs(seed, B, S, rotary: int = D, offset: int = 5):
+    """x and dy ``[B, S, E]``, and HF-style cos/sin ``[B, S, rotary]`` (rows start ``offset``
+    positions apart)."""
     g = torch.Generator().manual_seed(seed)
     x, dy = torch.randn(B, S, E, generator=g), torch.randn(B, S, E, generator=g)
-    pos = torch.arange(S)[None] + 5 * torch.arange(B)[:, None]
-    freqs = pos[..., None].float() / 10000 ** (torch.arange(0, D, 2).float() / D)
+    pos = torch.arange(S)[None] + offset * torch.arange(B)[:, None]
+    freqs = pos[..., None].float() / 10000 ** (torch.arange(0, rotary, 2).float() / rotary)
     emb = torch.cat((freqs, freqs), dim=-1)
     return x, dy, emb.cos(), emb.sin()
 

@@ -22,7 +22,10 @@ from ulysses.fused_attention import fused_attention
 
 transformers = pytest.importorskip("transformers", reason="the reference is HF's rotary")
 
-E, D, R = 32, 8, 4  # hidden, head dim, rotary dims (partial: the first half)
+from test_ulysses_fused_attention import D, E, _grads  # noqa: E402
+from test_ulysses_fused_attention import _inputs as fused_inputs  # noqa: E402
+
+R = 4  # rotary dims of the head dim D (partial: the first half)
 
 
 def _params(seed, H, K, bias):
@@ -36,12 +39,7 @@ def _params(seed, H, K, bias):
 
 
 def _inputs(seed, B, S):
-    g = torch.Generator().manual_seed(seed)
-    x, dy = torch.randn(B, S, E, generator=g), torch.randn(B, S, E, generator=g)
-    pos = torch.arange(S)[None] + 3 * torch.arange(B)[:, None]
-    freqs = pos[..., None].float() / 10000 ** (torch.arange(0, R, 2).float() / R)
-    emb = torch.cat((freqs, freqs), dim=-1)
-    return x, dy, emb.cos(), emb.sin()
+    return fused_inputs(seed, B, S, rotary=R, offset=3)
 
 
 def _hf_block(x, cos, sin, p, H, K, eps=1e-6):
@@ -65,14 +63,6 @@ def _hf_block(x, cos, sin, p, H, K, eps=1e-6):
     out = local_attention(q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), causal=True,
                           backend="math")
     return F.linear(out.reshape(B, s, H * D) * torch.sigmoid(gate), p["wo"], p.get("bo"))
-
-
-def _grads(fn, x, dy, p):
-    x = x.clone().requires_grad_()
-    p = {n: t.clone().requires_grad_() for n, t in p.items()}
-    y = fn(x, p)
-    y.backward(dy)
-    return {"y": y.detach(), "x": x.grad, **{n: t.grad for n, t in p.items()}}
 
 
 def _reference(H, K, B, S, bias, seed):
