@@ -224,6 +224,20 @@ def test_neighbours_change_one_trade_and_keep_the_config_valid():
         {"auto"}
     lfm2 = neighbours(base, sp_size=4, heads=(8, 4), mixers=[("Lfm2ShortConv", 1, 1)])
     assert {f["mixer_parallelism"] for f in lfm2} == {"auto"}
+    # A hybrid's mixer layers chunked or whole; chunked, "auto" already passes the state, so
+    # no state_passing neighbour (the same setting twice), and the all-to-all drops chunks
+    from arctic.plan.search import MIXER_CHUNK
+
+    gdn = [("Qwen3_5GatedDeltaNet", 8, 4)]
+    whole = neighbours(base, sp_size=4, heads=(8, 4), mixers=gdn)
+    assert {f["mixer_chunk"] for f in whole} == {None, MIXER_CHUNK}
+    assert {f["mixer_chunk"] for f in lfm2} == {None, MIXER_CHUNK}
+    chunked = neighbours(dict(base, mixer_chunk=MIXER_CHUNK), sp_size=4, heads=(8, 4),
+                         mixers=gdn)
+    assert {f["mixer_chunk"] for f in chunked} == {None, MIXER_CHUNK}
+    assert {f["mixer_parallelism"] for f in chunked} == {"auto"}
+    assert all(f["mixer_chunk"] is None for f in neighbours(
+        dict(base, mixer_parallelism="all_to_all"), sp_size=4, heads=(8, 4), mixers=gdn))
 
 
 def test_the_search_takes_the_fastest_prediction_that_fits():

@@ -88,7 +88,9 @@ def neighbours(fields: dict, *, sp_size: int, heads: tuple[int | None, int | Non
     if f.get("tiled_mlp") is not None:
         add(tiled_layer=not f.get("tiled_layer", False))
     add(loss_tiles=1 if f.get("loss_tiles", "auto") != 1 else "auto")
-    if ring == 1 and any(FAMILIES[name].scan for name, _, _ in mixers):
+    if ring == 1 and f.get("mixer_chunk") is None and \
+            any(FAMILIES[name].scan for name, _, _ in mixers):
+        # (with mixer chunks "auto" passes the state already: the same setting twice)
         add(mixer_parallelism="state_passing" if f.get("mixer_parallelism", "auto") == "auto"
             else "auto")  # auto: the all-to-all where the heads split (on a ring: state passing)
     if mixers and f.get("mixer_parallelism", "auto") != "all_to_all":
