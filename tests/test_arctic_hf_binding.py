@@ -53,6 +53,42 @@ def test_roles_are_found_by_annotation_and_renames_by_deprecate_kwarg():
     assert call.unknown() == ["rotary"] and call.extra == {"position_ids": 3}
 
 
+def _undeclared_wrapper(name: str):
+    """transformers 5.13's ``force_accelerate_hooks``, line for line in what matters: a
+    pass-through ``(self, *args, **kwargs)`` without ``functools.wraps``."""
+    def decorator(forward_func):
+        def wrapped(self, *args, **kwargs):
+            getattr(self, name)
+            return forward_func(self, *args, **kwargs)
+        return wrapped
+    return decorator
+
+
+def test_a_wrapper_that_does_not_declare_its_forward_is_seen_through():
+    """Qwen3.5's gated delta net forward is so wrapped in transformers 5.13: its input and its
+    ``cache_params`` are found in the forward the wrapper holds, under a ``deprecate_kwarg``
+    outside it as well."""
+    from transformers.cache_utils import Cache
+    from transformers.utils.deprecation import deprecate_kwarg
+
+    from arctic.hf.binding import of_module
+
+    class Mixer(nn.Module):
+        @deprecate_kwarg("old_cache", version="99.0", new_name="cache_params")
+        @_undeclared_wrapper("conv1d")
+        def forward(self, hidden_states, cache_params: Cache | None = None, attention_mask=None,
+                    **kwargs):
+            return hidden_states
+
+    sig = of_module(Mixer())
+    assert sig.first == "hidden_states" and sig.roles["cache"] == "cache_params"
+    assert sig.roles["attention_mask"] == "attention_mask"
+    assert sig.renames["old_cache"] == "cache_params"
+    assert sig.renames["past_key_values"] == "cache_params"
+    call = sig.bind((torch.ones(1),), {"past_key_values": "c"})
+    assert call.role("cache") == "c" and not call.extra
+
+
 def test_installed_llama_forwards_bind_the_cache_by_role():
     """Whatever the installed release calls the cache (``past_key_values`` before 5.24,
     ``cache`` since), both names bind to it, on the attention and on the decoder layer."""

@@ -176,6 +176,15 @@ def test_refusals():
     model.model.layers[0].forward = lambda *a, **k: None
     assert "already replaced" in value_error_of(lambda: apply_tiled_layers(model))
 
+    class ArgsOnlyAttention(nn.Module):  # its input has no name to pass it by
+        def forward(self, *args, **kwargs):
+            return args[0], None
+
+    model = _model("Llama")
+    model.model.layers[1].self_attn = ArgsOnlyAttention()
+    assert "LlamaDecoderLayer.self_attn.forward takes no named input" in value_error_of(
+        lambda: apply_tiled_layers(model))
+
     class OtherDecoderLayer(nn.Module):
         def __init__(self):
             super().__init__()

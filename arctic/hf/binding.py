@@ -167,7 +167,35 @@ class BoundCall:
         return out
 
 
+def _undeclared_wrapped(fn: Callable) -> Callable | None:
+    """The function a pass-through wrapper ``(self, *args, **kwargs)`` holds in its closure when
+    it does not declare it (no ``functools.wraps``): transformers 5.13's
+    ``force_accelerate_hooks`` wraps Qwen3.5's gated delta net's forward so. Exactly one
+    function in the closure, or None."""
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
+    if code is None or not cells or hasattr(fn, "__wrapped__"):
+        return None
+    passing = inspect.CO_VARARGS | inspect.CO_VARKEYWORDS
+    if code.co_argcount + code.co_kwonlyargcount > 1 or code.co_flags & passing != passing:
+        return None
+    held = [c.cell_contents for c in cells if inspect.isfunction(c.cell_contents)]
+    return held[0] if len(held) == 1 else None
+
+
+def _declared(fn: Callable) -> Callable:
+    """``fn`` with every undeclared pass-through wrapper (:func:`_undeclared_wrapped`) under its
+    declared ones replaced by what it wraps; a bound method stays bound."""
+    owner = fn.__self__ if inspect.ismethod(fn) else None
+    inner = _undeclared_wrapped(inspect.unwrap(fn))
+    if inner is None:
+        return fn
+    inner = _declared(inner)
+    return types.MethodType(inner, owner) if owner is not None else inner
+
+
 def _build(fn: Callable, owner: str, skip_self: bool) -> ForwardSignature:
+    renames_from = fn
+    fn = _declared(fn)
     sig = inspect.signature(fn)  # follows __wrapped__: the forward under its decorators
     params = list(sig.parameters.values())
     if skip_self:
@@ -185,7 +213,8 @@ def _build(fn: Callable, owner: str, skip_self: bool) -> ForwardSignature:
             (r for r, names in ROLE_NAMES.items() if p.name in names), None)
         if role is not None and role not in roles:
             roles[role] = p.name
-    renames = {old: new for old, new in _deprecated_renames(fn).items() if new in sig.parameters}
+    found = _deprecated_renames(renames_from) | _deprecated_renames(fn)
+    renames = {old: new for old, new in found.items() if new in sig.parameters}
     for role, name in roles.items():
         for alias in ROLE_NAMES[role]:
             if alias != name and alias not in sig.parameters:

@@ -200,6 +200,11 @@ def check_tilable(layer: nn.Module) -> None:
     if extra:
         raise ValueError(f"{name} has modules the tiled forward would not run: {extra}; set "
                          f"tiled_layer to false")
+    mixer = parts[1]
+    if of_module(getattr(layer, mixer)).first is None:
+        raise ValueError(f"{name}.{mixer}.forward takes no named input (its signature is "
+                         f"{of_module(getattr(layer, mixer)).signature}); the tiled forward "
+                         f"passes it by name: set tiled_layer to false")
     for part in ("post_attention_layernorm", "mlp"):
         m = getattr(layer, part)
         if any(forward_hooks(m)):
