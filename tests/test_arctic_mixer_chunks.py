@@ -79,6 +79,34 @@ def test_chunked_mixers_match_unmodified_model(family, ulysses, documents):
                                       world_size=ulysses), _cached_reference(family, docs))
 
 
+def _rank_slice_grads(family: str) -> list[tuple[int, ...]]:
+    """The shapes that the backwards of a chunked step's slices along the sequence (dim 1) at
+    SP=2 make."""
+    from torch.utils._python_dispatch import TorchDispatchMode
+
+    class Record(TorchDispatchMode):
+        shapes: list = []
+
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            if func.__name__.startswith("slice_backward") and args[2] == 1:
+                self.shapes.append(tuple(args[1]))
+            return func(*args, **(kwargs or {}))
+
+    with Record() as record:
+        _rank_chunked(family, 2, DOCS, CHUNK)
+    return record.shapes
+
+
+def test_the_chunks_gradients_go_to_one_buffer():
+    """Each chunk's gradient is added into one buffer of the piece's shape: no slice's
+    backward makes a tensor of the whole piece (a zero one per chunk and pass: two at once as
+    they are summed, and a fill of the piece per chunk)."""
+    _skip_unless_supported("qwen3_5")
+    hidden = _model("qwen3_5").config.get_text_config().hidden_size
+    for shapes in dist_pool.run(_rank_slice_grads, "qwen3_5", world_size=2):
+        assert shapes and (1, S // 2, hidden) not in shapes, shapes  # (others: in a chunk)
+
+
 @pytest.mark.parametrize("family,ulysses,ring", [
     ("qwen3_5", 1, 2), pytest.param("nemotron_h", 2, 2, marks=pytest.mark.slow)])
 def test_chunked_mixers_on_a_zigzag_ring(family, ulysses, ring):

@@ -23,6 +23,11 @@ Three passes over this rank's runs (one without a ring; a zigzag rank's two):
    (the scan's own initial state), its convolution after the chunk before it.
 
 Packed documents restart both, inside chunks and on their boundaries, as everywhere.
+
+The passes read the piece through :class:`_Piece` views, whose backwards add their
+gradients into one buffer of the piece's shape (:class:`_Entry`): a plain slice's backward
+makes a zero tensor of the whole piece for each chunk (two per chunk and pass at once, as they
+are summed, and a fill of the whole piece per chunk).
 """
 
 from __future__ import annotations
@@ -69,6 +74,62 @@ class Chunk:
 class Stop(Exception):
     """Ends a forward where its pass has what it needs (tail: the convolution's input;
     summary: the scan's)."""
+
+
+class _Grads:
+    """The gradient of the chunked piece, written chunk by chunk."""
+
+    __slots__ = ("buffer",)
+
+    def __init__(self) -> None:
+        self.buffer: Tensor | None = None
+
+
+class _Entry(torch.autograd.Function):
+    """``hidden`` itself, as the passes' :class:`_Piece` views read it; its backward (after
+    theirs: they use its output) returns what they wrote, plus any other use's gradient."""
+
+    @staticmethod
+    def forward(ctx, hidden, grads):
+        ctx.set_materialize_grads(False)
+        ctx.grads = grads
+        return hidden.view_as(hidden)
+
+    @staticmethod
+    def backward(ctx, grad):
+        buffer, ctx.grads.buffer = ctx.grads.buffer, None
+        if grad is not None:
+            buffer = grad if buffer is None else buffer.add_(grad)
+        return buffer, None
+
+
+class _Piece(torch.autograd.Function):
+    """``x[:, a:b]``; its backward adds the gradient into ``grads``' buffer and returns none
+    for ``x`` (:class:`_Entry` returns the buffer)."""
+
+    @staticmethod
+    def forward(ctx, x, a, b, grads):
+        ctx.set_materialize_grads(False)
+        ctx.a, ctx.b, ctx.grads, ctx.shape = a, b, grads, x.shape
+        return x[:, a:b]
+
+    @staticmethod
+    def backward(ctx, grad):
+        if grad is not None:
+            grads = ctx.grads
+            if grads.buffer is None:
+                grads.buffer = grad.new_zeros(ctx.shape)
+            grads.buffer[:, ctx.a:ctx.b] += grad
+        return None, None, None, None
+
+
+def _pieces(hidden: Tensor) -> Callable[[int, int], Tensor]:
+    """``(a, b) -> hidden[:, a:b]``, through :class:`_Piece` where a gradient will flow."""
+    if not (hidden.requires_grad and torch.is_grad_enabled()):
+        return lambda a, b: hidden[:, a:b]
+    grads = _Grads()
+    x = _Entry.apply(hidden, grads)
+    return lambda a, b: _Piece.apply(x, a, b, grads)
 
 
 def chunk_conv(chunk: Chunk, conv: Callable[[Tensor], Tensor], x: Tensor, width: int,
@@ -142,6 +203,7 @@ def chunked_forward(run: Callable[[Tensor, Chunk], Tensor], hidden: Tensor, *, k
                          "rank (each row's documents cut it otherwise); use a batch of one "
                          "row, or ring_layout='zigzag'")
     runs, rank, group = rows[0], sp_rank_of(mesh), flat_mesh(mesh, "sp").get_group()
+    piece = _pieces(hidden)
     world, mine = len(runs), runs[rank]
     offsets = [sum(n for _, n in mine[:j]) for j in range(len(mine))]
 
@@ -159,7 +221,7 @@ def chunked_forward(run: Callable[[Tensor, Chunk], Tensor], hidden: Tensor, *, k
 
     for (g, n), off in zip(mine, offsets):
         k = min(n, TAIL)
-        t = checkpoint(tail_of, hidden[:, off + n - k:off + n], g + n - k, use_reentrant=False)
+        t = checkpoint(tail_of, piece(off + n - k, off + n), g + n - k, use_reentrant=False)
         h = widths[0] - 1
         if h > TAIL:
             raise ValueError(f"{kind.conv}'s window ({widths[0]}) is wider than {TAIL} "
@@ -204,7 +266,7 @@ def chunked_forward(run: Callable[[Tensor, Chunk], Tensor], hidden: Tensor, *, k
         for j, (g, _) in enumerate(mine):
             history, phi, final = run_history(every_tail, ending, g, h), None, None
             for a, b, lo in cuts[j]:
-                part, history = checkpoint(summary_of, hidden[:, a:b], history, lo,
+                part, history = checkpoint(summary_of, piece(a, b), history, lo,
                                            use_reentrant=False)
                 phi_shape, state_shape = shapes[0]
                 if carrier is None:
@@ -226,7 +288,7 @@ def chunked_forward(run: Callable[[Tensor, Chunk], Tensor], hidden: Tensor, *, k
     for j, (g, _) in enumerate(mine):
         history, state = run_history(every_tail, ending, g, h), incoming.get(j)
         for a, b, lo in cuts[j]:
-            out, state, history = checkpoint(output_of, hidden[:, a:b], history, state, lo,
+            out, state, history = checkpoint(output_of, piece(a, b), history, state, lo,
                                              use_reentrant=False)
             outs.append(out)
     out = Tied.apply(torch.cat(outs, dim=1), every_tail)
