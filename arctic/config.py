@@ -106,6 +106,15 @@ class SequenceParallelConfig:
     reason, when the model is set up); ``"threads"``, plain file I/O on a thread pool;
     ``"auto"``, aio where it is usable, else threads (:mod:`offload.disk`). None: ``"auto"``.
     Needs offload_dir."""
+    offload_prefetch: bool = True
+    """With offload_activations, each layer's recompute in backward starts the copy back of
+    the previous layer's inputs (on CUDA on a side stream, hidden behind this layer's
+    backward). False: each layer's inputs come back when its recompute needs them, on the
+    compute's stream (DeepSpeed's ``cpu_checkpointing`` restores so): the backward's peak
+    holds one hidden-sized layer input less, and the step waits for each copy (a layer's
+    input per layer: ``S_local * hidden * 2`` bytes at the host link's speed). Needs
+    offload_activations and no offload_dir (whose files are read back through the
+    prefetch)."""
     recompute_attention: bool = True
     """False: keep each layer's attention output and lse from the forward (on the host with
     the layer input when offloading) and recompute only norms, projections, RoPE and MLP in
@@ -190,6 +199,16 @@ class SequenceParallelConfig:
                                  f"offload_activations: the directory holds what the host "
                                  f"offload pool cannot")
             check_offload_dir(self.offload_dir, name="ulysses.offload_dir")
+        if not isinstance(self.offload_prefetch, bool):
+            raise ValueError(f"ulysses.offload_prefetch must be true or false, got "
+                             f"{self.offload_prefetch!r}")
+        if not self.offload_prefetch and not self.offload_activations:
+            raise ValueError("ulysses.offload_prefetch=false needs offload_activations: it "
+                             "stops the copy back of offloaded layer inputs a layer ahead")
+        if not self.offload_prefetch and self.offload_dir is not None:
+            raise ValueError("ulysses.offload_prefetch=false with offload_dir: the disk tier "
+                             "reads a layer back from its files one layer ahead through the "
+                             "prefetch; keep offload_prefetch true")
         if self.offload_io is not None:
             if self.offload_io not in IO_CHOICES:
                 raise ValueError(f"ulysses.offload_io must be null or one of {IO_CHOICES}, got "

@@ -81,7 +81,8 @@ def apply_sp_recipe(model: nn.Module, *, config: SequenceParallelConfig, mesh,
                                        offload_dir=config.offload_dir,
                                        offload_io=config.offload_io or "auto",
                                        recompute_attention=config.recompute_attention,
-                                       group=flat_mesh(mesh, "dp_sp").get_group())
+                                       group=flat_mesh(mesh, "dp_sp").get_group(),
+                                       prefetch=config.offload_prefetch)
     return model
 
 

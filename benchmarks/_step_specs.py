@@ -25,8 +25,8 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-WORK_CLASSES = ("attention_fwd", "attention_bwd", "gemm", "memory", "host_copy", "collective",
-                "ops")
+WORK_CLASSES = ("attention_fwd", "attention_bwd", "gemm", "memory", "host_copy", "host_restore",
+                "collective", "ops")
 """The classes of :class:`arctic.plan.work.Work` (and of the planner's ``by_class_s``)."""
 EXECUTED = ("attention_fwd", "attention_bwd", "gemm")
 """The classes whose sum is ``Work.flops``, the FLOPs a step executed."""

@@ -316,8 +316,9 @@ class _Hooks:
     tensor saved again (RoPE's cos/sin, shared by all layers) reuses its first host copy."""
 
     def __init__(self, pool: HostBufferPool, group: _Group, min_bytes: int,
-                 seen: WeakIdKeyDictionary) -> None:
+                 seen: WeakIdKeyDictionary, ahead: bool = True) -> None:
         self.pool, self.group, self.min_bytes, self.seen = pool, group, min_bytes, seen
+        self.ahead = ahead  # prefetch (see OffloadSession)
 
     def pack(self, t: Tensor, *, with_group: bool = True):
         """``with_group=False``: not prefetched with the group (when the group before it is
@@ -334,10 +335,10 @@ class _Hooks:
             self.group.saved.append(weakref.ref(handle))
         return (self.group, handle)
 
-    @staticmethod
-    def prefetch(packed) -> None:
-        """Start copying a packed tensor back (on the side stream on CUDA)."""
-        if not isinstance(packed, Tensor):
+    def prefetch(self, packed) -> None:
+        """Start copying a packed tensor back (on the side stream on CUDA); nothing when the
+        session does not prefetch."""
+        if self.ahead and not isinstance(packed, Tensor):
             packed[1].prefetch()
 
     def unpack(self, packed):
@@ -345,7 +346,7 @@ class _Hooks:
             return packed
         group, handle = packed
         out = handle.restore()
-        if not group.unpacked:
+        if self.ahead and not group.unpacked:
             group.unpacked = True
             prev = group.previous()
             if prev is not None and not prev.unpacked:
@@ -357,12 +358,21 @@ class _Hooks:
 
 
 class OffloadSession:
-    """Opens groups on a pool; each group links to the one opened before it (for prefetch)."""
+    """Opens groups on a pool; each group links to the one opened before it (for prefetch).
 
-    def __init__(self, pool: HostBufferPool, min_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES) -> None:
+    ``prefetch``: in backward, the first unpack of a group starts the copy back of the group
+    before it (on CUDA on a side stream: the copy hides behind this group's recompute and
+    backward, and one group's tensors more are on the device meanwhile). False: each tensor
+    is copied back when it is unpacked, on the current stream (DeepSpeed's
+    ``cpu_checkpointing`` restores so), holding one group less at the backward's peak."""
+
+    def __init__(self, pool: HostBufferPool, min_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES, *,
+                 prefetch: bool = True) -> None:
         if min_bytes < 0:
             raise ValueError(f"min_bytes must be >= 0, got {min_bytes}")
-        self.pool, self.min_bytes = pool, min_bytes
+        if not isinstance(prefetch, bool):
+            raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
+        self.pool, self.min_bytes, self.prefetch = pool, min_bytes, prefetch
         self._seen = WeakIdKeyDictionary()
         self._last: weakref.ref | None = None
 
@@ -379,7 +389,7 @@ class OffloadSession:
         prev = self._last() if self._last is not None else None
         g = _Group(prev)
         self._last = weakref.ref(g)
-        hooks = _Hooks(self.pool, g, self.min_bytes, self._seen)
+        hooks = _Hooks(self.pool, g, self.min_bytes, self._seen, self.prefetch)
         with torch.autograd.graph.saved_tensors_hooks(hooks.pack, hooks.unpack):
             yield hooks
 

@@ -141,7 +141,8 @@ def _stacked(a, b):
 
 def check_activation_checkpointing(layers, *, offload_to_cpu: bool = False,
                                    pool: HostBufferPool | None = None,
-                                   offload_dir=None, offload_io: str = "auto") -> list[nn.Module]:
+                                   offload_dir=None, offload_io: str = "auto",
+                                   prefetch: bool = True) -> list[nn.Module]:
     """``ValueError`` unless :func:`apply_activation_checkpointing` can wrap ``layers``; returns
     them as a list.
 
@@ -164,6 +165,15 @@ def check_activation_checkpointing(layers, *, offload_to_cpu: bool = False,
             raise ValueError("offload_dir was given with a pool: give the pool its directory "
                              "instead (HostBufferPool(disk_dir=...))")
         check_offload_dir(offload_dir)
+    if not isinstance(prefetch, bool):
+        raise ValueError(f"prefetch must be True or False, got {prefetch!r}")
+    if not prefetch and not offload_to_cpu:
+        raise ValueError("prefetch=False needs offload_to_cpu=True: it is the copy back of "
+                         "offloaded layer inputs that it stops starting a layer ahead")
+    if not prefetch and (offload_dir is not None or getattr(pool, "disk", None) is not None):
+        raise ValueError("prefetch=False with a disk tier (offload_dir): the tier reads a layer "
+                         "back from its files one layer ahead through the prefetch, and would "
+                         "read on the compute's path instead; keep prefetch=True")
     if check_offload_io(offload_io, name="offload_io") != "auto" and offload_dir is None:
         raise ValueError(f"offload_io={offload_io!r} needs offload_dir, the directory whose "
                          f"files it reads and writes")
@@ -177,7 +187,8 @@ def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: 
                                    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
                                    drop_kwargs: tuple[str, ...] = (),
                                    group=None, keep=None,
-                                   keeping: list[nn.Module] | None = None) -> nn.Module:
+                                   keeping: list[nn.Module] | None = None,
+                                   prefetch: bool = True) -> nn.Module:
     """Checkpoint each of ``layers`` (non-reentrant); optionally keep their inputs on the host.
 
     Args:
@@ -215,6 +226,11 @@ def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: 
         keeping: the layers of ``layers`` that keep (``keep``); default all of them. The
             others recompute everything (a hybrid model's layers without attention: linear
             attention, state-space mixers). Needs ``keep``.
+        prefetch: with ``offload_to_cpu``, start copying layer i-1's inputs back as layer i's
+            recompute starts (default); False: each is copied back when the recompute needs
+            it, on the compute's stream, and the backward's peak holds one layer's inputs
+            less (:class:`offload.OffloadSession`). False needs ``offload_to_cpu`` and no disk
+            tier.
 
     A model may carry ``model.checkpoint_context_fn``, ``torch.utils.checkpoint``'s
     ``context_fn``: every checkpoint call passes it on, so state the model keeps outside the
@@ -229,7 +245,8 @@ def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: 
     (plus the disk budget, with ``offload_dir``).
     """
     layers = check_activation_checkpointing(layers, offload_to_cpu=offload_to_cpu, pool=pool,
-                                            offload_dir=offload_dir, offload_io=offload_io)
+                                            offload_dir=offload_dir, offload_io=offload_io,
+                                            prefetch=prefetch)
     if keeping is not None:
         if keep is None:
             raise ValueError("keeping= names the layers that keep results, and needs keep=")
@@ -243,7 +260,7 @@ def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: 
         if pool is None:
             pool = HostBufferPool(limit_bytes=host_memory_limit, group=group,
                                   disk_dir=offload_dir, disk_io=offload_io)
-        session = OffloadSession(pool, min_offload_bytes)
+        session = OffloadSession(pool, min_offload_bytes, prefetch=prefetch)
     context_fn = getattr(model, "checkpoint_context_fn", None)
     for layer in layers:
         kept = keep if any(layer is m for m in keeps) else None

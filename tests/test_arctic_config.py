@@ -181,6 +181,8 @@ def _rank_fingerprint(ds):
         "loss_tiles": getattr(model.lm_head.forward, "tiles", None),  # None: no SP loss
         "activation_checkpointing": isinstance(ckpt, _CheckpointedForward),
         "offload_activations": isinstance(ckpt, _CheckpointedForward) and ckpt.session is not None,
+        "offload_prefetch": not (isinstance(ckpt, _CheckpointedForward) and ckpt.session
+                                 is not None and not ckpt.session.prefetch),
         "offload_dir": disk and disk.directory, "offload_io": disk and disk.io,
         "recompute_attention": not (isinstance(ckpt, _CheckpointedForward) and
                                     ckpt.keep is not None),
@@ -222,6 +224,10 @@ KEY_EFFECTS = {
     "offload_activations": ({"ulysses": {"activation_checkpointing": True,
                                          "offload_activations": True}},
                             {"activation_checkpointing": True, "offload_activations": True}),
+    "offload_prefetch": ({"ulysses": {"activation_checkpointing": True,
+                                      "offload_activations": True, "offload_prefetch": False}},
+                         {"activation_checkpointing": True, "offload_activations": True,
+                          "offload_prefetch": False}),
     "offload_dir": ({"ulysses": {"activation_checkpointing": True, "offload_activations": True,
                                  "offload_dir": tempfile.gettempdir()}},
                     {"activation_checkpointing": True, "offload_activations": True,

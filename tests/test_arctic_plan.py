@@ -265,6 +265,63 @@ def test_a_device_bound_search_tries_the_optimizer_state_on_the_host(device_boun
                               if 5 + n / 3e4 <= 100 and n / 1e5 <= 100)
 
 
+@pytest.mark.parametrize("bound", ["device", "host", "disk"])
+def test_a_device_bound_search_tries_the_inputs_without_prefetch(bound):
+    """A search held back by the device tries the layer inputs copied back without prefetch
+    (offload_prefetch=False: one layer input less on the device) on the winner's split and
+    keeps it when it goes past; not when host-bound, nor with a disk tier (whose reads the
+    prefetch starts). Synthetic lines: no prefetch frees a fixed 10 of the device's 100."""
+    from arctic.plan.search import search
+
+    def plan_with(n, fields):
+        freed = 10 if fields.get("offload_prefetch") is False else 0
+        host = (lambda m: m / 2e4) if bound == "host" else (lambda m: m / 1e5)
+        e = _synthetic(lambda m: 20 + m / 3e4 - freed, host)(n)
+        e.limit = lambda: "host memory" if host(n) > 100 else "temporaries"
+        e.state_host = 0
+        return e
+
+    base = {"head_chunk_size": 1, "recompute_attention": True, "offload_activations": True}
+    winner, candidates = search(plan_with, base=base, sp_size=2, heads=(8, 4),
+                                start=1 << 20, granule=1024, log=lambda _: None,
+                                disk=bound == "disk")
+    tried = [c for c in candidates if c.fields.get("offload_prefetch") is False and
+             "seq_chunk" not in c.fields]  # (sequence chunks are tried on it next)
+    if bound != "device":
+        assert not tried and "offload_prefetch" not in winner.fields
+        return
+    assert len(tried) == 1 and winner is tried[0]
+    assert winner.best == max(n for n in range(1024, 1 << 24, 1024)
+                              if 10 + n / 3e4 <= 100 and n / 1e5 <= 100)
+
+
+def test_the_inputs_without_prefetch_hold_one_layer_input_less(monkeypatch, tmp_path):
+    """Traced through the recipe (tiny Llama, 4 layers, 2 ranks): with offload_prefetch=False
+    the backward's peak is one layer input ([1, S/2, E] bf16) lower, and the copies back
+    are counted as ones the step waits for (host_restore), not beside compute."""
+    import transformers as tf
+
+    from arctic.config import SequenceParallelConfig
+    from arctic.plan.traces import Tracer
+
+    monkeypatch.setenv("ARCTIC_PLAN_CACHE", str(tmp_path))
+    config = tf.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
+                            num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2)
+    S, got = 16384, {}
+    for ahead in (True, False):
+        sp = SequenceParallelConfig(sequence_parallel_size=2, head_chunk_size=1,
+                                    fuse_projections=True, tiled_mlp="auto", tiled_layer=True,
+                                    activation_checkpointing=True, offload_activations=True,
+                                    offload_prefetch=ahead)
+        peak = Tracer(config, sp, 2, shard=True).at(S, 4)["backward"].total
+        work = Tracer(config, sp, 2, shard=True, work=True).at(S, 4)
+        got[ahead] = peak, work
+    layer_input = S // 2 * config.hidden_size * 2
+    assert got[True][0] - got[False][0] == layer_input, (got, layer_input)
+    assert got[True][1].host_restore == 0 < got[False][1].host_restore
+    assert got[True][1].host_copy == got[False][1].host_copy + got[False][1].host_restore
+
+
 def test_no_offload_is_skipped_only_when_half_the_offloaded_inputs_overflow():
     """The search skips the no-offload variant untraced only when at least half the host
     bytes of the offloaded layer inputs (the pool reuses a buffer for a tensor half its size)

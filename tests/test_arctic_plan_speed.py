@@ -116,10 +116,15 @@ def test_step_time_adds_the_classes_on_a_cpu_and_overlaps_them_on_a_gpu():
     r = _rates()
     s = r.seconds(work)
     assert s == {"attention_fwd": 1.0, "attention_bwd": 2.0, "gemm": 1.0, "memory": 1.0,
-                 "host_copy": 3.0, "collective": 1.0, "ops": 0.01}
+                 "host_copy": 3.0, "host_restore": 0.0, "collective": 1.0, "ops": 0.01}
     assert r.step_seconds(work) == pytest.approx(9.01)
     gpu = _rates(asynchronous=True)
     assert gpu.step_seconds(work) == pytest.approx(6.0)  # copies beside compute, launches hidden
+    # copies back the step waits for (no offload_prefetch): on the compute's path
+    assert r.step_seconds(Work(host_restore=2e10, gemm=2e12)) == pytest.approx(3.0)
+    assert gpu.step_seconds(Work(host_restore=2e10, gemm=2e12, host_copy=3e10)) == \
+        pytest.approx(3.0)
+    assert gpu.step_seconds(Work(host_copy=2e10, gemm=2e12)) == pytest.approx(2.0)
     assert gpu.step_seconds(Work(ops=1e6, host_copy=1e12)) == pytest.approx(100.0)
     assert gpu.step_seconds(Work(ops=1e6, gemm=2e12)) == pytest.approx(10.0)  # launch-bound
     p = predict(work, r, seq_len=9010, model_flops_per_rank=9.01e12)
@@ -315,7 +320,8 @@ def test_given_settings_are_planned_not_searched_and_predicted(tmp_path):
     assert result["estimate"]["sp"]["activation_checkpointing"] is True
     p = result["estimate"]["predicted"]
     assert p["rates"] == "h200" and p["step_s"] > 0 and set(p["by_class_s"]) == {
-        "attention_fwd", "attention_bwd", "gemm", "memory", "host_copy", "collective", "ops"}
+        "attention_fwd", "attention_bwd", "gemm", "memory", "host_copy", "host_restore",
+        "collective", "ops"}
 
 
 def test_a_bad_rates_argument_is_refused_before_any_trace():

@@ -99,6 +99,29 @@ def test_prefetch_runs_one_layer_ahead_and_buffers_are_reused():
     assert stats().bytes_offloaded > 0 and stats().host_bytes == 0
 
 
+def test_without_prefetch_each_layer_comes_back_when_needed_and_bits_hold():
+    """prefetch=False: no copy back starts a layer ahead (each layer's inputs come back as its
+    recompute unpacks them), with the same bytes restored and bit-identical gradients."""
+    ahead = _offloaded_model()
+    ref_loss, ref_grad, _ = _step(ahead, _ids())
+    model = _offloaded_model(prefetch=False)
+    assert model.activation_offload.prefetch is False
+    stats = lambda: model.activation_offload.pool.stats  # noqa: E731
+    seen = []
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(
+            lambda m, a: seen.append(stats().prefetches) if torch.is_grad_enabled() else None)
+    loss, grad, _ = _step(model, _ids())
+    assert torch.equal(loss, ref_loss) and torch.equal(grad, ref_grad)
+    assert len(seen) == 2 * LAYERS and set(seen) == {0}  # forward, then each recompute
+    assert stats().prefetches == 0
+    assert stats().bytes_restored == ahead.activation_offload.pool.stats.bytes_restored > 0
+    for bad, match in [(dict(prefetch=False, offload_to_cpu=False), "needs offload_to_cpu"),
+                       (dict(prefetch=0), "must be True or False")]:
+        with pytest.raises(ValueError, match=match):
+            apply_activation_checkpointing(_model(), **bad)
+
+
 def test_host_limit_is_refused_before_the_first_layer_runs():
     model = _offloaded_model(host_memory_limit=B * S * E * 4 * 2)  # room for 2 of 3 layers
     ran = []

@@ -348,6 +348,17 @@ def test_offload_dir_is_checked_in_config_and_arguments(tmp_path):
         offload.apply_activation_checkpointing(
             nn.Sequential(*layers), layers=layers, offload_to_cpu=True,
             pool=HostBufferPool(limit_bytes=1), offload_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="offload_prefetch=false with offload_dir"):
+        SequenceParallelConfig(**on, offload_dir=str(tmp_path), offload_prefetch=False)
+    with pytest.raises(ValueError, match="offload_prefetch=false needs offload_activations"):
+        SequenceParallelConfig(activation_checkpointing=True, offload_prefetch=False)
+    with pytest.raises(ValueError, match="offload_prefetch must be true or false"):
+        SequenceParallelConfig(**on, offload_prefetch="no")
+    for disk in (dict(offload_dir=str(tmp_path)),
+                 dict(pool=HostBufferPool(limit_bytes=1, disk_dir=tmp_path))):
+        with pytest.raises(ValueError, match="prefetch=False with a disk tier"):
+            offload.apply_activation_checkpointing(nn.Sequential(*layers), layers=layers,
+                                                   offload_to_cpu=True, prefetch=False, **disk)
     with pytest.raises(ValueError, match="disk_limit_bytes=5 needs disk_dir"):
         HostBufferPool(limit_bytes=1, disk_limit_bytes=5)
     with pytest.raises(ValueError, match="disk_limit_bytes must be a positive int"):

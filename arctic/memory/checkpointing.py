@@ -34,7 +34,7 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
                                    offload_dir=None, offload_io: str = "auto",
                                    min_offload_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES,
                                    recompute_attention: bool = True,
-                                   group=None) -> nn.Module:
+                                   group=None, prefetch: bool = True) -> nn.Module:
     """Checkpoint every decoder layer (non-reentrant); optionally keep their inputs on the host.
 
     Args:
@@ -54,6 +54,11 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
         offload_io: the disk tier's I/O, ``"auto"``, ``"aio"`` (DeepSpeed's async I/O op) or
             ``"threads"``; other than ``"auto"``, needs ``offload_dir``.
         min_offload_bytes: smaller saved tensors stay on the device.
+        prefetch: with ``offload_to_cpu``, layer i's recompute starts the copy back of layer
+            i-1's inputs (default). False: each layer's inputs come back when its recompute
+            needs them, on the compute's stream: the backward's peak holds one layer's inputs
+            less, and the step waits for each copy. Needs ``offload_to_cpu`` and no
+            ``offload_dir``.
         recompute_attention: False keeps each layer's attention results (``out``, one
             hidden-sized tensor, and the fp32 lse of this rank's heads) from the forward, on
             the host with the layer input when offloading, and the recompute in backward skips
@@ -81,7 +86,8 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
                          "model.gradient_checkpointing_disable() first (checkpointing twice "
                          "recomputes every layer twice)")
     check_activation_checkpointing(layers, offload_to_cpu=offload_to_cpu, pool=pool,
-                                   offload_dir=offload_dir, offload_io=offload_io)
+                                   offload_dir=offload_dir, offload_io=offload_io,
+                                   prefetch=prefetch)
     if not isinstance(recompute_attention, bool):
         raise ValueError(f"recompute_attention must be True or False, got "
                          f"{recompute_attention!r}")
@@ -101,7 +107,7 @@ def apply_activation_checkpointing(model: nn.Module, *, offload_to_cpu: bool = F
                               offload_io=offload_io,
                               min_offload_bytes=min_offload_bytes, drop_kwargs=cache_kwargs(layers),
                               group=group, keep=None if recompute_attention else KeptAttention,
-                              keeping=keeping)
+                              keeping=keeping, prefetch=prefetch)
 
 
 def cache_kwargs(layers: list[nn.Module]) -> tuple[str, ...]:

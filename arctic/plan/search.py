@@ -158,7 +158,8 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int | None, int 
            start: int,
            granule: int, log=print,
            mixers: Sequence[tuple[str, int, int]] = (),
-           offload_state: bool = False) -> tuple[Candidate, list[Candidate]]:
+           offload_state: bool = False,
+           disk: bool = False) -> tuple[Candidate, list[Candidate]]:
     """The longest length over the ring x Ulysses factorizations of ``sp_size``, each with the
     other settings of ``base``; ``plan_with(n, fields)`` plans ``n`` tokens with ``fields``.
     Returns the winner (ties: the smaller ring degree, fewer ring hops) and every candidate,
@@ -172,7 +173,9 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int | None, int 
     attention (nothing kept). Only when the winner is held back by host memory does the
     search try the settings that trade host for device bytes: recompute attention (if
     ``base`` keeps it), then no offload. Only when it is held back by the device does it try
-    sequence chunks (``seq_chunk="auto"``, which trade device bytes for host bytes and
+    the layer inputs copied back without prefetch (``offload_prefetch=False``: one layer
+    input less at the backward's peak, for copies the step waits for; not with a ``disk``
+    tier, whose reads the prefetch starts), then sequence chunks (``seq_chunk="auto"``, which trade device bytes for host bytes and
     exchanges; :func:`_try_seq_chunks`). Last, with ``offload_state``, when the winner is
     still held back by the device, it tries the optimizer's state on the host (ZeRO-3's
     ``offload_optimizer``): ``fields["offload_state"] = "optimizer"``, which ``plan_with``
@@ -211,6 +214,15 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int | None, int 
             if alt.pruned:
                 log(f"    skipped: {alt.pruned}")
                 continue
+        _search_past(plan_with, alt, winner, granule, log)
+        if alt.best > winner.best:
+            winner, host_bound = alt, "host" in alt.limit()
+    if not host_bound and not disk and winner.fields.get("offload_activations") and \
+            winner.fields.get("offload_prefetch", True):
+        alt = Candidate(ring=winner.ring, ulysses=winner.ulysses,
+                        fields=dict(winner.fields, offload_prefetch=False))
+        candidates.append(alt)
+        log(f"ring {alt.ring} x ulysses {alt.ulysses}, {{'offload_prefetch': False}}:")
         _search_past(plan_with, alt, winner, granule, log)
         if alt.best > winner.best:
             winner, host_bound = alt, "host" in alt.limit()

@@ -5,12 +5,14 @@ product FLOPs, memory-bound bytes, host copies, collective bytes, kernels launch
 by the rates of the machine it runs on, class by class:
 
     kernels = attention_fwd / R_af + attention_bwd / R_ab + gemm / R_g + memory / R_m
-    a CPU:  step = kernels + ops x t_op + collective / R_c + host_copy / R_h
-    a GPU:  step = max(max(kernels, ops x t_op) + collective / R_c, host_copy / R_h)
+    a CPU:  step = kernels + ops x t_op + collective / R_c + (host_copy + host_restore) / R_h
+    a GPU:  step = max(max(kernels, ops x t_op) + collective / R_c + host_restore / R_h,
+                       host_copy / R_h)
 
 A GPU is asynchronous (:attr:`Rates.asynchronous`): the host queues kernels ahead, so the
 cost of launching them shows only where it exceeds the kernels' own time (short contexts),
-and offload copies run on a side stream beside compute. Collectives are counted whole
+and offload copies run on a side stream beside compute, except the copies back that the step
+waits for (``host_restore``: without ``offload_prefetch``). Collectives are counted whole
 (exposed), though head-chunked attention overlaps part of them.
 
 The rates (:class:`Rates`) come from ``python -m arctic.plan --calibrate``, which measures
@@ -32,7 +34,7 @@ from ulysses.kernels import attention_backward, attention_forward, select_backen
 
 RATE_KEYS = {"attention_fwd": "attention_fwd_flops", "attention_bwd": "attention_bwd_flops",
              "gemm": "gemm_flops", "memory": "memory_bytes", "host_copy": "host_copy_bytes",
-             "collective": "collective_bytes"}
+             "host_restore": "host_copy_bytes", "collective": "collective_bytes"}
 """Work class -> the :class:`Rates` field that divides it (per second)."""
 
 
@@ -70,8 +72,9 @@ class Rates:
         s = self.seconds(work)
         kernels = s["attention_fwd"] + s["attention_bwd"] + s["gemm"] + s["memory"]
         if self.asynchronous:
-            return max(max(kernels, s["ops"]) + s["collective"], s["host_copy"])
-        return kernels + s["ops"] + s["collective"] + s["host_copy"]
+            return max(max(kernels, s["ops"]) + s["collective"] + s["host_restore"],
+                       s["host_copy"])
+        return kernels + s["ops"] + s["collective"] + s["host_copy"] + s["host_restore"]
 
     def save(self, path: Path) -> None:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")

@@ -87,7 +87,8 @@ def train_step(model: nn.Module, optimizer, batch: dict, *, on_phase=None) -> to
 PLANNED_FIELDS = ("sequence_parallel_size", "ring_degree", "ring_layout", "head_chunk_size",
                   "seq_chunk",
                   "fuse_projections", "tiled_mlp", "tiled_norms", "tiled_layer", "loss_tiles",
-                  "activation_checkpointing", "offload_activations", "recompute_attention",
+                  "activation_checkpointing", "offload_activations", "offload_prefetch",
+                  "recompute_attention",
                   "mixer_parallelism", "mixer_chunk")
 """The :class:`SequenceParallelConfig` fields that change what the planner traces (the rest,
 the attention kernel and the exchanges' dtype, do not change memory; ``mixer_parallelism``

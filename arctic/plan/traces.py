@@ -143,7 +143,12 @@ def _work_trace(config, sp, world: int, seq_len: int, *, shard: bool,
             train_step(model, optimizer, batch)
     session = getattr(model, "activation_offload", None)
     if session is not None:
-        work.host_copy += session.pool.stats.bytes_offloaded + session.pool.stats.bytes_restored
+        stats = session.pool.stats
+        work.host_copy += stats.bytes_offloaded
+        if session.prefetch:
+            work.host_copy += stats.bytes_restored
+        else:  # copied back on the compute's stream
+            work.host_restore += stats.bytes_restored
     return work
 
 

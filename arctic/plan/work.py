@@ -16,6 +16,8 @@ this module counts the classes, on a real step (``benchmarks/step_gpu.py``) or a
 - ``host_copy``: bytes moved between the device and the host (offloaded activations and
   their prefetch: a real step's cross-device copies; a trace adds its offload pools' counts,
   since there nothing is copied);
+- ``host_restore``: bytes copied back from the host that the step waits for (the offloaded
+  layer inputs without ``offload_prefetch``: on the compute's stream, not beside it);
 - ``collective``: bytes this rank sends in collectives (all-to-all, all-gather,
   reduce-scatter, all-reduce, send);
 - ``ops``: kernels launched (each op counted in ``gemm`` or ``memory``, and each collective):
@@ -36,7 +38,8 @@ from ulysses.kernels import observe_attention
 from ulysses.torch_internals import TorchDispatchMode, tree_flatten
 from ulysses.trace_shortcuts import work_weight
 
-CLASSES = ("attention_fwd", "attention_bwd", "gemm", "memory", "host_copy", "collective", "ops")
+CLASSES = ("attention_fwd", "attention_bwd", "gemm", "memory", "host_copy", "host_restore",
+           "collective", "ops")
 
 
 @dataclass
@@ -48,6 +51,7 @@ class Work:
     gemm: float = 0.0
     memory: float = 0.0
     host_copy: float = 0.0
+    host_restore: float = 0.0
     collective: float = 0.0
     ops: float = 0.0
 
