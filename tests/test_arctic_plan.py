@@ -496,8 +496,8 @@ def test_ds_config_search_writes_the_fit_merged_into_the_json_and_it_trains(tmp_
 def test_ds_config_with_a_disk_tier(tmp_path):
     """A --ds-config with ulysses.offload_dir (the training nodes' directory, which need not
     exist here; nor its offload_io backend) is planned with --disk, refused without it;
-    --write-config keeps the config's other 'ulysses' keys, and writes --offload-dir, else the config's own directory (without
-    either it is refused)."""
+    --write-config keeps the config's other 'ulysses' keys, and writes --offload-dir, else the
+    config's own directory (without either it is refused)."""
     cfg = tmp_path / "ds.json"
     cfg.write_text(json.dumps({"zero_optimization": {"stage": 3}, "sequence_parallel_size": 2,
                                "ulysses": {"activation_checkpointing": True,
