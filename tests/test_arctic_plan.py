@@ -760,7 +760,8 @@ def test_search_winner_fits_and_every_other_factorization_does_not(tmp_path):
     """--find-max searches ring x Ulysses over 4 ranks (tiny Llama: 8 query / 4 kv heads, so
     every split is valid): the winner fits at its length, and each other factorization,
     planned at that length, does not fit (or is the winner's tie at a larger ring); the
-    device-bound search also tried seq_chunk="auto" on its best split with Ulysses > 1."""
+    device-bound search also tried the layer inputs without prefetch on the winner's split
+    and seq_chunk="auto" on its best split with Ulysses > 1."""
     cfg = tmp_path / "chosen_ds.json"
     got = _plan(tmp_path, "--model", "tiny-llama", "--gpus", "4", "--gpu-memory", "28MiB",
                 "--host-memory", "1GiB", "--find-max", "--write-config", str(cfg))
@@ -772,9 +773,12 @@ def test_search_winner_fits_and_every_other_factorization_does_not(tmp_path):
         if r["max_seq_len"] == 0:  # a variant that did not fit one granule past the winner
             assert r["at_winner"] is None, r
             assert (r["fields"].get("seq_chunk") == "auto"
-                    or r["fields"].get("offload_state") == "optimizer"), r
+                    or r["fields"].get("offload_state") == "optimizer"
+                    or r["fields"].get("offload_prefetch") is False), r
         elif r["max_seq_len"] < best:
             assert not r["at_winner"]["fits"], r
+    assert sum(r["fields"].get("offload_prefetch") is False and not r["fields"].get("seq_chunk")
+               for r in rows) == 1
     # device-bound (temporaries): sequence chunks were tried on the best Ulysses > 1 split
     assert [(r["ring"], r["ulysses"]) for r in rows if r["fields"].get("seq_chunk")] == [(1, 4)]
     written = json.loads(cfg.read_text())

@@ -223,9 +223,18 @@ def start_workers() -> None:
         forkserver.ensure_running()
 
 
+_IN_WORKER: list = []
+"""Set in a tracing process: its traces run in it (see :meth:`Tracer.at`)."""
+
+_TRACED_HERE: list = []
+"""Set once this process traced: its next traces go to processes of their own
+(:func:`_fresh_processes`)."""
+
+
 def _trace_in_worker(job) -> list[str]:
     """Trace ``job`` into the disk cache; returns the warnings it gave (:data:`HELD`)."""
     config, sp, world, shard, seq_len, layers, work, dtype = job
+    _IN_WORKER.append(True)
     del HELD[:]
     Tracer(config, sp, world, shard=shard, work=work,
            compute_dtype=dtype).at(seq_len, layers)
@@ -268,6 +277,10 @@ class Tracer:
         config = self._shaped(seq_len, layers)
         key = trace_key(config, self.fields, world=self.world, seq_len=seq_len,
                         shard=self.shard)
+        if _fresh_processes(1) and not is_cached(key):
+            prefetch([(self, seq_len, layers)])  # traced in a process of its own
+        if not _IN_WORKER and not is_cached(key):
+            _TRACED_HERE.append(True)
         with held_warnings():
             if self.work:
                 work, _ = cached(key, lambda: _work_trace(
@@ -310,7 +323,7 @@ def prefetch(jobs: list[tuple[Tracer, int, int]]) -> None:
     todo = [(t, n, d) for t, n, d in jobs if not is_cached(t._key(n, d))]
     todo = list({t._key(n, d): (t, n, d) for t, n, d in todo}.values())
     todo.sort(key=lambda j: (-j[2], -j[1]))  # deepest first: the workers finish together
-    if len(todo) < 2 or workers() < 2 or cache_dir() is None:
+    if not todo or not _fresh_processes(len(todo)):
         return
     for held in _pool().map(_trace_in_worker, [t.job(n, d) for t, n, d in todo], chunksize=1):
         HELD.extend(held)
@@ -320,13 +333,26 @@ _POOL: list = []
 """The tracing workers of this process, once started (:func:`_pool`)."""
 
 
+def _fresh_processes(jobs: int) -> bool:
+    """Whether ``jobs`` traces run each in a process of its own (:func:`_pool`): with two
+    workers or more and the disk cache on, outside a tracing process, when there are several
+    or this process traced before (its first trace runs in it, as in a fresh one: a lone
+    trace, as a plan of given settings needs, starts no processes)."""
+    return (workers() >= 2 and cache_dir() is not None and not _IN_WORKER and
+            (jobs >= 2 or bool(_TRACED_HERE)))
+
+
 def _pool():
-    """:func:`workers` tracing processes, started at the first prefetch and kept for the
-    later ones: a process's first trace pays about 2 s of torch's one-time set-up (a tiny
-    Llama's first trace 3.6 s, its next 1.8 s), which a worker kept for the whole search
-    pays once (a trace that raises leaves its worker in the pool)."""
+    """:func:`workers` tracing processes at a time, each forked for one trace
+    (``maxtasksperchild=1``) from the fork server that only imported. A process that traced
+    before traces differently: the second of two identical traces in one process held one
+    hidden-sized tensor more at the backward's peak (Qwen3.5-9B, 8 layers, 98K tokens per
+    rank: 23.13 GiB against 22.38), and a search's long-lived workers read Qwen3.5-9B at
+    12 layers and 3.94M tokens (ring 2 x Ulysses 4) as 67.33 GiB against 60.21 traced
+    afresh, which made its length line bend (110.96 GiB at 32 layers). A fresh process costs
+    a trace about 2 s of torch's one-time set-up."""
     if not _POOL:
-        _POOL.append(_workers_context().Pool(workers()))
+        _POOL.append(_workers_context().Pool(workers(), maxtasksperchild=1))
         atexit.register(_close_pool)
     return _POOL[0]
 
