@@ -176,10 +176,11 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int | None, int 
     the layer inputs copied back without prefetch (``offload_prefetch=False``: one layer
     input less at the backward's peak, for copies the step waits for; not with a ``disk``
     tier, whose reads the prefetch starts), then sequence chunks (``seq_chunk="auto"``,
-    which trade device bytes for host bytes and exchanges; :func:`_try_seq_chunks`). Last, with ``offload_state``, when the winner is
-    still held back by the device, it tries the optimizer's state on the host (ZeRO-3's
-    ``offload_optimizer``): ``fields["offload_state"] = "optimizer"``, which ``plan_with``
-    must read as the placement of the training state.
+    which trade device bytes for host bytes and exchanges; :func:`_try_seq_chunks`). Last,
+    with ``offload_state``, when the winner is still held back by the device, it tries the
+    optimizer's state on the host (ZeRO-3's ``offload_optimizer``):
+    ``fields["offload_state"] = "optimizer"``, which ``plan_with`` must read as the placement
+    of the training state.
     """
     candidates = factorizations(sp_size, *heads, mixers=mixers)
     for c in candidates:
