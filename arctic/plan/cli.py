@@ -8,12 +8,13 @@ comes from :func:`arctic.plan.estimate.plan` and :func:`arctic.plan.search.find_
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
 
-from arctic.config import load_ds_config
+from arctic.config import SequenceParallelConfig, load_ds_config
 from arctic.hf.anatomy import text_config_of
 from arctic.memory.placement import Placement, placement_from_ds_config
 from arctic.plan.args import (  # noqa: F401 - parse_args, settings_from_args: the package's
@@ -375,9 +376,15 @@ def _calibrate(args: argparse.Namespace) -> int:
 
 def _differs(fields: dict, ref: dict) -> dict:
     """The settings of ``fields`` that differ from ``ref``'s, the ring degree aside (the
-    name says it); a key only one of them sets counts, with ``None`` for the other."""
-    return {k: fields.get(k) for k in sorted(fields.keys() | ref.keys())
-            if fields.get(k) != ref.get(k) and k != "ring_degree"}
+    name says it); a key only one of them sets counts, with the config's default (or
+    ``None``) for the other."""
+    defaults = {f.name: f.default for f in dataclasses.fields(SequenceParallelConfig)}
+
+    def value(d: dict, k: str):
+        return d.get(k, defaults.get(k))
+
+    return {k: value(fields, k) for k in sorted(fields.keys() | ref.keys())
+            if value(fields, k) != value(ref, k) and k != "ring_degree"}
 
 
 def search_table(candidates, winner) -> str:
