@@ -236,6 +236,19 @@ def test_search_tries_sequence_chunks_on_the_best_ulysses_split(device_bound):
     assert not any(f.get("seq_chunk") == "auto" and f["ring_degree"] == 4 for f in calls)
 
 
+def _freeing(key: str, value, freed: float, host_slope: float):
+    """A stand-in ``plan_with``: device bytes ``20 + n / 3e4`` of 100, less ``freed`` where
+    ``fields[key] == value``; host bytes ``n / host_slope`` of 100."""
+    def plan_with(n, fields):
+        gain = freed if key in fields and fields[key] == value else 0
+        host = lambda m: m / host_slope  # noqa: E731
+        e = _synthetic(lambda m: 20 + m / 3e4 - gain, host)(n)
+        e.limit = lambda: "host memory" if host(n) > 100 else "temporaries"
+        e.state_host = 0
+        return e
+    return plan_with
+
+
 @pytest.mark.parametrize("device_bound", [True, False])
 def test_a_device_bound_search_tries_the_optimizer_state_on_the_host(device_bound):
     """With offload_state, a search still held back by the device tries the optimizer's
@@ -244,14 +257,7 @@ def test_a_device_bound_search_tries_the_optimizer_state_on_the_host(device_boun
     Synthetic lines: the offloaded state frees a fixed 15 of the device's 100."""
     from arctic.plan.search import search
 
-    def plan_with(n, fields):
-        freed = 15 if fields.get("offload_state") == "optimizer" else 0
-        host = (lambda m: m / 1e5) if device_bound else (lambda m: m / 2e4)
-        e = _synthetic(lambda m: 20 + m / 3e4 - freed, host)(n)
-        e.limit = lambda: "host memory" if host(n) > 100 else "temporaries"
-        e.state_host = 0
-        return e
-
+    plan_with = _freeing("offload_state", "optimizer", 15, 1e5 if device_bound else 2e4)
     base = {"head_chunk_size": 1, "recompute_attention": True, "offload_activations": True}
     winner, candidates = search(plan_with, base=base, sp_size=2, heads=(8, 4),
                                 start=1 << 20, granule=1024, log=lambda _: None,
@@ -273,14 +279,7 @@ def test_a_device_bound_search_tries_the_inputs_without_prefetch(bound):
     prefetch starts). Synthetic lines: no prefetch frees a fixed 10 of the device's 100."""
     from arctic.plan.search import search
 
-    def plan_with(n, fields):
-        freed = 10 if fields.get("offload_prefetch") is False else 0
-        host = (lambda m: m / 2e4) if bound == "host" else (lambda m: m / 1e5)
-        e = _synthetic(lambda m: 20 + m / 3e4 - freed, host)(n)
-        e.limit = lambda: "host memory" if host(n) > 100 else "temporaries"
-        e.state_host = 0
-        return e
-
+    plan_with = _freeing("offload_prefetch", False, 10, 2e4 if bound == "host" else 1e5)
     base = {"head_chunk_size": 1, "recompute_attention": True, "offload_activations": True}
     winner, candidates = search(plan_with, base=base, sp_size=2, heads=(8, 4),
                                 start=1 << 20, granule=1024, log=lambda _: None,
