@@ -339,8 +339,9 @@ def mixer_passing(model: nn.Module, mesh: DeviceMesh, mode: str = "auto",
             raise ValueError(f"{type(m).__name__}'s forward in transformers "
                              f"{transformers.__version__} does not call {missing} from its "
                              f"module, as the releases whose {type(m).__name__} runs under "
-                             f"sequence parallelism do (5.24); upgrade transformers, or "
-                             f"train it without sequence parallelism")
+                             f"sequence parallelism do (5.24, the tested release); "
+                             f"install transformers 5.24.0, or train it without sequence "
+                             f"parallelism")
         passing[m] = False
         if kind.scan is None:
             continue
