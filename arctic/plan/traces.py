@@ -232,8 +232,10 @@ _TRACED_HERE: list = []
 
 
 def _trace_in_worker(job) -> list[str]:
-    """Trace ``job`` into the disk cache; returns the warnings it gave (:data:`HELD`)."""
-    config, sp, world, shard, seq_len, layers, work, dtype = job
+    """Trace ``job`` into the disk cache it names (the caller's now: the fork server's
+    environment is the one it started with); returns the warnings it gave (:data:`HELD`)."""
+    config, sp, world, shard, seq_len, layers, work, dtype, cache = job
+    os.environ["ARCTIC_PLAN_CACHE"] = cache
     _IN_WORKER.append(True)
     del HELD[:]
     Tracer(config, sp, world, shard=shard, work=work,
@@ -300,7 +302,7 @@ class Tracer:
 
     def job(self, seq_len: int, layers: int) -> tuple:
         return (self.config, self.sp, self.world, self.shard, seq_len, layers, self.work,
-                self.compute_dtype)
+                self.compute_dtype, str(cache_dir()))
 
     def depths(self) -> tuple[int, ...]:
         depth = text_config_of(self.config).num_hidden_layers
