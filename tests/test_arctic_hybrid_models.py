@@ -475,3 +475,69 @@ def test_an_older_forward_is_refused():
 
     assert unreached_calls(Qwen3_5GatedDeltaNet) == ["causal_conv1d_fn",
                                                      "torch_chunk_gated_delta_rule"]
+
+
+_HELPERS_FILE = '''
+import torch
+
+
+def causal_conv1d_fn(x, weight, bias=None, activation=None):
+    return x
+
+
+def torch_chunk_gated_delta_rule(query, key, value, g, beta):
+    return value, None
+
+
+def _module_of(func):  # the kernels package's module of a function, as it makes one
+    class Func(torch.nn.Module):
+        def forward(self, *args, **kwargs):
+            return func(*args, **kwargs)
+
+    return Func()
+
+
+def _conv_forward(conv, x, cache, layer_idx):  # transformers 5.25's causal_conv1d_forward
+    return causal_conv1d_fn(x, conv.weight)
+
+
+causal_conv1d_forward = _module_of(_conv_forward)
+
+
+def scan_forward(module, q, k, v, g, beta):
+    return torch_chunk_gated_delta_rule(q, k, v, g, beta)[0]
+
+
+class Qwen3_5GatedDeltaNet(torch.nn.Module):  # the name of a supported family
+    def forward(self, x):
+        x = causal_conv1d_forward(self.conv1d, x, None, 0)
+        return scan_forward(self, x, x, x, x, x)
+
+
+class Qwen3NextGatedDeltaNet(torch.nn.Module):  # calls the helpers' siblings, not them
+    def forward(self, x):
+        return _module_of(x)
+'''
+
+
+def test_a_forward_that_mixes_through_its_files_helpers_is_reached():
+    """transformers 5.25 calls the convolution and the scan from helper functions of the
+    model's file (``causal_conv1d_forward``, which the ``kernels`` package makes a module of,
+    and ``mamba2_scan_forward``); those helpers look them up in the file when called, where
+    sequence parallelism replaces them: such a forward is reached. A forward that calls
+    neither helper is not."""
+    import sys
+    import types
+
+    from arctic.hf.mixers import unreached_calls
+
+    file = types.ModuleType("arctic_test_helpers_file")
+    sys.modules[file.__name__] = file
+    try:
+        exec(compile(_HELPERS_FILE, file.__name__, "exec"), file.__dict__)
+        assert isinstance(file.causal_conv1d_forward, torch.nn.Module)
+        assert unreached_calls(file.Qwen3_5GatedDeltaNet) == []
+        assert unreached_calls(file.Qwen3NextGatedDeltaNet) == [
+            "causal_conv1d_fn", "torch_chunk_gated_delta_rule"]
+    finally:
+        del sys.modules[file.__name__]

@@ -167,11 +167,13 @@ class BoundCall:
         return out
 
 
-def _undeclared_wrapped(fn: Callable) -> Callable | None:
+def undeclared_wrapped(fn: Callable) -> Callable | None:
     """The function a pass-through wrapper ``(self, *args, **kwargs)`` holds in its closure when
     it does not declare it (no ``functools.wraps``): transformers 5.13's
-    ``force_accelerate_hooks`` wraps Qwen3.5's gated delta net's forward so. Exactly one
-    function in the closure, or None."""
+    ``force_accelerate_hooks`` wraps Qwen3.5's gated delta net's forward so, and the
+    ``kernels`` package's module of a function (``use_kernel_forward_from_hub`` on a function,
+    transformers 5.25's ``causal_conv1d_forward``) calls it so. Exactly one function in the
+    closure, or None."""
     code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None)
     if code is None or not cells or hasattr(fn, "__wrapped__"):
         return None
@@ -183,10 +185,10 @@ def _undeclared_wrapped(fn: Callable) -> Callable | None:
 
 
 def _declared(fn: Callable) -> Callable:
-    """``fn`` with every undeclared pass-through wrapper (:func:`_undeclared_wrapped`) under its
+    """``fn`` with every undeclared pass-through wrapper (:func:`undeclared_wrapped`) under its
     declared ones replaced by what it wraps; a bound method stays bound."""
     owner = fn.__self__ if inspect.ismethod(fn) else None
-    inner = _undeclared_wrapped(inspect.unwrap(fn))
+    inner = undeclared_wrapped(inspect.unwrap(fn))
     if inner is None:
         return fn
     inner = _declared(inner)
@@ -243,4 +245,4 @@ def of_callable(fn: Callable, owner: str) -> ForwardSignature:
 
 
 __all__ = ["ROLE_NAMES", "BoundCall", "ForwardSignature", "class_forward", "of_callable",
-           "of_module"]
+           "of_module", "undeclared_wrapped"]

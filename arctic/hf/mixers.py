@@ -7,7 +7,9 @@ A mixer's forward is the model's own. Its per-token work (projections, gates, no
 this rank's piece of the sequence; its calls that mix tokens along the sequence, the causal
 convolution and (gated delta nets) the chunked scan, are module-level functions of the
 model's file (transformers resolves them at import to flash-linear-attention's and causal-conv1d's
-kernels where installed, else to its torch fallback). Each is replaced in that file, once,
+kernels where installed, else to its torch fallback), called by the forward itself (5.24) or
+by the file's helpers it calls (5.25's ``causal_conv1d_forward``, ``mamba2_scan_forward``),
+which look them up in the file when called. Each is replaced in that file, once,
 by a :class:`Dispatch`: outside a sequence-parallel mixer's forward it calls the function
 as before; inside one (a ContextVar set by the forward, scoped to the call) it runs the
 function through :func:`ulysses.mixers.causal_conv` (the previous rank's tail, each document
@@ -32,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from arctic.hf.anatomy import is_recurrent, language_model, text_config
 from arctic.hf.batch import BatchState
-from arctic.hf.binding import of_module
+from arctic.hf.binding import of_module, undeclared_wrapped
 from arctic.hf.features import classify, unknown_arguments_error
 from arctic.hf.mixer_kinds import (FAMILIES, GATED_DELTA_NET, KIMI_DELTA_ATTENTION, MAMBA1,
                                    MAMBA2, SCAN_OPTIONS, SHORT_CONVOLUTION, MixerKind)
@@ -189,14 +191,41 @@ def _scan(call: _Call, original, args, kwargs):
 
 def unreached_calls(cls: type) -> list[str]:
     """The sequence-mixing functions of ``cls``'s kind (:data:`FAMILIES`) that its installed
-    forward does not call as module-level functions of its file (read off the bytecode:
-    the names it loads as globals). transformers 5.24 calls both so; older releases keep
-    them on the instance or run an ``nn.Conv1d`` module instead, which sequence parallelism
-    cannot reach."""
+    forward does not call as module-level functions of its file, itself or through the
+    file's own helper functions it calls (read off the bytecode: the names each loads as
+    globals). transformers 5.24 calls both from the forward; 5.25 from helpers of the file
+    (``causal_conv1d_forward``, ``mamba2_scan_forward``) that look them up there when called;
+    older releases keep them on the instance or run an ``nn.Conv1d`` module instead, which
+    sequence parallelism cannot reach. What a forward calls at run time is checked again
+    after each call (:func:`_sp_mixer_forward`)."""
     kind = FAMILIES[cls.__name__]
-    code = inspect.unwrap(cls.forward)
-    loaded = {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"}
+    loaded = _globals_reached(cls.forward, sys.modules[cls.__module__], set())
     return [name for name in (kind.conv, kind.scan) if name and name not in loaded]
+
+
+def _globals_reached(fn: Callable, file, seen: set[str]) -> set[str]:
+    """The global names ``fn`` loads, with those of the functions of ``file`` it loads, and
+    theirs (``seen``: the helpers already read)."""
+    loaded = {i.argval for i in dis.get_instructions(inspect.unwrap(fn))
+              if i.opname == "LOAD_GLOBAL"}
+    reached = set(loaded)
+    for name in sorted(loaded - seen):
+        helper = _file_function(getattr(file, name, None), file)
+        if helper is not None:
+            seen.add(name)
+            reached |= _globals_reached(helper, file, seen)
+    return reached
+
+
+def _file_function(value, file) -> Callable | None:
+    """The function defined in ``file`` that a global of it is: itself, or the one the
+    ``kernels`` package's module of a function (what ``use_kernel_forward_from_hub`` makes of
+    one, as transformers 5.25 does of its helpers) calls until it is kernelized; None for
+    anything else (an import, a class, a :class:`Dispatch`)."""
+    if isinstance(value, nn.Module):
+        value = undeclared_wrapped(type(value).forward)
+    value = inspect.unwrap(value) if inspect.isfunction(value) else None
+    return value if value is not None and value.__module__ == file.__name__ else None
 
 
 def _install_dispatch(module: nn.Module, kind: MixerKind) -> None:
@@ -338,10 +367,10 @@ def mixer_passing(model: nn.Module, mesh: DeviceMesh, mode: str = "auto",
 
             raise ValueError(f"{type(m).__name__}'s forward in transformers "
                              f"{transformers.__version__} does not call {missing} from its "
-                             f"module, as the releases whose {type(m).__name__} runs under "
-                             f"sequence parallelism do (5.24, the tested release); "
-                             f"install transformers 5.24.0, or train it without sequence "
-                             f"parallelism")
+                             f"module (itself or through the module's own functions), as "
+                             f"the releases whose {type(m).__name__} runs under sequence "
+                             f"parallelism do (5.24, the tested release, and 5.25); install "
+                             f"transformers 5.24.0, or train it without sequence parallelism")
         passing[m] = False
         if kind.scan is None:
             continue
