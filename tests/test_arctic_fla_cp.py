@@ -53,6 +53,7 @@ def _rank_fla(family: str, ulysses: int, ring: int, zigzag):
     import importlib
 
     import fake_fla
+    from transformers.integrations import hub_kernels
     from transformers.integrations.hub_kernels import use_kernel_func_from_hub_with_fallback
 
     from arctic.data.batch import prepare_sp_batch
@@ -67,9 +68,17 @@ def _rank_fla(family: str, ulysses: int, ring: int, zigzag):
     kimi = importlib.import_module("transformers.models.kimi_linear.modeling_kimi_linear")
     fake_fla.install(_torch_scan(q35, "torch_chunk_gated_delta_rule"),
                      _torch_scan(kimi, "chunk_kimi_delta_attention"))
+    # transformers 5.25 sends inputs on a device fla does not run on to the torch fallback;
+    # the CPU stand-in runs where fla runs on the GPU
+    devices = getattr(hub_kernels, "_PACKAGE_SUPPORTED_DEVICES", {})
+    kept = devices.get("fla")
     try:
+        if kept is not None:
+            devices["fla"] = (*kept, "cpu")
         setattr(file, attribute, use_kernel_func_from_hub_with_fallback(fla_name, "fla")(
             _torch_scan(file, attribute)))
+        if kept is not None:
+            devices["fla"] = kept
         mesh = get_mesh(ulysses * ring, ulysses, ring, zigzag)
         model = apply_sequence_parallel(_model(family), mesh=mesh)
         apply_sp_loss(model, group=flat_mesh(mesh, "sp").get_group())
@@ -82,6 +91,8 @@ def _rank_fla(family: str, ulysses: int, ring: int, zigzag):
         loss.backward()
         return loss.item(), averaged_grads(model, mesh.size()), calls
     finally:
+        if kept is not None:
+            devices["fla"] = kept
         for n, f in saved.items():
             setattr(file, n, f)
         fake_fla.uninstall()
@@ -139,3 +150,27 @@ def test_layouts_fla_does_not_have_pass_the_state_here():
         assert calls and all(c == {"kernel": "chunk_gated_delta_rule", "cp": False}
                              for c in calls), calls[:3]
     assert_step_matches([r[:2] for r in results], _reference("qwen3_5"))
+
+
+def test_the_resolved_kernel_is_read_through_the_kernels_module_of_a_function():
+    """transformers 5.25 with the ``kernels`` package makes a module of each function its
+    hub-kernel wrapper decorates; the kernel it resolved is read through that module (else
+    fla's own context parallelism would never run there)."""
+    from arctic.hf.mixer_fla import resolved_kernel
+
+    def kernel(*args, **kwargs):
+        return args
+
+    def hub_wrapper(implementation):  # the shape of use_kernel_func_from_hub_with_fallback's
+        def wrapped(*args, **kwargs):
+            return implementation(*args, **kwargs)
+        return wrapped
+
+    wrapped = hub_wrapper(kernel)
+
+    class Func(torch.nn.Module):  # the kernels package's module of a function
+        def forward(self, *args, **kwargs):
+            return wrapped(*args, **kwargs)
+
+    assert resolved_kernel(wrapped) is kernel
+    assert resolved_kernel(Func()) is kernel

@@ -184,6 +184,17 @@ def undeclared_wrapped(fn: Callable) -> Callable | None:
     return held[0] if len(held) == 1 else None
 
 
+def module_function(value):
+    """The function the ``kernels`` package's module of a function calls (transformers 5.25,
+    with ``kernels`` installed, makes one of each function it decorates with
+    ``use_kernel_forward_from_hub`` or ``use_kernel_func_from_hub_with_fallback``; it calls the
+    function until the model is kernelized); ``value`` itself when it is not a module, None
+    for another module."""
+    from torch import nn
+
+    return undeclared_wrapped(type(value).forward) if isinstance(value, nn.Module) else value
+
+
 def _declared(fn: Callable) -> Callable:
     """``fn`` with every undeclared pass-through wrapper (:func:`undeclared_wrapped`) under its
     declared ones replaced by what it wraps; a bound method stays bound."""
@@ -245,4 +256,4 @@ def of_callable(fn: Callable, owner: str) -> ForwardSignature:
 
 
 __all__ = ["ROLE_NAMES", "BoundCall", "ForwardSignature", "class_forward", "of_callable",
-           "of_module", "undeclared_wrapped"]
+           "module_function", "of_module", "undeclared_wrapped"]

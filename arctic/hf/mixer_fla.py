@@ -25,6 +25,7 @@ import torch
 from torch import Tensor
 from torch.distributed.device_mesh import DeviceMesh
 
+from arctic.hf.binding import module_function
 from ulysses.mesh import flat_mesh, mesh_dims
 
 FLA_SCANS = ("torch_chunk_gated_delta_rule", "chunk_kimi_delta_attention")
@@ -36,7 +37,8 @@ def resolved_kernel(function: Callable) -> Callable | None:
     """The implementation that transformers' hub-kernel wrapper
     (``use_kernel_func_from_hub_with_fallback``) resolved when the model's file was imported:
     the original package's function, or the torch fallback; None where ``function`` is not
-    such a wrapper."""
+    such a wrapper (or the ``kernels`` package's module of one: transformers 5.25)."""
+    function = module_function(function)
     code, closure = getattr(function, "__code__", None), getattr(function, "__closure__", None)
     if code is None or closure is None:
         return None

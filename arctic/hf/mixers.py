@@ -34,7 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 
 from arctic.hf.anatomy import is_recurrent, language_model, text_config
 from arctic.hf.batch import BatchState
-from arctic.hf.binding import of_module, undeclared_wrapped
+from arctic.hf.binding import module_function, of_module
 from arctic.hf.features import classify, unknown_arguments_error
 from arctic.hf.mixer_kinds import (FAMILIES, GATED_DELTA_NET, KIMI_DELTA_ATTENTION, MAMBA1,
                                    MAMBA2, SCAN_OPTIONS, SHORT_CONVOLUTION, MixerKind)
@@ -206,26 +206,29 @@ def unreached_calls(cls: type) -> list[str]:
 def _globals_reached(fn: Callable, file, seen: set[str]) -> set[str]:
     """The global names ``fn`` loads, with those of the functions of ``file`` it loads, and
     theirs (``seen``: the helpers already read)."""
-    loaded = {i.argval for i in dis.get_instructions(inspect.unwrap(fn))
-              if i.opname == "LOAD_GLOBAL"}
+    code = _function(fn)
+    loaded = {i.argval for i in dis.get_instructions(code) if i.opname == "LOAD_GLOBAL"} \
+        if code is not None else set()
     reached = set(loaded)
     for name in sorted(loaded - seen):
-        helper = _file_function(getattr(file, name, None), file)
-        if helper is not None:
+        helper = _function(getattr(file, name, None))
+        if helper is not None and helper.__module__ == file.__name__:
             seen.add(name)
             reached |= _globals_reached(helper, file, seen)
     return reached
 
 
-def _file_function(value, file) -> Callable | None:
-    """The function defined in ``file`` that a global of it is: itself, or the one the
-    ``kernels`` package's module of a function (what ``use_kernel_forward_from_hub`` makes of
-    one, as transformers 5.25 does of its helpers) calls until it is kernelized; None for
-    anything else (an import, a class, a :class:`Dispatch`)."""
-    if isinstance(value, nn.Module):
-        value = undeclared_wrapped(type(value).forward)
-    value = inspect.unwrap(value) if inspect.isfunction(value) else None
-    return value if value is not None and value.__module__ == file.__name__ else None
+def _function(value) -> Callable | None:
+    """The plain function ``value`` runs: itself, under its declared wrappers
+    (``functools.wraps``), or the one the ``kernels`` package's module of a function (what
+    ``use_kernel_forward_from_hub`` makes of one, as transformers 5.25 does of its helpers)
+    calls until it is kernelized; None for anything else (a class, a :class:`Dispatch`)."""
+    for _ in range(8):  # wrappers around modules around wrappers
+        value = module_function(value)
+        if not (inspect.isfunction(value) and hasattr(value, "__wrapped__")):
+            break
+        value = value.__wrapped__
+    return value if inspect.isfunction(value) else None
 
 
 def _install_dispatch(module: nn.Module, kind: MixerKind) -> None:
