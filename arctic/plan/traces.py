@@ -321,46 +321,56 @@ class Tracer:
 
 def prefetch(jobs: list[tuple[Tracer, int, int]]) -> None:
     """Trace the ``(tracer, seq_len, layers)`` jobs not yet cached, in worker processes
-    (several settings' traces share the workers)."""
+    (several settings' traces share the workers): memory traces each in a fresh process,
+    work traces in long-lived ones (:func:`_pool`), both at once."""
     todo = [(t, n, d) for t, n, d in jobs if not is_cached(t._key(n, d))]
     todo = list({t._key(n, d): (t, n, d) for t, n, d in todo}.values())
     todo.sort(key=lambda j: (-j[2], -j[1]))  # deepest first: the workers finish together
     if not todo or not _fresh_processes(len(todo)):
         return
-    for held in _pool().map(_trace_in_worker, [t.job(n, d) for t, n, d in todo], chunksize=1):
-        HELD.extend(held)
+    pending = []
+    for work in (False, True):
+        mine = [t.job(n, d) for t, n, d in todo if t.work == work]
+        if mine:
+            pending.append(_pool(work).map_async(_trace_in_worker, mine, chunksize=1))
+    for result in pending:
+        for held in result.get():
+            HELD.extend(held)
 
 
-_POOL: list = []
-"""The tracing workers of this process, once started (:func:`_pool`)."""
+_POOLS: dict[bool, object] = {}
+"""The tracing workers of this process, once started (:func:`_pool`), by ``work``."""
 
 
 def _fresh_processes(jobs: int) -> bool:
-    """Whether ``jobs`` traces run each in a process of its own (:func:`_pool`): with two
-    workers or more and the disk cache on, outside a tracing process, when there are several
-    or this process traced before (its first trace runs in it, as in a fresh one: a lone
-    trace, as a plan of given settings needs, starts no processes)."""
+    """Whether ``jobs`` traces run in worker processes (:func:`_pool`): with two workers or
+    more and the disk cache on, outside a tracing process, when there are several or this
+    process traced before (its first trace runs in it, as in a fresh one: a lone trace, as a
+    plan of given settings needs, starts no processes)."""
     return (workers() >= 2 and cache_dir() is not None and not _IN_WORKER and
             (jobs >= 2 or bool(_TRACED_HERE)))
 
 
-def _pool():
-    """:func:`workers` tracing processes at a time, each forked for one trace
-    (``maxtasksperchild=1``) from the fork server that only imported. A process that traced
-    before traces differently: the second of two identical traces in one process held one
-    hidden-sized tensor more at the backward's peak (Qwen3.5-9B, 8 layers, 98K tokens per
-    rank: 23.13 GiB against 22.38), and a search's long-lived workers read Qwen3.5-9B at
+def _pool(work: bool):
+    """:func:`workers` tracing processes at a time, forked from the fork server that only
+    imported. A memory trace gets a process of its own (``maxtasksperchild=1``): a process
+    that traced before traces differently. The second of two identical traces in one process
+    held one hidden-sized tensor more at the backward's peak (Qwen3.5-9B, 8 layers, 98K tokens
+    per rank: 23.13 GiB against 22.38), and a search's long-lived workers read Qwen3.5-9B at
     12 layers and 3.94M tokens (ring 2 x Ulysses 4) as 67.33 GiB against 60.21 traced
     afresh, which made its length line bend (110.96 GiB at 32 layers). A fresh process costs
-    a trace about 2 s of torch's one-time set-up."""
-    if not _POOL:
-        _POOL.append(_workers_context().Pool(workers(), maxtasksperchild=1))
-        atexit.register(_close_pool)
-    return _POOL[0]
+    a trace about 2 s of torch's one-time set-up. Work traces count what runs, which no
+    earlier trace changes, and share long-lived processes, whose fake tensors' dispatch
+    cache the settings' traces of one model mostly hit."""
+    if work not in _POOLS:
+        if not _POOLS:
+            atexit.register(_close_pools)
+        _POOLS[work] = _workers_context().Pool(workers(), maxtasksperchild=None if work else 1)
+    return _POOLS[work]
 
 
-def _close_pool() -> None:
-    while _POOL:
-        pool = _POOL.pop()
+def _close_pools() -> None:
+    while _POOLS:
+        _, pool = _POOLS.popitem()
         pool.terminate()
         pool.join()
