@@ -1131,3 +1131,45 @@ def test_the_search_rings_every_scanning_mixer(monkeypatch):
     assert kept == [(1, 4)]
     reasons = {(c.ring, c.ulysses): c.pruned for c in factorizations(4, 4, 2, mixers=mamba1)}
     assert "Ulysses only" in reasons[2, 2] and "Ulysses only" in reasons[4, 1]
+
+
+def test_a_trace_calls_the_kernels_packages_modules_of_functions_as_their_functions():
+    """transformers 5.25 with ``kernels`` holds some functions of its model files as modules
+    of a function; inside the trace's block they are the functions (also inside the dispatch
+    sequence parallelism installs there, before or during the block), and afterwards the
+    modules again. (Their effect on a traced peak: the hybrid depth-line test on 5.25.)"""
+    import sys
+    import types
+
+    import torch
+
+    from arctic.hf.mixers import Dispatch
+    from arctic.plan.tracing import plain_kernel_functions
+
+    def conv(x):
+        return x
+
+    def scan(x):
+        return x
+
+    def module_of(func):
+        class Func(torch.nn.Module):
+            def forward(self, *args, **kwargs):
+                return func(*args, **kwargs)
+
+        return Func()
+
+    file = types.ModuleType("transformers.models.arctic_test.modeling_arctic_test")
+    file.conv, file.scan, file.weights = module_of(conv), Dispatch(module_of(scan), "scan"), \
+        torch.nn.Linear(2, 2)
+    modules = (file.conv, file.scan.original, file.weights)
+    sys.modules[file.__name__] = file
+    try:
+        with plain_kernel_functions():
+            assert file.conv is conv and file.scan.original is scan
+            assert file.weights is modules[2]  # a module with parameters stays
+            file.conv = Dispatch(file.conv, "conv")  # installed inside the block
+        assert isinstance(file.conv, Dispatch) and file.conv.original is modules[0]
+        assert file.scan.original is modules[1]
+    finally:
+        del sys.modules[file.__name__]

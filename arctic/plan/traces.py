@@ -24,7 +24,8 @@ from arctic.plan.step import (
     make_batch,
     train_step,
 )
-from arctic.plan.tracing import KINDS, Peak, buffer_pools, fake_world, track_peak
+from arctic.plan.tracing import (KINDS, Peak, buffer_pools, fake_world,
+                                 plain_kernel_functions, track_peak)
 from arctic.plan.work import Work, count_work
 from ulysses.torch_internals import FakeTensorMode
 from ulysses.trace_shortcuts import memory_trace, work_trace
@@ -115,8 +116,9 @@ def trace(config, sp, world: int, seq_len: int, *, shard: bool,
         init_optimizer_state(model, optimizer)
         batch = make_batch(seq_len, text_config_of(config).vocab_size, mesh, "cpu")
         session = getattr(model, "activation_offload", None)
-        with track_peak(track=(model, optimizer, *filter(torch.is_tensor, batch.values())),
-                        pools=buffer_pools(model), state=(model, optimizer)) as tracker:
+        tracked = (model, optimizer, *filter(torch.is_tensor, batch.values()))
+        with plain_kernel_functions(), track_peak(track=tracked, pools=buffer_pools(model),
+                                                  state=(model, optimizer)) as tracker:
             train_step(model, optimizer, batch, on_phase=tracker.end_phase)
     host = session.pool.stats.peak_host_bytes if session is not None else 0
     # The sequence-chunked attention's parked kv blocks and dk/dv sums (ulysses.seq_chunk).

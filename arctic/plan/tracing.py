@@ -11,6 +11,7 @@ peak, by the op and module that made it.
 from __future__ import annotations
 
 import contextlib
+import sys
 import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,6 +20,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from arctic.hf.binding import module_function
+from arctic.hf.mixers import Dispatch
 from ulysses import BufferPool
 from ulysses.torch_internals import fake_store, mem_tracker, step_mem_tracker_class
 
@@ -220,6 +223,51 @@ def buffer_pools(model: nn.Module) -> list[BufferPool]:
         if pool is not None and not any(pool is p for p in pools):
             pools.append(pool)
     return pools
+
+
+def _module_of_a_function(value) -> bool:
+    """Whether ``value`` is the ``kernels`` package's module of a function (no parameters, no
+    submodules, a forward that calls one function; see
+    :func:`arctic.hf.binding.module_function`)."""
+    return (isinstance(value, nn.Module) and not any(True for _ in value.parameters()) and
+            not any(True for _ in value.children()) and
+            module_function(value) is not None)
+
+
+@contextlib.contextmanager
+def plain_kernel_functions():
+    """Within the block, the functions that transformers' model files hold as the ``kernels``
+    package's modules of a function (5.25 with ``kernels`` installed: ``causal_conv1d_forward``,
+    the scans, ``apply_rotary_pos_emb``) are the functions they call, as without ``kernels``
+    (the module calls it until the model is kernelized: the same ops). A traced step that
+    calls them as modules, each one module shared by every layer, held more at the
+    backward's peak, and more at some depths than others (a tiny Qwen3.5 on a ring of 8 at 8,
+    12 and 16 layers: 307,740,608, 331,697,892 and 361,751,032 bytes, the line through 8
+    and 12 1.7% under the trace at 16; with the functions, as without ``kernels``:
+    303,544,000, 329,400,532 and 355,257,064, exactly a line). Entered after the model is
+    built, when its files are imported and sequence parallelism wrapped their functions."""
+    swapped: list[tuple[object, str, object, object]] = []
+    for name, file in list(sys.modules.items()):
+        if not name.startswith("transformers.models.") or file is None:
+            continue
+        for attr, value in list(vars(file).items()):
+            holder = value if isinstance(value, Dispatch) else None
+            inner = holder.original if holder is not None else value
+            if _module_of_a_function(inner):
+                target = holder if holder is not None else file
+                key = "original" if holder is not None else attr
+                plain = module_function(inner)
+                swapped.append((target, key, inner, plain))
+                setattr(target, key, plain)
+    try:
+        yield
+    finally:
+        for target, key, inner, plain in reversed(swapped):
+            current = getattr(target, key)
+            if isinstance(current, Dispatch) and current.original is plain:
+                current.original = inner  # sequence parallelism wrapped it meanwhile
+            elif current is plain:
+                setattr(target, key, inner)
 
 
 @contextlib.contextmanager
