@@ -160,14 +160,14 @@ def test_calibration_measures_every_rate_on_one_rank():
 # --- the step's work, extended in length and depth --------------------------------------------
 
 def _extended_against_counted(tokens: int, layers: int) -> tuple[dict, dict]:
-    from arctic.plan import estimate, model_config, stack_config
+    from arctic.plan import counts, model_config, stack_config
 
     config = model_config("tiny-llama", layers=layers)
     sp = stack_config("ours", world=2)
     # past it: read off counts at 2048 and 4096 tokens per rank (lengths where every saved
     # tensor of tiny-llama, RoPE's cos and sin too, passes the offload's 64 KiB threshold)
-    estimate.WORK_TOKENS = 4096
-    extended = estimate.step_work(config, sp, 2, tokens)
+    counts.WORK_TOKENS = 4096
+    extended = counts.step_work(config, sp, 2, tokens)
     tracer = Tracer(config, sp, 2, shard=True, work=True)
     counted = tracer.at(tokens, layers)
     return extended.as_dict(), counted.as_dict()
@@ -183,6 +183,63 @@ def test_work_read_off_shorter_and_shallower_counts_matches_the_counted_step():
     for k in ("memory", "host_copy", "ops"):
         assert extended[k] == pytest.approx(counted[k], rel=0.05), k
     assert counted["attention_bwd"] > 0 and counted["host_copy"] > 0
+
+
+def _composed_against_extended(config, base: dict, changes: list[dict],
+                               tokens: int) -> list[tuple[dict, dict, bool]]:
+    """For each change of ``base``: its work counted as the search counts a neighbour (its
+    layers at one depth against ``base``'s outside), its work counted alone, and whether the
+    first took the outside from ``base``."""
+    from arctic.plan import counts, stack_config
+
+    ref = stack_config(base, world=2)
+    out = []
+    for change in changes:
+        sp = stack_config(dict(base, **change), world=2)
+        composed = counts.step_work(config, sp, 2, tokens, outside=ref)
+        alone = counts.step_work(config, sp, 2, tokens)
+        used = counts._outside_jobs(config, sp, 2, tokens, ref, shard=True,
+                                    compute_dtype=None) is not None
+        out.append((composed.as_dict(), alone.as_dict(), used))
+    return out
+
+
+def _tiny_hybrid(layers: int):
+    import transformers as tf
+
+    return tf.Qwen3_5TextConfig(vocab_size=256, hidden_size=128, intermediate_size=256,
+                                num_hidden_layers=layers, num_attention_heads=4,
+                                num_key_value_heads=2, head_dim=32, linear_num_value_heads=4,
+                                linear_num_key_heads=2, linear_key_head_dim=16,
+                                linear_value_head_dim=16, tie_word_embeddings=False)
+
+
+def _composed_cases() -> list:
+    from arctic.plan import model_config
+    from arctic.plan.step import STACKS
+
+    llama = model_config("tiny-llama", layers=4)
+    inside = [{"head_chunk_size": 2}, {"fuse_projections": False}, {"seq_chunk": "auto"},
+              {"recompute_attention": False}, {"tiled_layer": False}]
+    outside = [{"loss_tiles": 1}, {"ring_degree": 2}, {"offload_activations": False}]
+    hybrid = dict(STACKS["ours"], fuse_projections=False, tiled_layer=False)
+    return (_composed_against_extended(llama, dict(STACKS["ours"]), inside + outside, 16384) +
+            _composed_against_extended(_tiny_hybrid(16), hybrid,
+                                       [{"mixer_chunk": 1024},
+                                        {"mixer_parallelism": "state_passing"}], 16384))
+
+
+def test_a_neighbour_inside_the_layers_counts_its_layers_alone_and_the_same_work():
+    """The search counts a setting that changes only the decoder layers (INSIDE_FIELDS) at
+    one depth, against the current settings' outside: half the traces, the same counts as
+    its own two depths (tiny-llama at 4 layers, a tiny Qwen3.5 at 16, 8192 tokens per rank).
+    Changes outside the layers (the loss tiles, the ring's order, the offload's edges) are
+    counted alone."""
+    cases = plan_server.call(_composed_cases, env=_ENV, timeout=600)
+    assert [used for _, _, used in cases] == [True] * 5 + [False] * 3 + [True] * 2
+    for composed, alone, used in cases:
+        for k, v in alone.items():
+            assert composed[k] == pytest.approx(v, rel=1e-9, abs=1e-6), k
 
 
 # --- the search -------------------------------------------------------------------------------
@@ -264,7 +321,7 @@ def test_the_search_takes_the_fastest_prediction_that_fits():
             return "activations"
 
     class P:
-        def __init__(self, f):
+        def __init__(self, f, outside=None):  # the counts' outside: step_work's
             self.step_s = float(cost(f))
 
     for budget in (0, 3, 4):
@@ -356,7 +413,7 @@ def test_the_search_starts_from_a_fallback_when_the_least_memory_settings_do_not
             return "optimizer"
 
     class P:
-        def __init__(self, f):
+        def __init__(self, f, outside=None):  # the counts' outside: step_work's
             self.step_s = 10.0 + (f.get("head_chunk_size") is not None)
 
     logged = []

@@ -22,7 +22,8 @@ from arctic.plan.args import (  # noqa: F401 - parse_args, settings_from_args: t
     searches,
     settings_from_args,
 )
-from arctic.plan.estimate import Estimate, plan, predict_step, prefetch_work
+from arctic.plan.counts import predict_step, prefetch_work
+from arctic.plan.estimate import Estimate, plan
 from arctic.plan.launch import command_lines, ulysses_block, write_config
 from arctic.plan.models import model_config, token_mixer_heads, unsupported_settings
 from arctic.plan.fastest import fastest
@@ -287,24 +288,27 @@ def _fastest(args, config, fields: dict, placement: Placement, plan_at, rates,
           f"SP {sp}, {rates.name} rates):")
     tracers: dict = {}
 
-    def predict_with(f: dict):
+    def sp_of(f: dict | None):  # the settings without the training state's placement
+        return None if f is None else stack_config(
+            {k: v for k, v in f.items() if k != "offload_state"}, world=world)
+
+    def predict_with(f: dict, ref: dict | None = None):
         key = repr(sorted(f.items()))
         if key not in tracers:
-            f = dict(f)
-            where = Placement(f.pop("offload_state")) if "offload_state" in f else placement
-            tracers[key] = predict_step(config, stack_config(f, world=world), world, n, rates,
-                                        placement=where, peak=plan_at(n, f).peak
-                                        if where.offloaded else None)
+            where = Placement(f["offload_state"]) if "offload_state" in f else placement
+            f_sp = {k: v for k, v in f.items() if k != "offload_state"}
+            tracers[key] = predict_step(config, sp_of(f), world, n, rates, placement=where,
+                                        peak=plan_at(n, f_sp).peak if where.offloaded else None,
+                                        outside=sp_of(ref))
         return tracers[key]
 
     best, tried = fastest(lambda f: plan_at(n, f), predict_with, base=fields, sp_size=sp,
                           heads=_attention_heads(config), seq_len=n,
                           mixers=token_mixer_heads(config),
                           unsupported=list(unsupported_settings(config)),
-                          prefetch=lambda options: prefetch_work(
-                              config, [stack_config({k: v for k, v in f.items()
-                                                     if k != "offload_state"}, world=world)
-                                       for f in options], world, n),
+                          prefetch=lambda options, ref, wait=True: prefetch_work(
+                              config, [sp_of(f) for f in options], world, n, wait=wait,
+                              outside=sp_of(ref)),
                           fallbacks=[{"seq_chunk": "auto"}] + (
                               [{"offload_state": "optimizer"},
                                {"seq_chunk": "auto", "offload_state": "optimizer"}]

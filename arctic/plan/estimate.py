@@ -33,11 +33,11 @@ from arctic.plan.step import (
     PLANNED_FIELDS,
     stack_config,
 )
-from arctic.plan.traces import Tracer, along, layer_period, prefetch
+from arctic.plan.counts import predict_step
+from arctic.plan.traces import Tracer, along
 from arctic.plan.tracing import Peak
 from arctic.plan.units import GiB
-from arctic.plan.speed import Prediction, Rates, predict, rates_from
-from arctic.plan.work import CLASSES, Work, model_flops
+from arctic.plan.speed import Prediction, Rates
 
 ALLOCATOR_HEADROOM = 1.12
 """Reserved over allocated bytes of the CUDA caching allocator with
@@ -63,6 +63,13 @@ CHECK_TOKENS = 131072
 
 CHECK_TOLERANCE = 0.005
 """How far (a fraction of the step's traced peak) the check trace may sit from the line."""
+
+MISFIT_UNCHECKED = ("(unchecked: over a budget on the line, which a phase's peak only bends "
+                    "above)")
+"""How a plan read off a length line that misses a budget says why no trace checked it: a
+phase's peak is the largest of several moments' bytes, each affine in the length, so past the
+anchors it lies on or above their line (it only bends upwards), and what misses on the line
+misses traced. A line that fits is checked (:func:`_read_off_the_line`)."""
 
 
 @dataclass
@@ -133,80 +140,6 @@ class Estimate:
                 "disk_budget": self.disk_budget, "method": self.method,
                 "trace_s": round(self.trace_s, 1), "notes": list(self.notes),
                 "predicted": self.prediction.as_dict() if self.prediction else None}
-
-
-WORK_TOKENS = 4096
-"""Tokens per rank up to which a step's work is counted at its own length. Longer steps are
-read off counts at half this and at this: every class but attention is affine in the length
-(tiles, chunks and hops repeat the same work over more tokens), and attention's FLOPs are
-``c n^2 + d n`` (exactly so for one causal document)."""
-
-
-def step_work(config, sp, world: int, seq_len: int, *, shard: bool = True,
-              compute_dtype=None) -> Work:
-    """The work of one step of ``config`` at ``seq_len`` tokens with settings ``sp`` over
-    ``world`` ranks, rank 0's (:mod:`arctic.plan.work`), counted on traces (cached) at two
-    depths (:func:`work_depths`) and, past :data:`WORK_TOKENS` per rank, two lengths."""
-    tracer, lengths, depths = _work_jobs(config, sp, world, seq_len, shard=shard,
-                                         compute_dtype=compute_dtype)
-    depth = text_config_of(config).num_hidden_layers
-    da, db = work_depths(config)
-    tracer.prefetch([(n, d) for n in lengths for d in depths])
-
-    def deep(n: int) -> Work:
-        if len(depths) == 1:
-            return tracer.at(n, depth)
-        a, b = tracer.at(n, da), tracer.at(n, db)
-        return a + (b - a).scaled((depth - da) / (db - da))
-
-    if len(lengths) == 1:
-        return deep(seq_len)
-    (na, nb), (wa, wb) = lengths, (deep(lengths[0]), deep(lengths[1]))
-    values = {}
-    for k in CLASSES:
-        ya, yb = getattr(wa, k), getattr(wb, k)
-        if k.startswith("attention"):  # c n^2 + d n through both counts
-            c = (yb / nb - ya / na) / (nb - na)
-            values[k] = c * seq_len ** 2 + (ya / na - c * na) * seq_len
-        else:
-            values[k] = ya + (yb - ya) * (seq_len - na) / (nb - na)
-    return Work(**values)
-
-
-def _work_jobs(config, sp, world: int, seq_len: int, *, shard: bool, compute_dtype):
-    """The tracer, lengths and depths :func:`step_work` counts."""
-    tracer = Tracer(config, sp, world, shard=shard, work=True, compute_dtype=compute_dtype)
-    depth = text_config_of(config).num_hidden_layers
-    da, db = work_depths(config)
-    depths = (depth,) if depth <= db else (da, db)
-    divisor = sp.dims(world).seq_len_divisor
-    size = sp.sequence_parallel_size
-    if seq_len // size <= WORK_TOKENS:
-        lengths = (seq_len,)
-    else:
-        lengths = tuple(-(-n * size // divisor) * divisor for n in (WORK_TOKENS // 2, WORK_TOKENS))
-    return tracer, lengths, depths
-
-
-def prefetch_work(config, sps, world: int, seq_len: int, *, shard: bool = True,
-                  compute_dtype=None) -> None:
-    """Count the work of each setting of ``sps`` at ``seq_len`` ahead of :func:`step_work`,
-    all their traces sharing the worker processes."""
-    jobs = []
-    for sp in sps:
-        divisor = sp.dims(world).seq_len_divisor
-        tracer, lengths, depths = _work_jobs(config, sp, world, -(-seq_len // divisor) * divisor,
-                                             shard=shard, compute_dtype=compute_dtype)
-        jobs += [(tracer, n, d) for n in lengths for d in depths]
-    prefetch(jobs)
-
-
-def work_depths(config) -> tuple[int, int]:
-    """The depths whose counts give a deeper model's work: one and two layers, or one and two
-    periods of a hybrid's ``layer_types``. Work, unlike memory, has no peak to shift: it is
-    affine in the depth from one layer on."""
-    p = layer_period(config)
-    return p, 2 * p
 
 
 def _line_checked(tracer: Tracer, anchors: tuple[int, int], check: int) -> float:
@@ -295,13 +228,34 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
     config = model_config(model, layers=layers)
     start = time.perf_counter()
     tracer = Tracer(config, sp, world, shard=shard)
+    budgets = dict(model=model, stack=stack, seq_len=seq_len, world=world, gpus=gpus,
+                   sp=sp, config=config, placement=placement, host_memory=host_memory,
+                   disk_memory=disk_memory,
+                   device_budget=int(gpu_memory * (1 - reserve) / headroom), headroom=headroom)
     per_rank = seq_len // sp.sequence_parallel_size
     if full_trace or not line or per_rank <= CHECK_TOKENS:
         if not full_trace:
             tracer.prefetch([(seq_len, d) for d in tracer.depths()])
-        peaks, method = tracer.deep(seq_len, full=full_trace), "traced"
+        e = _judged(tracer.deep(seq_len, full=full_trace), "traced", **budgets)
     else:
-        peaks, method = _read_off_the_line(tracer, seq_len, snap, quick=quick)
+        e = _judged(*_read_off_the_line(tracer, seq_len, snap, quick=True), **budgets)
+        if e.fits and not quick:
+            e = _judged(*_read_off_the_line(tracer, seq_len, snap, quick=False), **budgets)
+        elif not quick:  # a misfit on the unchecked line is one: see _read_off_the_line
+            e = replace(e, method=e.method.replace("(unchecked: quick)", MISFIT_UNCHECKED))
+    if rates is not None:
+        e.prediction = predict_step(config, sp, world, seq_len, rates, shard=shard,
+                                    placement=placement, peak=e.peak,
+                                    compute_dtype=compute_dtype)
+    e.trace_s = time.perf_counter() - start
+    return e
+
+
+def _judged(peaks: dict[str, Peak], method: str, *, model: str, stack, seq_len: int,
+            world: int, gpus: int, sp, config, placement: Placement, host_memory: int,
+            disk_memory: int, device_budget: int, headroom: float) -> Estimate:
+    """The :class:`Estimate` of ``peaks`` (each phase's, as traced or read off the lines;
+    ``method`` says which) against the budgets of :func:`plan`."""
     if placement.offloaded:
         peaks = {k: _offloaded(p, placement, phase=k) for k, p in peaks.items()}
     phase = max(peaks, key=lambda k: peaks[k].total)
@@ -321,39 +275,14 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
     elif host > host_limit and not disk:
         refused = (f"the offloaded layer inputs and state need {host / GiB:.2f} GiB of host "
                    f"memory per rank, more than the offload limit of {host_limit / GiB:.2f} GiB")
-    prediction = None
-    if rates is not None:
-        prediction = predict_step(config, sp, world, seq_len, rates, shard=shard,
-                                  placement=placement, peak=peak, compute_dtype=compute_dtype)
     return Estimate(model=model, stack=stack if isinstance(stack, str) else "custom",
                     seq_len=seq_len, world=world, gpus_per_node=gpus,
                     sp={k: getattr(sp, k) for k in PLANNED_FIELDS}, peak=peak,
-                    device_budget=int(gpu_memory * (1 - reserve) / headroom),
-                    host_budget=host_limit, refused=refused, peak_phase=phase,
-                    phases={k: v.total for k, v in peaks.items()},
-                    trace_s=time.perf_counter() - start, placement=placement,
-                    state_host=state_host, method=method, headroom=headroom, disk=disk,
-                    disk_budget=disk_limit,
-                    notes=(VISION_NOTE,) if is_vlm_config(config) else (),
-                    prediction=prediction)
-
-
-def predict_step(config, sp, world: int, seq_len: int, rates, *, shard: bool = True,
-                 placement: Placement | None = None, peak: Peak | None = None,
-                 compute_dtype=None) -> Prediction:
-    """The step's predicted time at ``rates`` (:mod:`arctic.plan.speed`): its counted work
-    (:func:`step_work`), plus, when ``placement`` offloads the training state, what the
-    offload adds: each step's gradients (fp32) go to the host and the parameters (bf16) come
-    back, and the optimizer reads and writes its state there (at the host copy rate)."""
-    rates = rates_from(rates)
-    divisor = sp.dims(world).seq_len_divisor
-    seq_len = -(-seq_len // divisor) * divisor
-    work = step_work(config, sp, world, seq_len, shard=shard, compute_dtype=compute_dtype)
-    if placement is not None and placement.offloaded and peak is not None:
-        work.host_copy += 6 * peak.shard_params + 2 * peak.optimizer_state
-    size = sp.sequence_parallel_size
-    return predict(work, rates, seq_len=seq_len,
-                   model_flops_per_rank=model_flops(config, seq_len // size, seq_len, size))
+                    device_budget=device_budget, host_budget=host_limit, refused=refused,
+                    peak_phase=phase, phases={k: v.total for k, v in peaks.items()},
+                    placement=placement, state_host=state_host, method=method,
+                    headroom=headroom, disk=disk, disk_budget=disk_limit,
+                    notes=(VISION_NOTE,) if is_vlm_config(config) else ())
 
 
 def _spill(inputs: int, state: int, host_limit: int, layers: int) -> int:

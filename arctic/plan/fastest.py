@@ -118,15 +118,17 @@ def fastest(plan_with, predict_with, *, base: dict, sp_size: int,
     """The settings with the lowest predicted step time that fit ``seq_len`` tokens: a
     descent over :func:`neighbours` from ``base`` (the least-memory settings, which must
     fit). Each round predicts every neighbour of the current settings
-    (``predict_with(fields)``: a :class:`~arctic.plan.speed.Prediction`, from the step's
-    counted work) and plans the memory of those predicted faster, fastest first
-    (``plan_with(fields)``: an :class:`Estimate`), moving to the first that fits; it stops
-    when no neighbour is both faster (by ``min_gain`` of the current time: less is within
-    the model's error, and not worth a memory plan) and fits, or after ``rounds`` rounds.
-    ``prefetch(list
-    of fields)``, if given, is called with each round's neighbours before they are predicted
-    (to count their work in parallel). ``fallbacks``: changes to ``base`` tried in turn when
-    it does not fit (sequence blocks, the optimizer's state on the host,
+    (``predict_with(fields, current)``: a :class:`~arctic.plan.speed.Prediction`, from the
+    step's counted work, which may take the work outside the layers from the current
+    settings: :func:`arctic.plan.counts.step_work`) and plans the memory of those predicted
+    faster, fastest first (``plan_with(fields)``: an :class:`Estimate`), moving to the first
+    that fits; it stops when no neighbour is both faster (by ``min_gain`` of the current
+    time: less is within the model's error, and not worth a memory plan) and fits, or after
+    ``rounds`` rounds. ``prefetch(list of fields, current, wait=True)``, if given, is called
+    with each round's neighbours before they are predicted (to count their work in
+    parallel), and with the start's, ``wait=False``, before the start's memory is planned
+    (to count them meanwhile). ``fallbacks``: changes to ``base`` tried in turn when it does
+    not fit (sequence blocks, the optimizer's state on the host,
     ``{"offload_state": "optimizer"}``, which ``plan_with`` and ``predict_with`` read as the
     training state's placement); the descent starts from the first that fits, and may take
     the change back (:func:`neighbours`).
@@ -138,10 +140,10 @@ def fastest(plan_with, predict_with, *, base: dict, sp_size: int,
     def key(fields: dict) -> str:
         return repr(sorted(fields.items()))
 
-    def predicted(fields: dict) -> float:
+    def predicted(fields: dict, ref: dict | None = None) -> float:
         k = key(fields)
         if k not in seen:
-            seen[k] = (fields, predict_with(fields).step_s, "predicted")
+            seen[k] = (fields, predict_with(fields, ref).step_s, "predicted")
         return seen[k][1]
 
     def verdict(fields: dict, what: str) -> None:
@@ -154,6 +156,9 @@ def fastest(plan_with, predict_with, *, base: dict, sp_size: int,
         current = dict(start, **extra)
         if extra and not _valid(current, sp_size):
             continue
+        if prefetch is not None:  # their work is counted while the memory is planned
+            prefetch(neighbours(current, sp_size=sp_size, heads=heads, mixers=mixers,
+                                unsupported=unsupported), current, wait=False)
         best = plan_with(current)
         t_best = predicted(current)
         verdict(current, "fits" if best.fits else f"does not fit ({best.limit()})")
@@ -167,9 +172,9 @@ def fastest(plan_with, predict_with, *, base: dict, sp_size: int,
         options = neighbours(current, sp_size=sp_size, heads=heads, mixers=mixers,
                              unsupported=unsupported)
         if prefetch is not None:
-            prefetch(options)
-        faster = sorted((predicted(o), i, o) for i, o in enumerate(options)
-                        if predicted(o) < t_best * (1 - min_gain))
+            prefetch(options, current)
+        faster = sorted((predicted(o, current), i, o) for i, o in enumerate(options)
+                        if predicted(o, current) < t_best * (1 - min_gain))
         moved = False
         for t, _, o in faster:
             e = plan_with(o)

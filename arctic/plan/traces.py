@@ -104,12 +104,23 @@ def trace(config, sp, world: int, seq_len: int, *, shard: bool,
     sequence-chunked attention's host blocks) in ``host``.
     ``shortcuts``: skip the work that allocates nothing or repeats
     (:mod:`ulysses.trace_shortcuts`): the peaks are the same, the trace's cost no longer
-    grows with the tile counts."""
+    grows with the tile counts.
+
+    It starts with the fake tensors' dispatch cache (``FakeTensorMode.cache``, one for the
+    process) empty, as in a fresh process. Hits on the entries of an earlier trace change
+    what the step holds: a second Qwen3.5-9B trace in one process (8 layers, 98K tokens per
+    rank, mixer chunks) held 27,603,280,416 bytes at the backward's peak against
+    26,797,728,288 (two layers' recomputed input norm outputs alive at the peak), and the
+    same trace after emptying the cache 26,797,728,288, to the byte. Hits on the trace's own
+    entries (each layer after the first hits the first's) are those of a fresh process's
+    trace, which measured steps confirm (docs/planner.md). A Llama trace reads the same
+    either way."""
     import torch
 
     fake_world(world)
     mesh = sp.dims(world).build_mesh("cpu")  # outside: the mesh reads its rank map
     skipping = memory_trace() if shortcuts else contextlib.nullcontext()
+    FakeTensorMode.cache_clear()  # as a fresh process's (see above)
     with FakeTensorMode(allow_non_fake_inputs=True), skipping, _collecting_often():
         model, optimizer = build(config, sp, mesh, device="cpu", shard=shard,
                                  host_memory_limit=1 << 62)  # the host is judged after
@@ -228,11 +239,6 @@ def start_workers() -> None:
 _IN_WORKER: list = []
 """Set in a tracing process: its traces run in it (see :meth:`Tracer.at`)."""
 
-_TRACED_HERE: list = []
-"""Set once this process traced: its next traces go to processes of their own
-(:func:`_fresh_processes`)."""
-
-
 def _trace_in_worker(job) -> list[str]:
     """Trace ``job`` into the disk cache it names (the caller's now: the fork server's
     environment is the one it started with); returns the warnings it gave (:data:`HELD`)."""
@@ -281,10 +287,9 @@ class Tracer:
         config = self._shaped(seq_len, layers)
         key = trace_key(config, self.fields, world=self.world, seq_len=seq_len,
                         shard=self.shard)
-        if _fresh_processes(1) and not is_cached(key):
-            prefetch([(self, seq_len, layers)])  # traced in a process of its own
-        if not _IN_WORKER and not is_cached(key):
-            _TRACED_HERE.append(True)
+        _wait(key)
+        if _in_workers(1) and not is_cached(key):
+            prefetch([(self, seq_len, layers)])  # in the workers, which already run
         with held_warnings():
             if self.work:
                 work, _ = cached(key, lambda: _work_trace(
@@ -321,57 +326,70 @@ class Tracer:
         return {k: along(a[k], b[k], la, lb, depth) for k in a}
 
 
-def prefetch(jobs: list[tuple[Tracer, int, int]]) -> None:
+def prefetch(jobs: list[tuple[Tracer, int, int]], *, wait: bool = True) -> None:
     """Trace the ``(tracer, seq_len, layers)`` jobs not yet cached, in worker processes
-    (several settings' traces share the workers): memory traces each in a fresh process,
-    work traces in long-lived ones (:func:`_pool`), both at once."""
+    (several settings' traces share the workers, :func:`_pool`): memory traces and work
+    traces in two sets of workers, both at once. ``wait=False``: return once
+    they are queued; a later :func:`prefetch` or :meth:`Tracer.at` of a queued job waits for
+    it instead of queueing it again (so a caller can trace one thing while the workers trace
+    what it needs next)."""
     todo = [(t, n, d) for t, n, d in jobs if not is_cached(t._key(n, d))]
     todo = list({t._key(n, d): (t, n, d) for t, n, d in todo}.values())
     todo.sort(key=lambda j: (-j[2], -j[1]))  # deepest first: the workers finish together
-    if not todo or not _fresh_processes(len(todo)):
+    if not todo or not _in_workers(len(todo)):
         return
-    pending = []
-    for work in (False, True):
-        mine = [t.job(n, d) for t, n, d in todo if t.work == work]
-        if mine:
-            pending.append(_pool(work).map_async(_trace_in_worker, mine, chunksize=1))
-    for result in pending:
-        for held in result.get():
-            HELD.extend(held)
+    for t, n, d in todo:
+        key = t._key(n, d)
+        if key not in _PENDING:
+            _PENDING[key] = _pool(t.work).apply_async(_trace_in_worker, (t.job(n, d),))
+    if wait:
+        for t, n, d in todo:
+            _wait(t._key(n, d))
+
+
+_PENDING: dict[str, object] = {}
+"""The queued traces of :func:`prefetch`, by cache key, until their results are read."""
+
+
+def _wait(key: str) -> None:
+    """Wait for the queued trace ``key`` (if it is) and keep the warnings it gave."""
+    result = _PENDING.get(key)
+    if result is not None:
+        try:
+            HELD.extend(result.get())
+        finally:
+            _PENDING.pop(key, None)
 
 
 _POOLS: dict[bool, object] = {}
 """The tracing workers of this process, once started (:func:`_pool`), by ``work``."""
 
 
-def _fresh_processes(jobs: int) -> bool:
+def _in_workers(jobs: int) -> bool:
     """Whether ``jobs`` traces run in worker processes (:func:`_pool`): with two workers or
-    more and the disk cache on, outside a tracing process, when there are several or this
-    process traced before (its first trace runs in it, as in a fresh one: a lone trace, as a
-    plan of given settings needs, starts no processes)."""
+    more and the disk cache on, outside a tracing process, when there are several or the
+    workers run already (a lone trace, as a plan of given settings may need first, starts no
+    processes)."""
     return (workers() >= 2 and cache_dir() is not None and not _IN_WORKER and
-            (jobs >= 2 or bool(_TRACED_HERE)))
+            (jobs >= 2 or bool(_POOLS)))
 
 
 def _pool(work: bool):
     """:func:`workers` tracing processes at a time, forked from the fork server that only
-    imported. A memory trace gets a process of its own (``maxtasksperchild=1``): a process
-    that traced before traces differently. The second of two identical traces in one process
-    held one hidden-sized tensor more at the backward's peak (Qwen3.5-9B, 8 layers, 98K tokens
-    per rank: 23.13 GiB against 22.38), and a search's long-lived workers read Qwen3.5-9B at
-    12 layers and 3.94M tokens (ring 2 x Ulysses 4) as 67.33 GiB against 60.21 traced
-    afresh, which made its length line bend (110.96 GiB at 32 layers). A fresh process costs
-    a trace about 2 s of torch's one-time set-up. Work traces count what runs, which no
-    earlier trace changes, and share long-lived processes, whose fake tensors' dispatch
-    cache the settings' traces of one model mostly hit."""
+    imported, which live on from trace to trace (each trace after a process's first one
+    is spared torch's one-time set-up, about 1 s). Memory traces and work traces have
+    workers of their own: a work trace keeps the fake tensors' dispatch cache that the
+    traces before it filled (the settings of one model mostly hit it: a llama3-8b search's
+    work traces took half the time), a memory trace empties it first (:func:`trace`)."""
     if work not in _POOLS:
         if not _POOLS:
             atexit.register(_close_pools)
-        _POOLS[work] = _workers_context().Pool(workers(), maxtasksperchild=None if work else 1)
+        _POOLS[work] = _workers_context().Pool(workers())
     return _POOLS[work]
 
 
 def _close_pools() -> None:
+    _PENDING.clear()
     while _POOLS:
         _, pool = _POOLS.popitem()
         pool.terminate()
