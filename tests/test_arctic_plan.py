@@ -189,7 +189,7 @@ def test_the_tracing_workers_write_the_cache_the_caller_reads_now(tmp_path):
 
 
 def _work_in_long_lived_workers(where: str) -> tuple[bool, bool]:
-    from arctic.plan import traces
+    from arctic.plan import traces, workers
     from arctic.plan.models import model_config
     from arctic.plan.step import stack_config
 
@@ -204,10 +204,10 @@ def _work_in_long_lived_workers(where: str) -> tuple[bool, bool]:
         os.environ.update(ARCTIC_PLAN_CACHE=where, ARCTIC_PLAN_WORKERS="2")
         tracers = [traces.Tracer(config, sp, 2, shard=True, work=True) for sp in settings]
         traces.prefetch([(t, n, d) for t in tracers for n, d in jobs])
-        pids = sorted(p.pid for p in traces._pool(True)._pool)
+        pids = sorted(p.pid for p in workers._pool()._pool)
         counted = [t.at(n, d) for t in tracers for n, d in jobs]
         traces.prefetch([(t, 1024, 1) for t in tracers])
-        kept_pids = sorted(p.pid for p in traces._pool(True)._pool) == pids
+        kept_pids = sorted(p.pid for p in workers._pool()._pool) == pids
         os.environ["ARCTIC_PLAN_CACHE"] = "off"  # counted again here, in this process
         again = [t.at(n, d) for t in tracers for n, d in jobs]
         return kept_pids, counted == again
@@ -219,8 +219,7 @@ def _work_in_long_lived_workers(where: str) -> tuple[bool, bool]:
 def test_work_traces_share_long_lived_workers_and_count_the_same(tmp_path):
     """The step's work is counted in tracing processes that live on between traces (their
     fake tensors' dispatch cache warm: a llama3-8b search's 60 work traces took half the
-    time), unlike memory traces, which each get a fresh process: the counts are those of
-    another process, to the op."""
+    time): the counts are those of another process, to the op."""
     kept_pids, same = plan_server.call(_work_in_long_lived_workers, str(tmp_path),
                                        env={"ARCTIC_PLAN_CACHE": _CACHE})
     assert kept_pids, "the work traces' workers were replaced"
@@ -808,6 +807,33 @@ def test_trace_shortcuts_never_touch_real_tensors():
             grads.append((loss.detach(), *torch.autograd.grad(loss, (h, w))))
     for a, b in zip(*grads):
         assert torch.equal(a, b)
+
+
+def _deepened_against_traced(stack: str, per_rank: int) -> list[tuple[int, int]]:
+    """Tiny-llama at 8 layers over 2 ranks: each phase at ``per_rank`` tokens per rank, its
+    deeper layers' bytes read off the anchors' line, and traced at both depths."""
+    from arctic.plan import model_config, stack_config
+    from arctic.plan.estimate import ANCHOR_TOKENS
+    from arctic.plan.traces import Tracer
+
+    tracer = Tracer(model_config("tiny-llama", layers=8), stack_config(stack, world=2), 2,
+                    shard=True)
+    anchors = tuple(2 * t for t in ANCHOR_TOKENS)
+    read = tracer.deep(2 * per_rank, full=False, anchors=anchors)
+    traced = tracer.deep(2 * per_rank, full=False)
+    return [(read[k].total, traced[k].total) for k in traced] + [
+        (read[k].host, traced[k].host) for k in traced]
+
+
+@pytest.mark.parametrize("stack", ["ours", "ours-no-offload"])
+def test_the_deeper_layers_bytes_are_read_off_the_anchors_line(stack):
+    """Past the anchors a length is traced at the shallower depth alone: what the deeper
+    layers add (their state, the inputs they keep on the device or the host) is a line in
+    the length, through what they add at the anchors; tiny-llama, 200K tokens per rank, with
+    the inputs offloaded and kept."""
+    for read, traced in plan_server.call(_deepened_against_traced, stack, 200 * 1024,
+                                         env={"ARCTIC_PLAN_CACHE": _CACHE}):
+        assert abs(read - traced) <= 1e-4 * traced, (read, traced)
 
 
 @pytest.mark.slow

@@ -185,20 +185,20 @@ def test_work_read_off_shorter_and_shallower_counts_matches_the_counted_step():
     assert counted["attention_bwd"] > 0 and counted["host_copy"] > 0
 
 
-def _composed_against_extended(config, base: dict, changes: list[dict],
-                               tokens: int) -> list[tuple[dict, dict, bool]]:
+def _composed_against_extended(config, base: dict, changes: list[dict], tokens: int,
+                               world: int = 2) -> list[tuple[dict, dict, bool]]:
     """For each change of ``base``: its work counted as the search counts a neighbour (its
     layers at one depth against ``base``'s outside), its work counted alone, and whether the
     first took the outside from ``base``."""
     from arctic.plan import counts, stack_config
 
-    ref = stack_config(base, world=2)
+    ref = stack_config(base, world=world)
     out = []
     for change in changes:
-        sp = stack_config(dict(base, **change), world=2)
-        composed = counts.step_work(config, sp, 2, tokens, outside=ref)
-        alone = counts.step_work(config, sp, 2, tokens)
-        used = counts._outside_jobs(config, sp, 2, tokens, ref, shard=True,
+        sp = stack_config(dict(base, **change), world=world)
+        composed = counts.step_work(config, sp, world, tokens, outside=ref)
+        alone = counts.step_work(config, sp, world, tokens)
+        used = counts._outside_jobs(config, sp, world, tokens, ref, shard=True,
                                     compute_dtype=None) is not None
         out.append((composed.as_dict(), alone.as_dict(), used))
     return out
@@ -226,17 +226,22 @@ def _composed_cases() -> list:
     return (_composed_against_extended(llama, dict(STACKS["ours"]), inside + outside, 16384) +
             _composed_against_extended(_tiny_hybrid(16), hybrid,
                                        [{"mixer_chunk": 1024},
-                                        {"mixer_parallelism": "state_passing"}], 16384))
+                                        {"mixer_parallelism": "state_passing"}], 16384) +
+            _composed_against_extended(llama, dict(STACKS["ours"], ring_degree=2),
+                                       [{"ring_degree": 4}], 32768, world=4) +
+            _composed_against_extended(llama, dict(STACKS["ours"], offload_activations=False),
+                                       [{"activation_checkpointing": False}], 16384))
 
 
 def test_a_neighbour_inside_the_layers_counts_its_layers_alone_and_the_same_work():
     """The search counts a setting that changes only the decoder layers (INSIDE_FIELDS) at
     one depth, against the current settings' outside: half the traces, the same counts as
-    its own two depths (tiny-llama at 4 layers, a tiny Qwen3.5 at 16, 8192 tokens per rank).
-    Changes outside the layers (the loss tiles, the ring's order, the offload's edges) are
-    counted alone."""
+    its own two depths (tiny-llama at 4 layers, a tiny Qwen3.5 at 16, 8192 tokens per rank),
+    and so do a ring of 4 against a ring of 2 and no checkpointing against checkpointing
+    without offload (the same outside). Changes outside the layers (the loss tiles, a ring
+    where there was none, the offload's edges) are counted alone."""
     cases = plan_server.call(_composed_cases, env=_ENV, timeout=600)
-    assert [used for _, _, used in cases] == [True] * 5 + [False] * 3 + [True] * 2
+    assert [used for _, _, used in cases] == [True] * 5 + [False] * 3 + [True] * 4
     for composed, alone, used in cases:
         for k, v in alone.items():
             assert composed[k] == pytest.approx(v, rel=1e-9, abs=1e-6), k
@@ -300,6 +305,22 @@ def test_neighbours_change_one_trade_and_keep_the_config_valid():
     assert {f["mixer_parallelism"] for f in chunked} == {"auto"}
     assert all(f["mixer_chunk"] is None for f in neighbours(
         dict(base, mixer_parallelism="all_to_all"), sp_size=4, heads=(8, 4), mixers=gdn))
+
+
+def test_each_neighbour_counts_against_settings_with_its_outside():
+    """references(): a neighbour inside the layers against the current settings; the first
+    ring counted whole and the other rings against it; no checkpointing against no offload;
+    a change outside, whole."""
+    from arctic.plan.fastest import planned_fields, references
+    from arctic.plan.step import STACKS
+
+    current = planned_fields(dict(STACKS["ours"]), 8)
+    options = [dict(current, ring_degree=2), dict(current, ring_degree=4),
+               dict(current, head_chunk_size=2), dict(current, loss_tiles=1),
+               dict(current, ring_degree=8), dict(current, offload_activations=False),
+               dict(current, activation_checkpointing=False, offload_activations=False)]
+    assert references(options, current) == [None, options[0], current, None, options[0],
+                                            None, options[5]]
 
 
 def test_the_search_takes_the_fastest_prediction_that_fits():

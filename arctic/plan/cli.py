@@ -31,7 +31,8 @@ from arctic.plan.search import MIXER_CHUNK, find_max, search
 from arctic.plan.speed import calibrate, rates_from
 from arctic.plan.step import STACKS, stack_config
 from arctic.plan import traces
-from arctic.plan.traces import held_summary, start_workers
+from arctic.plan.traces import held_summary
+from arctic.plan.workers import start_workers
 from arctic.plan.units import GiB, format_gib
 
 
@@ -306,9 +307,9 @@ def _fastest(args, config, fields: dict, placement: Placement, plan_at, rates,
                           heads=_attention_heads(config), seq_len=n,
                           mixers=token_mixer_heads(config),
                           unsupported=list(unsupported_settings(config)),
-                          prefetch=lambda options, ref, wait=True: prefetch_work(
-                              config, [sp_of(f) for f in options], world, n, wait=wait,
-                              outside=sp_of(ref)),
+                          prefetch=lambda pairs, wait=True: prefetch_work(
+                              config, [(sp_of(f), sp_of(r)) for f, r in pairs], world, n,
+                              wait=wait),
                           fallbacks=[{"seq_chunk": "auto"}] + (
                               [{"offload_state": "optimizer"},
                                {"seq_chunk": "auto", "offload_state": "optimizer"}]

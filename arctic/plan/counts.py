@@ -91,14 +91,29 @@ chunks and exchanges, what a layer keeps or recomputes, its tail, its token mixe
 two settings apart in these alone do the same work outside the layers (the embedding, the
 last norm, the logits and loss, the optimizer, the first and last layers' edges). The others
 change it outside too: the ring (the zigzag order of the labels), the tiled MLP (the last
-norm's tiles), the offload and the checkpointing (the edges' copies), the loss tiles."""
+norm's tiles), the offload and the checkpointing (the edges' copies), the loss tiles; the
+ring by being there, not by its degree (:func:`outside_key`)."""
+
+
+def outside_key(sp) -> tuple:
+    """What the work outside the decoder layers depends on, of ``sp`` (settings, or a dict of
+    every planned field): the planned fields but :data:`INSIDE_FIELDS`, the ring degree as
+    whether there is a ring (rings of 2, 4 and 8 count the same outside, to the byte), and
+    checkpointing and offload as whether layer inputs are offloaded (checkpointing without
+    offload and neither count the same outside; the prefetch only with offload)."""
+    get = sp.get if isinstance(sp, dict) else lambda k: getattr(sp, k)
+    offloaded = bool(get("activation_checkpointing") and get("offload_activations"))
+    key = {k: get(k) for k in PLANNED_FIELDS if k not in INSIDE_FIELDS}
+    key.update(ring_degree=get("ring_degree") > 1, activation_checkpointing=offloaded,
+               offload_activations=offloaded,
+               offload_prefetch=get("offload_prefetch") if offloaded else None)
+    return tuple(key.items())
 
 
 def shares_outside(sp, other) -> bool:
-    """Whether ``sp`` and ``other`` differ in :data:`INSIDE_FIELDS` alone (and so count the
-    same work outside the decoder layers)."""
-    return other is not None and all(getattr(sp, k) == getattr(other, k)
-                                     for k in PLANNED_FIELDS if k not in INSIDE_FIELDS)
+    """Whether ``sp`` and ``other`` count the same work outside the decoder layers
+    (:func:`outside_key`)."""
+    return other is not None and outside_key(sp) == outside_key(other)
 
 
 def _outside_jobs(config, sp, world: int, seq_len: int, outside, *, shard: bool,
@@ -115,20 +130,24 @@ def _outside_jobs(config, sp, world: int, seq_len: int, outside, *, shard: bool,
     return ref if len(depths) == 2 and ref_lengths == lengths else None
 
 
-def prefetch_work(config, sps, world: int, seq_len: int, *, shard: bool = True,
-                  compute_dtype=None, wait: bool = True, outside=None) -> None:
-    """Count the work of each setting of ``sps`` at ``seq_len`` ahead of :func:`step_work`
-    (with ``outside``, as it counts them), all their traces sharing the worker processes
-    (``wait=False``: queued, as :func:`arctic.plan.traces.prefetch` says)."""
+def prefetch_work(config, pairs, world: int, seq_len: int, *, shard: bool = True,
+                  compute_dtype=None, wait: bool = True) -> None:
+    """Count the work of each ``(settings, outside)`` of ``pairs`` at ``seq_len`` ahead of
+    :func:`step_work`, as it counts them (``outside``: its argument, or None), all their
+    traces sharing the worker processes (``wait=False``: queued, as
+    :func:`arctic.plan.traces.prefetch` says)."""
     jobs = []
-    for sp in [*sps, *([outside] if outside is not None else [])]:
+    for sp, outside in pairs:
         n = _snapped(sp, world, seq_len)
-        tracer, lengths, depths = _work_jobs(config, sp, world, n, shard=shard,
-                                             compute_dtype=compute_dtype)
-        if _outside_jobs(config, sp, world, n, outside, shard=shard,
-                         compute_dtype=compute_dtype):
-            depths = depths[:1]
-        jobs += [(tracer, m, d) for m in lengths for d in depths]
+        for one in (sp, outside):
+            if one is None:
+                continue
+            tracer, lengths, depths = _work_jobs(config, one, world, n, shard=shard,
+                                                 compute_dtype=compute_dtype)
+            if one is sp and _outside_jobs(config, sp, world, n, outside, shard=shard,
+                                           compute_dtype=compute_dtype):
+                depths = depths[:1]
+            jobs += [(tracer, m, d) for m in lengths for d in depths]
     prefetch(jobs, wait=wait)
 
 

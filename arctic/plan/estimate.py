@@ -166,10 +166,14 @@ def _read_off_the_line(tracer: Tracer, seq_len: int, snap, *, quick: bool):
     only bends upwards (a steeper moment takes over), so when the check is off the line is
     tried once more from the check's trace up: through :data:`CHECK_TOKENS` and its double,
     checked at three times it. When that is off too, or the length is within it, the length
-    itself is traced.
+    itself is traced. Past the first anchors every trace is at the shallower depth alone,
+    what the deeper layers add read off the line through what they add at the anchors
+    (:meth:`Tracer.deep`'s ``anchors``).
     """
     sp_size = tracer.sp.sequence_parallel_size
     steps = [(ANCHOR_TOKENS, CHECK_TOKENS), ((CHECK_TOKENS, 2 * CHECK_TOKENS), 3 * CHECK_TOKENS)]
+    first = tuple(snap(t * sp_size) for t in ANCHOR_TOKENS)
+    low = min(tracer.depths())
     notes = []
     for (ta, tb), tc in steps:
         if quick and notes:
@@ -177,18 +181,23 @@ def _read_off_the_line(tracer: Tracer, seq_len: int, snap, *, quick: bool):
         if seq_len // sp_size <= tb:  # within the anchors: trace it
             break
         na, nb, nc = snap(ta * sp_size), snap(tb * sp_size), snap(tc * sp_size)
-        low = min(tracer.depths())
-        tracer.prefetch([(n, d) for n in (na, nb) for d in tracer.depths()] +
+        depths = tracer.depths() if (na, nb) == first else (low,)
+        tracer.prefetch([(n, d) for n in (na, nb) for d in depths] +
                         ([] if quick else [(nc, low)]))
         off = 0.0 if quick else _line_checked(tracer, (na, nb), nc)
         if off <= CHECK_TOLERANCE:
-            a, b = tracer.deep(na, full=False), tracer.deep(nb, full=False)
+            a, b = (tracer.deep(n, full=False, anchors=first) for n in (na, nb))
             how = (f"length line through {ta // 1024}K and {tb // 1024}K tokens/rank" +
                    (" (unchecked: quick)" if quick else f", checked at {tc // 1024}K to {off:.2%}"))
             return {k: along(a[k], b[k], na, nb, seq_len) for k in a}, "; ".join(notes + [how])
         notes.append(f"the line through {ta // 1024}K and {tb // 1024}K was {off:.2%} off at "
                      f"{tc // 1024}K")
-    return tracer.deep(seq_len, full=False), f"traced ({'; '.join(notes) or 'within anchors'})"
+    tracer.prefetch([(seq_len, low)])
+    deeper = "" if len(tracer.depths()) == 1 else (
+        f" at {low} layers, the deeper layers' bytes off their line through "
+        f"{ANCHOR_TOKENS[0] // 1024}K and {ANCHOR_TOKENS[1] // 1024}K tokens/rank")
+    return (tracer.deep(seq_len, full=False, anchors=first),
+            f"traced{deeper} ({'; '.join(notes) or 'within anchors'})")
 
 
 def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | dict = "ours",

@@ -12,6 +12,7 @@ from collections.abc import Sequence
 
 from arctic.config import SequenceParallelConfig
 from arctic.hf.mixer_kinds import FAMILIES
+from arctic.plan.counts import shares_outside
 from arctic.plan.estimate import Estimate
 from arctic.plan.search import MIXER_CHUNK, factorizations
 from arctic.plan.step import PLANNED_FIELDS
@@ -100,6 +101,21 @@ def neighbours(fields: dict, *, sp_size: int, heads: tuple[int | None, int | Non
     return out
 
 
+def references(options: list[dict], current: dict) -> list[dict | None]:
+    """For each of ``options``, the settings whose work outside the decoder layers its work
+    may be counted against (:func:`arctic.plan.counts.step_work`'s ``outside``): the current
+    settings when they share it, else the first option before it that does and is counted
+    whole; None: counted whole (the ring's three degrees share one outside: the first is
+    counted whole, the other two against it)."""
+    whole, refs = [current], []
+    for o in options:
+        ref = next((f for f in whole if shares_outside(o, f)), None)
+        if ref is None:
+            whole.append(o)
+        refs.append(ref)
+    return refs
+
+
 def _valid(fields: dict, sp_size: int) -> bool:
     try:
         SequenceParallelConfig(**{k: v for k, v in fields.items()
@@ -118,17 +134,18 @@ def fastest(plan_with, predict_with, *, base: dict, sp_size: int,
     """The settings with the lowest predicted step time that fit ``seq_len`` tokens: a
     descent over :func:`neighbours` from ``base`` (the least-memory settings, which must
     fit). Each round predicts every neighbour of the current settings
-    (``predict_with(fields, current)``: a :class:`~arctic.plan.speed.Prediction`, from the
-    step's counted work, which may take the work outside the layers from the current
-    settings: :func:`arctic.plan.counts.step_work`) and plans the memory of those predicted
-    faster, fastest first (``plan_with(fields)``: an :class:`Estimate`), moving to the first
-    that fits; it stops when no neighbour is both faster (by ``min_gain`` of the current
-    time: less is within the model's error, and not worth a memory plan) and fits, or after
-    ``rounds`` rounds. ``prefetch(list of fields, current, wait=True)``, if given, is called
-    with each round's neighbours before they are predicted (to count their work in
-    parallel), and with the start's, ``wait=False``, before the start's memory is planned
-    (to count them meanwhile). ``fallbacks``: changes to ``base`` tried in turn when it does
-    not fit (sequence blocks, the optimizer's state on the host,
+    (``predict_with(fields, outside)``: a :class:`~arctic.plan.speed.Prediction`, from the
+    step's counted work, which may take the work outside the layers from the settings
+    ``outside``, :func:`references`' choice: :func:`arctic.plan.counts.step_work`) and
+    plans the memory of those predicted faster, fastest first (``plan_with(fields)``: an
+    :class:`Estimate`), moving to the first that fits; it stops when no neighbour is both
+    faster (by ``min_gain`` of the current time: less is within the model's error, and not
+    worth a memory plan) and fits, or after ``rounds`` rounds. ``prefetch(list of (fields,
+    outside), wait=True)``, if given, is called with each round's neighbours and their
+    :func:`references` before they are predicted (to count their work in parallel), and
+    with the start and its neighbours, ``wait=False``, before the start's memory is planned
+    (to count them meanwhile). ``fallbacks``: changes to ``base`` tried in turn when it
+    does not fit (sequence blocks, the optimizer's state on the host,
     ``{"offload_state": "optimizer"}``, which ``plan_with`` and ``predict_with`` read as the
     training state's placement); the descent starts from the first that fits, and may take
     the change back (:func:`neighbours`).
@@ -157,8 +174,10 @@ def fastest(plan_with, predict_with, *, base: dict, sp_size: int,
         if extra and not _valid(current, sp_size):
             continue
         if prefetch is not None:  # their work is counted while the memory is planned
-            prefetch(neighbours(current, sp_size=sp_size, heads=heads, mixers=mixers,
-                                unsupported=unsupported), current, wait=False)
+            options = neighbours(current, sp_size=sp_size, heads=heads, mixers=mixers,
+                                 unsupported=unsupported)
+            prefetch([(current, None), *zip(options, references(options, current))],
+                     wait=False)
         best = plan_with(current)
         t_best = predicted(current)
         verdict(current, "fits" if best.fits else f"does not fit ({best.limit()})")
@@ -171,10 +190,11 @@ def fastest(plan_with, predict_with, *, base: dict, sp_size: int,
     for _ in range(rounds):
         options = neighbours(current, sp_size=sp_size, heads=heads, mixers=mixers,
                              unsupported=unsupported)
+        refs = references(options, current)
         if prefetch is not None:
-            prefetch(options, current)
-        faster = sorted((predicted(o, current), i, o) for i, o in enumerate(options)
-                        if predicted(o, current) < t_best * (1 - min_gain))
+            prefetch(list(zip(options, refs)))
+        faster = sorted((predicted(o, r), i, o) for i, (o, r) in enumerate(zip(options, refs))
+                        if predicted(o, r) < t_best * (1 - min_gain))
         moved = False
         for t, _, o in faster:
             e = plan_with(o)

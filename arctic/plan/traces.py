@@ -6,16 +6,15 @@ extends them to the model's depth and the sequence length."""
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import copy
 import logging
-import multiprocessing
 import os
 import warnings
 from dataclasses import replace
 
 from arctic.hf.anatomy import text_config_of
+from arctic.plan import workers
 from arctic.plan.cache import cache_dir, cached, is_cached, trace_key
 from arctic.plan.step import (
     PLANNED_FIELDS,
@@ -114,13 +113,15 @@ def trace(config, sp, world: int, seq_len: int, *, shard: bool,
     same trace after emptying the cache 26,797,728,288, to the byte. Hits on the trace's own
     entries (each layer after the first hits the first's) are those of a fresh process's
     trace, which measured steps confirm (docs/planner.md). A Llama trace reads the same
-    either way."""
+    either way. The work traces' entries are put back after (a work trace counts what runs,
+    which hits do not change)."""
     import torch
 
     fake_world(world)
     mesh = sp.dims(world).build_mesh("cpu")  # outside: the mesh reads its rank map
     skipping = memory_trace() if shortcuts else contextlib.nullcontext()
-    FakeTensorMode.cache_clear()  # as a fresh process's (see above)
+    kept = dict(FakeTensorMode.cache)  # the work traces' (see above)
+    FakeTensorMode.cache_clear()
     with FakeTensorMode(allow_non_fake_inputs=True), skipping, _collecting_often():
         model, optimizer = build(config, sp, mesh, device="cpu", shard=shard,
                                  host_memory_limit=1 << 62)  # the host is judged after
@@ -131,6 +132,7 @@ def trace(config, sp, world: int, seq_len: int, *, shard: bool,
         with plain_kernel_functions(), track_peak(track=tracked, pools=buffer_pools(model),
                                                   state=(model, optimizer)) as tracker:
             train_step(model, optimizer, batch, on_phase=tracker.end_phase)
+    FakeTensorMode.cache.update(kept)
     host = session.pool.stats.peak_host_bytes if session is not None else 0
     # The sequence-chunked attention's parked kv blocks and dk/dv sums (ulysses.seq_chunk).
     host += sum(pool.stats.peak_host_bytes for pool in buffer_pools(model))
@@ -204,47 +206,12 @@ def held_summary() -> str | None:
             f"(ARCTIC_PLAN_WARNINGS=1 prints them); the first: {distinct[0][:160]}")
 
 
-def workers() -> int:
-    """Processes that trace at once when several traces are needed (a trace is one Python
-    thread): ``ARCTIC_PLAN_WORKERS`` as the environment has it now, else up to 4 cores."""
-    return int(os.environ.get("ARCTIC_PLAN_WORKERS", "0")) or min(4, os.cpu_count() or 1)
-
-_PRELOAD = ["arctic.plan.estimate", "arctic.plan.traces", "arctic.train.deepspeed",
-            "arctic.train.fsdp", "torch.distributed.fsdp", "torch.distributed._tools.mem_tracker",
-            "torch._subclasses.fake_tensor", "torch.testing._internal.distributed.fake_pg",
-            "transformers.models.llama.modeling_llama", "transformers.models.qwen3.modeling_qwen3"]
-"""What every trace imports (about 8 s on a 2-core machine): a tracing process is forked
-from a server that imported them once (:func:`start_workers`)."""
-
-
-def _workers_context():
-    """Tracing processes forked from multiprocessing's fork server, which imports
-    :data:`_PRELOAD` once: a fork of a process that only imported holds no lock (a fork of
-    one that traced could), and each tracer starts in milliseconds instead of importing."""
-    ctx = multiprocessing.get_context("forkserver")
-    ctx.set_forkserver_preload(_PRELOAD)
-    return ctx
-
-
-def start_workers() -> None:
-    """Start the tracing processes' fork server now, so that its imports overlap the
-    caller's own work (the CLI calls this first); a no-op when traces run in this process."""
-    if workers() >= 2 and cache_dir() is not None:
-        from multiprocessing import forkserver
-
-        _workers_context()
-        forkserver.ensure_running()
-
-
-_IN_WORKER: list = []
-"""Set in a tracing process: its traces run in it (see :meth:`Tracer.at`)."""
-
 def _trace_in_worker(job) -> list[str]:
     """Trace ``job`` into the disk cache it names (the caller's now: the fork server's
     environment is the one it started with); returns the warnings it gave (:data:`HELD`)."""
     config, sp, world, shard, seq_len, layers, work, dtype, cache = job
     os.environ["ARCTIC_PLAN_CACHE"] = cache
-    _IN_WORKER.append(True)
+    workers.IN_WORKER.append(True)
     del HELD[:]
     Tracer(config, sp, world, shard=shard, work=work,
            compute_dtype=dtype).at(seq_len, layers)
@@ -288,8 +255,10 @@ class Tracer:
         key = trace_key(config, self.fields, world=self.world, seq_len=seq_len,
                         shard=self.shard)
         _wait(key)
-        if _in_workers(1) and not is_cached(key):
+        if workers.in_workers(1) and not is_cached(key):
             prefetch([(self, seq_len, layers)])  # in the workers, which already run
+        if not workers.IN_WORKER and not is_cached(key):
+            workers.TRACED_HERE.append(True)
         with held_warnings():
             if self.work:
                 work, _ = cached(key, lambda: _work_trace(
@@ -316,81 +285,64 @@ class Tracer:
         traced = trace_layers(self.config)
         return (depth,) if depth <= traced[1] else traced
 
-    def deep(self, seq_len: int, *, full: bool) -> dict[str, Peak]:
-        """The phases at the model's depth: traced whole, or along :func:`trace_layers`."""
+    def deep(self, seq_len: int, *, full: bool,
+             anchors: tuple[int, int] | None = None) -> dict[str, Peak]:
+        """The phases at the model's depth: traced whole, or along :func:`trace_layers`.
+        ``anchors``: two lengths traced at both depths; ``seq_len`` is then traced at the
+        shallower depth alone, and what the deeper layers add is read off the line through
+        what they add at the anchors (:func:`deepened`)."""
         depth = text_config_of(self.config).num_hidden_layers
         la, lb = trace_layers(self.config)
         if full or depth <= lb:
             return self.at(seq_len, depth)
+        if anchors is not None and seq_len not in anchors:
+            return deepened(self.at(seq_len, la), *(self.deep(n, full=False) for n in anchors),
+                            *(self.at(n, la) for n in anchors), anchors, seq_len)
         a, b = self.at(seq_len, la), self.at(seq_len, lb)
         return {k: along(a[k], b[k], la, lb, depth) for k in a}
 
 
+def deepened(shallow: dict[str, Peak], deep_a: dict[str, Peak], deep_b: dict[str, Peak],
+             shallow_a: dict[str, Peak], shallow_b: dict[str, Peak], anchors: tuple[int, int],
+             seq_len: int) -> dict[str, Peak]:
+    """The phases at the model's depth at ``seq_len``, from ``shallow`` (traced there at the
+    shallower depth) and what the deeper layers add at the two ``anchors`` lengths (``deep_*``
+    less ``shallow_*``), on the line through them: each layer adds its state (the same at
+    any length) and the inputs it keeps (in proportion to the length), also where the peak's
+    moment bends the length line. On Qwen3.5-9B (ring 8, mixer chunks) the line through 48K
+    and 96K tokens per rank gave the increment at 128K, 256K, 280K and 626K tokens per rank
+    to the byte in the backward and on the host (the peak), and 0.01% over in the forward."""
+    na, nb = anchors
+    out = {}
+    for k, p in shallow.items():
+        more = along(deep_a[k], deep_b[k], na, nb, seq_len)
+        less = along(shallow_a[k], shallow_b[k], na, nb, seq_len)
+        out[k] = Peak(by_kind={x: p.by_kind[x] + more.by_kind[x] - less.by_kind[x]
+                               for x in KINDS}, largest=p.largest,
+                      **{x: getattr(p, x) + getattr(more, x) - getattr(less, x)
+                         for x in NUMBERS})
+    return out
+
+
 def prefetch(jobs: list[tuple[Tracer, int, int]], *, wait: bool = True) -> None:
-    """Trace the ``(tracer, seq_len, layers)`` jobs not yet cached, in worker processes
-    (several settings' traces share the workers, :func:`_pool`): memory traces and work
-    traces in two sets of workers, both at once. ``wait=False``: return once
-    they are queued; a later :func:`prefetch` or :meth:`Tracer.at` of a queued job waits for
-    it instead of queueing it again (so a caller can trace one thing while the workers trace
+    """Trace the ``(tracer, seq_len, layers)`` jobs not yet cached, in the worker processes
+    (:mod:`arctic.plan.workers`; several settings' traces share them), memory traces ahead
+    of work traces and each kind in the order given. ``wait=False``: return once they are
+    queued; a later :func:`prefetch` or :meth:`Tracer.at` of a queued job waits for it
+    instead of queueing it again (so a caller can trace one thing while the workers trace
     what it needs next)."""
     todo = [(t, n, d) for t, n, d in jobs if not is_cached(t._key(n, d))]
     todo = list({t._key(n, d): (t, n, d) for t, n, d in todo}.values())
     todo.sort(key=lambda j: (-j[2], -j[1]))  # deepest first: the workers finish together
-    if not todo or not _in_workers(len(todo)):
+    if not todo or not workers.in_workers(len(todo)):
         return
     for t, n, d in todo:
-        key = t._key(n, d)
-        if key not in _PENDING:
-            _PENDING[key] = _pool(t.work).apply_async(_trace_in_worker, (t.job(n, d),))
+        workers.submit(t._key(n, d), _trace_in_worker, t.job(n, d), first=not t.work)
     if wait:
         for t, n, d in todo:
             _wait(t._key(n, d))
 
 
-_PENDING: dict[str, object] = {}
-"""The queued traces of :func:`prefetch`, by cache key, until their results are read."""
-
-
 def _wait(key: str) -> None:
     """Wait for the queued trace ``key`` (if it is) and keep the warnings it gave."""
-    result = _PENDING.get(key)
-    if result is not None:
-        try:
-            HELD.extend(result.get())
-        finally:
-            _PENDING.pop(key, None)
-
-
-_POOLS: dict[bool, object] = {}
-"""The tracing workers of this process, once started (:func:`_pool`), by ``work``."""
-
-
-def _in_workers(jobs: int) -> bool:
-    """Whether ``jobs`` traces run in worker processes (:func:`_pool`): with two workers or
-    more and the disk cache on, outside a tracing process, when there are several or the
-    workers run already (a lone trace, as a plan of given settings may need first, starts no
-    processes)."""
-    return (workers() >= 2 and cache_dir() is not None and not _IN_WORKER and
-            (jobs >= 2 or bool(_POOLS)))
-
-
-def _pool(work: bool):
-    """:func:`workers` tracing processes at a time, forked from the fork server that only
-    imported, which live on from trace to trace (each trace after a process's first one
-    is spared torch's one-time set-up, about 1 s). Memory traces and work traces have
-    workers of their own: a work trace keeps the fake tensors' dispatch cache that the
-    traces before it filled (the settings of one model mostly hit it: a llama3-8b search's
-    work traces took half the time), a memory trace empties it first (:func:`trace`)."""
-    if work not in _POOLS:
-        if not _POOLS:
-            atexit.register(_close_pools)
-        _POOLS[work] = _workers_context().Pool(workers())
-    return _POOLS[work]
-
-
-def _close_pools() -> None:
-    _PENDING.clear()
-    while _POOLS:
-        _, pool = _POOLS.popitem()
-        pool.terminate()
-        pool.join()
+    HELD.extend(workers.wait(key) or ())
