@@ -204,10 +204,10 @@ def _work_in_long_lived_workers(where: str) -> tuple[bool, bool]:
         os.environ.update(ARCTIC_PLAN_CACHE=where, ARCTIC_PLAN_WORKERS="2")
         tracers = [traces.Tracer(config, sp, 2, shard=True, work=True) for sp in settings]
         traces.prefetch([(t, n, d) for t in tracers for n, d in jobs])
-        pids = sorted(p.pid for p in workers._pool()._pool)
+        pids = sorted(p.pid for p in workers._pools()[1]._pool)
         counted = [t.at(n, d) for t in tracers for n, d in jobs]
         traces.prefetch([(t, 1024, 1) for t in tracers])
-        kept_pids = sorted(p.pid for p in workers._pool()._pool) == pids
+        kept_pids = sorted(p.pid for p in workers._pools()[1]._pool) == pids
         os.environ["ARCTIC_PLAN_CACHE"] = "off"  # counted again here, in this process
         again = [t.at(n, d) for t in tracers for n, d in jobs]
         return kept_pids, counted == again

@@ -21,9 +21,19 @@ from arctic.plan.tracing import Peak
 _PACKAGES = ("arctic", "ulysses", "offload")
 
 
-@functools.cache
+PINNED: list[str] = []
+"""Set in a tracing process to the code version of the process that queued its traces,
+which reads them under that version's keys (its files may have changed since it started)."""
+
+
 def code_version() -> str:
-    """A hash of the checkout's planner-relevant source files (their paths and bytes)."""
+    """A hash of the checkout's planner-relevant source files (their paths and bytes), as
+    this process first read them (or as :data:`PINNED` says)."""
+    return PINNED[-1] if PINNED else _hashed()
+
+
+@functools.cache
+def _hashed() -> str:
     root = Path(__file__).resolve().parents[2]
     h = hashlib.sha256()
     for pkg in _PACKAGES:

@@ -10,10 +10,12 @@ from __future__ import annotations
 import dataclasses
 import time
 from collections.abc import Sequence
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from arctic.config import SequenceParallelConfig
 from arctic.hf.mixer_kinds import FAMILIES
+from arctic.plan import workers
 from arctic.plan.estimate import Estimate
 from arctic.plan.units import format_gib
 from ulysses.sharding import head_layout, valid_degrees
@@ -185,15 +187,25 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int | None, int 
     candidates = factorizations(sp_size, *heads, mixers=mixers)
     for c in candidates:
         c.fields = dict(base, sequence_parallel_size=sp_size, ring_degree=c.ring)
-        if c.pruned:
-            log(f"ring {c.ring} x ulysses {c.ulysses}: skipped ({c.pruned})")
-            continue
-        log(f"ring {c.ring} x ulysses {c.ulysses}:")
+
+    def searched(c: Candidate) -> list[str]:  # one factorization, its log lines kept
+        lines = [f"ring {c.ring} x ulysses {c.ulysses}:"]
         began = time.perf_counter()
         c.best, c.tried = find_max(lambda n, f=c.fields: plan_with(n, f), start=start,
-                                   granule=granule, log=log, tolerance=0)
-        log(f"  ({len(c.tried)} plans, {time.perf_counter() - began:.1f} s)")
+                                   granule=granule, log=lines.append, tolerance=0)
+        return lines + [f"  ({len(c.tried)} plans, {time.perf_counter() - began:.1f} s)"]
+
+    # Each factorization's plans wait on one trace at a time as often as not; searched side
+    # by side, their traces keep every worker busy. The log reads as if one by one.
     traced = [c for c in candidates if not c.pruned]
+    workers.start()
+    with ThreadPoolExecutor(max(1, len(traced)) if workers.in_workers(2) else 1) as pool:
+        logs = dict(zip(map(id, traced), pool.map(searched, traced)))
+    for c in candidates:
+        if c.pruned:
+            log(f"ring {c.ring} x ulysses {c.ulysses}: skipped ({c.pruned})")
+        for line in logs.get(id(c), ()):
+            log(line)
     if not traced:
         raise ValueError(f"no ring x Ulysses factorization of {sp_size} suits the model: "
                          + "; ".join(f"ring {c.ring} x ulysses {c.ulysses}: {c.pruned}"

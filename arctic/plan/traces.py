@@ -9,13 +9,14 @@ from __future__ import annotations
 import contextlib
 import copy
 import logging
+import threading
 import os
 import warnings
 from dataclasses import replace
 
 from arctic.hf.anatomy import text_config_of
 from arctic.plan import workers
-from arctic.plan.cache import cache_dir, cached, is_cached, trace_key
+from arctic.plan.cache import PINNED, cache_dir, cached, code_version, is_cached, trace_key
 from arctic.plan.step import (
     PLANNED_FIELDS,
     build,
@@ -206,11 +207,16 @@ def held_summary() -> str | None:
             f"(ARCTIC_PLAN_WARNINGS=1 prints them); the first: {distinct[0][:160]}")
 
 
+_TRACING = threading.Lock()
+"""Held by a trace that runs in this process (:meth:`Tracer.at`)."""
+
+
 def _trace_in_worker(job) -> list[str]:
     """Trace ``job`` into the disk cache it names (the caller's now: the fork server's
     environment is the one it started with); returns the warnings it gave (:data:`HELD`)."""
-    config, sp, world, shard, seq_len, layers, work, dtype, cache = job
+    config, sp, world, shard, seq_len, layers, work, dtype, cache, version = job
     os.environ["ARCTIC_PLAN_CACHE"] = cache
+    PINNED[:] = [version]  # the caller's keys, whatever the files read now
     workers.IN_WORKER.append(True)
     del HELD[:]
     Tracer(config, sp, world, shard=shard, work=work,
@@ -259,7 +265,12 @@ class Tracer:
             prefetch([(self, seq_len, layers)])  # in the workers, which already run
         if not workers.IN_WORKER and not is_cached(key):
             workers.TRACED_HERE.append(True)
-        with held_warnings():
+        # (held only around a trace here: a read of the cache warns of nothing, and the
+        # searches read from several threads, which warnings' state is not safe in; a trace
+        # here runs alone: what it swaps in the model files and torch is the process's)
+        tracing = not is_cached(key)
+        with _TRACING if tracing else contextlib.nullcontext(), \
+                held_warnings() if tracing else contextlib.nullcontext():
             if self.work:
                 work, _ = cached(key, lambda: _work_trace(
                     config, self.sp, self.world, seq_len, shard=self.shard,
@@ -271,14 +282,13 @@ class Tracer:
             return phases
 
     def prefetch(self, jobs: list[tuple[int, int]]) -> None:
-        """Trace the ``(seq_len, layers)`` jobs not yet cached, :func:`workers` at a time in
-        processes of their own (:func:`_workers_context`); each writes the cache, where
-        :meth:`at` then reads it."""
+        """Trace the ``(seq_len, layers)`` jobs not yet cached in the worker processes
+        (:func:`prefetch`); each writes the cache, where :meth:`at` then reads it."""
         prefetch([(self, n, d) for n, d in jobs])
 
     def job(self, seq_len: int, layers: int) -> tuple:
         return (self.config, self.sp, self.world, self.shard, seq_len, layers, self.work,
-                self.compute_dtype, str(cache_dir()))
+                self.compute_dtype, str(cache_dir()), code_version())
 
     def depths(self) -> tuple[int, ...]:
         depth = text_config_of(self.config).num_hidden_layers
@@ -337,7 +347,7 @@ def prefetch(jobs: list[tuple[Tracer, int, int]], *, wait: bool = True) -> None:
     if not todo or not workers.in_workers(len(todo)):
         return
     for t, n, d in todo:
-        workers.submit(t._key(n, d), _trace_in_worker, t.job(n, d), first=not t.work)
+        workers.submit(t._key(n, d), _trace_in_worker, t.job(n, d), fresh=not t.work)
     if wait:
         for t, n, d in todo:
             _wait(t._key(n, d))

@@ -1,12 +1,14 @@
 """The planner's tracing processes: started once, fed traces one at a time, memory first.
 
 Apart from :mod:`arctic.plan.traces` because it knows nothing of what a trace is: it runs a
-function of a job in a worker process and hands back its result. The workers are forked
-from multiprocessing's fork server, which imports :data:`PRELOAD` once, or, for the command
-line, from the command line's own process (:func:`_forks_itself`); they live on from trace
-to trace. Jobs wait in this process, not in the pool's queue, so that a memory trace queued
-after many work traces runs next (:func:`submit`'s ``first``): a plan waits on its memory
-traces while the work traces fill the other workers.
+function of a job in a worker process and hands back its result. A memory trace runs in a
+process of its own, forked from multiprocessing's fork server, which imports
+:data:`PRELOAD` once: a process that traced before traces differently (:func:`_pools`). A
+work trace runs in a process that lives on from trace to trace, forked from that server
+too or, for the command line, from the command line's own process (:func:`_forks_itself`).
+Jobs wait in this process, not in the pools' queues, so that a memory trace queued after
+many work traces runs next (:func:`submit`'s ``fresh``), and no more than :func:`workers`
+traces run at once.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ def in_workers(jobs: int) -> bool:
     several or the workers run already (a lone trace, as a plan of given settings may need
     first, starts no processes)."""
     return (workers() >= 2 and cache_dir() is not None and not IN_WORKER and
-            (jobs >= 2 or _STATE.pool is not None))
+            (jobs >= 2 or _STATE.pools is not None))
 
 
 def _forks_itself() -> bool:
@@ -62,15 +64,10 @@ def _forks_itself() -> bool:
     return bool(FORK_FROM_HERE) and not TRACED_HERE and threading.active_count() == 1
 
 
-def _context():
-    """The multiprocessing context the workers are made by: this process's forks, having
-    imported :data:`PRELOAD` (:func:`_forks_itself`), or the fork server's, which imports
-    them once: a fork of a process that only imported holds no lock (a fork of one that
-    traced could), and each tracer starts in milliseconds instead of importing."""
-    if _forks_itself():
-        for name in PRELOAD:
-            importlib.import_module(name)
-        return multiprocessing.get_context("fork")
+def _server():
+    """The fork server's context: a fork of a process that only imported holds no lock (a
+    fork of one that traced could), and each tracer starts in milliseconds instead of
+    importing."""
     ctx = multiprocessing.get_context("forkserver")
     ctx.set_forkserver_preload(PRELOAD)
     return ctx
@@ -78,12 +75,11 @@ def _context():
 
 def start_workers() -> None:
     """Start the workers' fork server now, so that its imports overlap the caller's own
-    work (the CLI calls this first); a no-op when traces run in this process, or when they
-    will be forks of it (:func:`_forks_itself`)."""
-    if workers() >= 2 and cache_dir() is not None and not _forks_itself():
+    work (the CLI calls this first); a no-op when traces run in this process."""
+    if workers() >= 2 and cache_dir() is not None:
         from multiprocessing import forkserver
 
-        _context()
+        _server()
         forkserver.ensure_running()
 
 
@@ -98,9 +94,10 @@ class _Job:
 
 class _State:
     def __init__(self) -> None:
-        self.pool = None
+        self.pools: tuple | None = None  # (fresh, long-lived)
+        self.starting = threading.Lock()
         self.lock = threading.Lock()
-        self.queue: list = []  # (0: first / 1, order, key, fn, arg)
+        self.queue: list = []  # (0: first / 1, order, key, fn, arg, fresh)
         self.order = itertools.count()
         self.running = 0
         self.jobs: dict[str, _Job] = {}
@@ -112,14 +109,16 @@ _STATE = _State()
 os.register_at_fork(after_in_child=_STATE.__init__)
 
 
-def submit(key: str, fn, arg, *, first: bool = False) -> None:
+def submit(key: str, fn, arg, *, fresh: bool = False) -> None:
     """Queue ``fn(arg)`` (module-level, picklable) under ``key`` unless it is queued or
-    running; ``first``: ahead of the jobs queued without it. :func:`wait` has its result."""
+    running; ``fresh``: in a process of its own, ahead of the jobs queued without it.
+    :func:`wait` has its result."""
     with _STATE.lock:
         if key in _STATE.jobs:
             return
         _STATE.jobs[key] = _Job()
-        heapq.heappush(_STATE.queue, (0 if first else 1, next(_STATE.order), key, fn, arg))
+        heapq.heappush(_STATE.queue, (0 if fresh else 1, next(_STATE.order), key, fn, arg,
+                                      fresh))
     _feed()
 
 
@@ -138,13 +137,13 @@ def wait(key: str):
 
 
 def _feed() -> None:
-    """Hand queued jobs to idle workers (one each: the pool's own queue stays empty)."""
-    pool = _pool()
+    """Hand queued jobs to idle workers (one each: the pools' own queues stay empty)."""
+    pools = _pools()
     while True:
         with _STATE.lock:
             if _STATE.running >= workers() or not _STATE.queue:
                 return
-            _, _, key, fn, arg = heapq.heappop(_STATE.queue)
+            _, _, key, fn, arg, fresh = heapq.heappop(_STATE.queue)
             _STATE.running += 1
             job = _STATE.jobs[key]
 
@@ -156,7 +155,8 @@ def _feed() -> None:
             job.error = error
             _done(job)
 
-        pool.apply_async(fn, (arg,), callback=finished, error_callback=failed)
+        pools[0 if fresh else 1].apply_async(fn, (arg,), callback=finished,
+                                             error_callback=failed)
 
 
 def _done(job: _Job) -> None:
@@ -166,26 +166,51 @@ def _done(job: _Job) -> None:
     _feed()
 
 
-def _pool():
-    """:func:`workers` tracing processes, started at the first job, which live on from
-    trace to trace (each trace after a process's first one is spared torch's one-time
-    set-up, about 1 s), memory traces and work traces alike: a work trace keeps the fake
-    tensors' dispatch cache that the traces before it filled (the settings of one model
-    mostly hit it: a llama3-8b search's work traces took half the time), a memory trace
-    starts with it empty (:func:`arctic.plan.traces.trace`)."""
-    if _STATE.pool is None:
+def start() -> None:
+    """Start the workers now (before threads that queue traces: a lone trace of a thread
+    would otherwise run in this process, :func:`in_workers`); a no-op where traces run in
+    this process."""
+    if in_workers(2):
+        _pools()
+
+
+def _pools():
+    """Two sets of :func:`workers` tracing processes, started at the first job: one process
+    per memory trace, forked from the fork server, and processes that live on for the work
+    traces. A process that traced before traces a step's memory differently: the fake
+    tensors' dispatch cache that its traces filled (which :func:`arctic.plan.traces.trace`
+    empties), and more that is not pinned down yet (with the cache emptied, a search's
+    Qwen3.5-9B traces in workers that lived on read ring 1 x Ulysses 8 at 5.02M tokens as
+    66.13 GiB, under its 67.85 GiB at 3.58M; a Llama search read the same). A work
+    trace counts what runs, and keeps the dispatch cache the traces before it filled (the
+    settings of one model mostly hit it: a llama3-8b search's work traces took half the
+    time); the long-lived workers are forks of the command line's process where it only
+    read the model (:func:`_forks_itself`)."""
+    with _STATE.starting:
+        return _STATE.pools or _start()
+
+
+def _start() -> tuple:
+    """Start :func:`_pools`' workers (once: under ``_STATE.starting``)."""
+    if _STATE.pools is None:
         atexit.register(close)
-        _STATE.pool = _context().Pool(workers())
-    return _STATE.pool
+        if _forks_itself():
+            for name in PRELOAD:
+                importlib.import_module(name)
+            lasting = multiprocessing.get_context("fork").Pool(workers())
+        else:
+            lasting = _server().Pool(workers())
+        _STATE.pools = (_server().Pool(workers(), maxtasksperchild=1), lasting)
+    return _STATE.pools
 
 
 def close() -> None:
     """Stop the workers and forget the jobs (a later job starts new workers)."""
     with _STATE.lock:
-        pool, _STATE.pool = _STATE.pool, None
+        pools, _STATE.pools = _STATE.pools, None
         _STATE.queue.clear()
         _STATE.jobs.clear()
         _STATE.running = 0
-    if pool is not None:
+    for pool in pools or ():
         pool.terminate()
         pool.join()
