@@ -181,7 +181,7 @@ def _read_off_the_line(tracer: Tracer, seq_len: int, snap, *, quick: bool):
         if seq_len // sp_size <= tb:  # within the anchors: trace it
             break
         na, nb, nc = snap(ta * sp_size), snap(tb * sp_size), snap(tc * sp_size)
-        depths = tracer.depths() if (na, nb) == first else (low,)
+        depths = (low,) if (na, nb) != first and tracer.steady(first) else tracer.depths()
         tracer.prefetch([(n, d) for n in (na, nb) for d in depths] +
                         ([] if quick else [(nc, low)]))
         off = 0.0 if quick else _line_checked(tracer, (na, nb), nc)
@@ -192,8 +192,9 @@ def _read_off_the_line(tracer: Tracer, seq_len: int, snap, *, quick: bool):
             return {k: along(a[k], b[k], na, nb, seq_len) for k in a}, "; ".join(notes + [how])
         notes.append(f"the line through {ta // 1024}K and {tb // 1024}K was {off:.2%} off at "
                      f"{tc // 1024}K")
-    tracer.prefetch([(seq_len, low)])
-    deeper = "" if len(tracer.depths()) == 1 else (
+    steady = len(tracer.depths()) == 2 and tracer.steady(first)
+    tracer.prefetch([(seq_len, d) for d in (tracer.depths() if not steady else (low,))])
+    deeper = "" if not steady else (
         f" at {low} layers, the deeper layers' bytes off their line through "
         f"{ANCHOR_TOKENS[0] // 1024}K and {ANCHOR_TOKENS[1] // 1024}K tokens/rank")
     return (tracer.deep(seq_len, full=False, anchors=first),
