@@ -20,6 +20,11 @@ Two kinds of work cost a trace most of its time and change nothing it records:
 - in-place copies and adds into buffers that already exist (packing an exchange's send
   buffer, placing received blocks): they allocate nothing.
 
+A loop whose iterations each leave something alive (a hybrid's mixer chunks:
+:mod:`arctic.hf.mixer_chunks`) keeps the iterations where the step holds most
+(:func:`kept_growing`) and stands in for the others: their results are made with the shapes
+of those before them, uncomputed (:func:`stand_in`), and kept as long as computed ones.
+
 Inside :func:`memory_trace`, :func:`skip` is true for fake tensors, and the code that does
 such work skips it. It is false for any real tensor, so no real step can run short, and the
 planner's tests hold a shortcut trace to the full one, byte for byte.
@@ -39,6 +44,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 
+import torch
 from torch import Tensor
 
 from ulysses.torch_internals import is_fake, unset_fake_temporarily
@@ -49,6 +55,9 @@ _SHORTCUTS: contextvars.ContextVar[bool] = contextvars.ContextVar("memory_trace_
 _REPEATS: contextvars.ContextVar[bool] = contextvars.ContextVar("work_trace_repeats",
                                                                default=False)
 """Inside :func:`work_trace`."""
+_NOTE_STAND_IN: contextvars.ContextVar = contextvars.ContextVar("stand_in_noted",
+                                                             default=None)
+"""Told of each :func:`stand_in` (:func:`stand_ins_noted`): the planner's tracker."""
 _WEIGHT: contextvars.ContextVar[int] = contextvars.ContextVar("work_weight", default=1)
 """What the work counted now stands for (:func:`weighted`)."""
 
@@ -139,6 +148,45 @@ def repeats(count: int, same_as_two_before, x: Tensor) -> list[tuple[int, int]]:
         else:
             out.append((i, 1))
     return out
+
+
+def kept_growing(sizes: list, x: Tensor) -> list[bool]:
+    """Which iterations of a loop whose iterations each leave something alive after them
+    (a chunk's output and the inputs its checkpoint holds) run in a memory trace
+    (:func:`skip` of ``x``); ``sizes[i]``: a key of iteration ``i``'s shapes. The left-out
+    ones are stood in for (:func:`stand_in`): what they leave is made, not computed. A step
+    holds most in such a loop at the last iteration of each size (the most left alive
+    before it, and that size's working set), so the last of each run of one size is kept,
+    as are the first two (the first repeat shows what following one leaves) and the last."""
+    count = len(sizes)
+    if not skip(x):
+        return [True] * count
+
+    def same(i: int) -> bool:
+        return sizes[i] == sizes[i - 1] == sizes[i - 2] and sizes[i + 1] == sizes[i]
+    return [not _left_out(i, count, 2 <= i < count - 1 and same(i)) for i in range(count)]
+
+
+def stand_in(like: Tensor | None) -> Tensor | None:
+    """For a left-out iteration in a memory trace: a tensor of ``like``'s shape, dtype and
+    device, uncomputed, which the planner's tracker counts as made where ``like`` was."""
+    if like is None:
+        return None
+    out = torch.empty_like(like)
+    note = _NOTE_STAND_IN.get()
+    if note is not None:
+        note(out, like)
+    return out
+
+
+@contextlib.contextmanager
+def stand_ins_noted(note):
+    """Call ``note(new, like)`` for each :func:`stand_in` made in the block."""
+    token = _NOTE_STAND_IN.set(note)
+    try:
+        yield
+    finally:
+        _NOTE_STAND_IN.reset(token)
 
 
 def alike(keys: dict, x: Tensor) -> list[tuple[object, int]]:

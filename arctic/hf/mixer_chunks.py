@@ -43,6 +43,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.utils.checkpoint import checkpoint
 
 from arctic.hf.mixer_state import piece_states
+from ulysses import trace_shortcuts
 from ulysses.mesh import flat_mesh
 from ulysses.mixers import Documents, conv_documents, row_runs, run_ends, run_history
 from ulysses.sharding import sp_rank_of
@@ -121,6 +122,27 @@ class _Piece(torch.autograd.Function):
                 grads.buffer = grad.new_zeros(ctx.shape)
             grads.buffer[:, ctx.a:ctx.b] += grad
         return None, None, None, None
+
+
+class _StandIn(torch.autograd.Function):
+    """A chunk that a memory trace leaves out (:func:`ulysses.trace_shortcuts.kept_growing`):
+    results shaped as the chunk's before it (:func:`ulysses.trace_shortcuts.stand_in`), with
+    a gradient where those have one; its inputs saved for its backward (as a checkpoint's
+    recompute holds them), which gives them gradients of their shapes."""
+
+    @staticmethod
+    def forward(ctx, like, *inputs):
+        ctx.set_materialize_grads(False)
+        ctx.save_for_backward(*inputs)
+        out = tuple(trace_shortcuts.stand_in(t) for t in like)
+        ctx.mark_non_differentiable(*(o for o, t in zip(out, like)
+                                      if t is not None and not t.requires_grad))
+        return out
+
+    @staticmethod
+    def backward(ctx, *grads):
+        return (None, *(trace_shortcuts.stand_in(x) if need else None
+                        for x, need in zip(ctx.saved_tensors, ctx.needs_input_grad[1:])))
 
 
 def _pieces(hidden: Tensor) -> Callable[[int, int], Tensor]:
@@ -259,15 +281,26 @@ def chunked_forward(run: Callable[[Tensor, Chunk], Tensor], hidden: Tensor, *, k
         out = run(x, chunk)
         return out, chunk.final, after(history, chunk.conv_in)
 
+    def passes(j: int):
+        """``(a, b, lo, computed)`` of run ``j``'s chunks; ``computed`` False: stand in for it
+        (:class:`_StandIn`; a memory trace, no packed documents)."""
+        sizes = [b - a for a, b, _ in cuts[j]]
+        kept = (trace_shortcuts.kept_growing(sizes, hidden) if documents is None
+                else [True] * len(sizes))
+        return [(a, b, lo, c) for (a, b, lo), c in zip(cuts[j], kept)]
+
     incoming, exchanged = {}, None
     if kind.scan is not None and world > 1:
         carrier = None
         summary = None
         for j, (g, _) in enumerate(mine):
             history, phi, final = run_history(every_tail, ending, g, h), None, None
-            for a, b, lo in cuts[j]:
-                part, history = checkpoint(summary_of, piece(a, b), history, lo,
-                                           use_reentrant=False)
+            for a, b, lo, computed in passes(j):
+                if computed:
+                    part, history = checkpoint(summary_of, piece(a, b), history, lo,
+                                               use_reentrant=False)
+                else:
+                    part, history = _StandIn.apply((part, history), piece(a, b), history)
                 phi_shape, state_shape = shapes[0]
                 if carrier is None:
                     carrier = SimpleNamespace(phi_shape=phi_shape, state_shape=state_shape,
@@ -287,9 +320,13 @@ def chunked_forward(run: Callable[[Tensor, Chunk], Tensor], hidden: Tensor, *, k
     outs = []
     for j, (g, _) in enumerate(mine):
         history, state = run_history(every_tail, ending, g, h), incoming.get(j)
-        for a, b, lo in cuts[j]:
-            out, state, history = checkpoint(output_of, piece(a, b), history, state, lo,
-                                             use_reentrant=False)
+        for a, b, lo, computed in passes(j):
+            if computed:
+                out, state, history = checkpoint(output_of, piece(a, b), history, state, lo,
+                                                 use_reentrant=False)
+            else:
+                out, state, history = _StandIn.apply((out, state, history), piece(a, b),
+                                                     history, state)
             outs.append(out)
     out = Tied.apply(torch.cat(outs, dim=1), every_tail)
     return out if exchanged is None else Tied.apply(out, exchanged)

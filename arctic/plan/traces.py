@@ -69,35 +69,6 @@ def trace_layers(config) -> tuple[int, int]:
     return TRACE_LAYERS if p == 1 else (2 * p, 3 * p)
 
 
-TRACE_GC_THRESHOLD = 200
-"""Python's youngest-generation collection threshold while a memory trace runs (700 by
-default). A traced step leaves reference cycles that hold fake storages until the collector
-runs (a real step's do not: on CPU, a Qwen3.5 step's backward peak grows per layer period by
-the layer inputs alone, with or without ``mixer_chunk``); with the default threshold a
-Qwen3.5-9B trace with ``mixer_chunk`` at 418K tokens per rank kept two hidden-sized tensors
-more at 8 layers than at 4 (48.95 against 42.57 GiB), and the depth line multiplied them.
-At 200 the peaks are those of a collector that runs at once, for 9% more trace time."""
-
-
-@contextlib.contextmanager
-def _collecting_often():
-    """The collector as in a fresh process, at :data:`TRACE_GC_THRESHOLD`: what exists before
-    the trace (a worker's earlier traces, the preloaded modules) is collected and frozen, so
-    that the oldest generation's full collections, which wait for it to grow by a quarter,
-    count the trace's own objects only."""
-    import gc
-
-    before = gc.get_threshold()
-    gc.collect()
-    gc.freeze()
-    gc.set_threshold(TRACE_GC_THRESHOLD, *before[1:])
-    try:
-        yield
-    finally:
-        gc.set_threshold(*before)
-        gc.unfreeze()
-
-
 def trace(config, sp, world: int, seq_len: int, *, shard: bool,
            shortcuts: bool = True) -> dict[str, Peak]:
     """One traced step: each phase's peak, with the offload pool's host peak (and that of the
@@ -106,24 +77,15 @@ def trace(config, sp, world: int, seq_len: int, *, shard: bool,
     (:mod:`ulysses.trace_shortcuts`): the peaks are the same, the trace's cost no longer
     grows with the tile counts.
 
-    It starts with the fake tensors' dispatch cache (``FakeTensorMode.cache``, one for the
-    process) empty, as in a fresh process. Hits on the entries of an earlier trace change
-    what the step holds: a second Qwen3.5-9B trace in one process (8 layers, 98K tokens per
-    rank, mixer chunks) held 27,603,280,416 bytes at the backward's peak against
-    26,797,728,288 (two layers' recomputed input norm outputs alive at the peak), and the
-    same trace after emptying the cache 26,797,728,288, to the byte. Hits on the trace's own
-    entries (each layer after the first hits the first's) are those of a fresh process's
-    trace, which measured steps confirm (docs/planner.md). A Llama trace reads the same
-    either way. The work traces' entries are put back after (a work trace counts what runs,
-    which hits do not change)."""
+    A trace reads the same in a process that traced before as in a fresh one, whenever the
+    garbage collector runs (:func:`ulysses.torch_internals.step_mem_tracker`'s module
+    tracking leaves no reference cycle that holds a tensor)."""
     import torch
 
     fake_world(world)
     mesh = sp.dims(world).build_mesh("cpu")  # outside: the mesh reads its rank map
     skipping = memory_trace() if shortcuts else contextlib.nullcontext()
-    kept = dict(FakeTensorMode.cache)  # the work traces' (see above)
-    FakeTensorMode.cache_clear()
-    with FakeTensorMode(allow_non_fake_inputs=True), skipping, _collecting_often():
+    with FakeTensorMode(allow_non_fake_inputs=True), skipping:
         model, optimizer = build(config, sp, mesh, device="cpu", shard=shard,
                                  host_memory_limit=1 << 62)  # the host is judged after
         init_optimizer_state(model, optimizer)
@@ -133,7 +95,6 @@ def trace(config, sp, world: int, seq_len: int, *, shard: bool,
         with plain_kernel_functions(), track_peak(track=tracked, pools=buffer_pools(model),
                                                   state=(model, optimizer)) as tracker:
             train_step(model, optimizer, batch, on_phase=tracker.end_phase)
-    FakeTensorMode.cache.update(kept)
     host = session.pool.stats.peak_host_bytes if session is not None else 0
     # The sequence-chunked attention's parked kv blocks and dk/dv sums (ulysses.seq_chunk).
     host += sum(pool.stats.peak_host_bytes for pool in buffer_pools(model))

@@ -22,7 +22,7 @@ from torch import nn
 
 from arctic.hf.binding import module_function
 from arctic.hf.mixers import Dispatch
-from ulysses import BufferPool
+from ulysses import BufferPool, trace_shortcuts
 from ulysses.torch_internals import fake_store, mem_tracker, step_mem_tracker_class
 
 
@@ -141,6 +141,14 @@ def _tracker_class():
                     phase = "backward" if self._mod_tracker.is_bw else "forward"
                     self.labels[st] = (f"{self._op} in {where or 'the step'} ({phase})",
                                        st.nbytes(), t.device.type)
+
+        def label_like(self, new, like) -> None:
+            """Label ``new`` (a stand-in: :func:`ulysses.trace_shortcuts.stand_in`) as what
+            made ``like``."""
+            for st, was in zip(get_untyped_storages(new), get_untyped_storages(like)):
+                if was in self.labels:
+                    label, _, device = self.labels[was]
+                    self.labels[st] = (label, st.nbytes(), device)
 
         def _largest(self, top: int = 6) -> list[tuple[str, int, int]]:
             """The live storages grouped by what made them: (label, count, bytes), largest
@@ -293,7 +301,7 @@ def track_peak(*, track=(), pools: Sequence[BufferPool] = (), state=None):
     for pool in pools:
         pool.on_allocate = note
     try:
-        with tracker:
+        with tracker, trace_shortcuts.stand_ins_noted(tracker.label_like):
             yield tracker
     finally:
         for pool, hook in zip(pools, before):
