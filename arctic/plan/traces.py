@@ -328,7 +328,7 @@ def prefetch(jobs: list[tuple[Tracer, int, int]], *, wait: bool = True) -> None:
     if not todo or not workers.in_workers(len(todo)):
         return
     for t, n, d in todo:
-        workers.submit(t._key(n, d), _trace_in_worker, t.job(n, d), fresh=not t.work)
+        workers.submit(t._key(n, d), _trace_in_worker, t.job(n, d), first=not t.work)
     if wait:
         for t, n, d in todo:
             _wait(t._key(n, d))

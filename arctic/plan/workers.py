@@ -1,14 +1,13 @@
 """The planner's tracing processes: started once, fed traces one at a time, memory first.
 
 Apart from :mod:`arctic.plan.traces` because it knows nothing of what a trace is: it runs a
-function of a job in a worker process and hands back its result. A memory trace runs in a
-process of its own, forked from multiprocessing's fork server, which imports
-:data:`PRELOAD` once: a process that traced before traces differently (:func:`_pools`). A
-work trace runs in a process that lives on from trace to trace, forked from that server
-too or, for the command line, from the command line's own process (:func:`_forks_itself`).
-Jobs wait in this process, not in the pools' queues, so that a memory trace queued after
-many work traces runs next (:func:`submit`'s ``fresh``), and no more than :func:`workers`
-traces run at once.
+function of a job in a worker process and hands back its result. The workers live on from
+trace to trace (a trace reads the same in a process that traced before: :func:`_pools`),
+forked from multiprocessing's fork server, which imports :data:`PRELOAD` once, or, for the
+command line, from the command line's own process (:func:`_forks_itself`). Jobs wait in
+this process, not in the pool's queue, so that a memory trace queued after many work traces
+runs next (:func:`submit`'s ``first``), and no more than :func:`workers` traces run at
+once.
 """
 
 from __future__ import annotations
@@ -53,7 +52,7 @@ def in_workers(jobs: int) -> bool:
     several or the workers run already (a lone trace, as a plan of given settings may need
     first, starts no processes)."""
     return (workers() >= 2 and cache_dir() is not None and not IN_WORKER and
-            (jobs >= 2 or _STATE.pools is not None))
+            (jobs >= 2 or _STATE.pool is not None))
 
 
 def _forks_itself() -> bool:
@@ -94,10 +93,10 @@ class _Job:
 
 class _State:
     def __init__(self) -> None:
-        self.pools: tuple | None = None  # (fresh, long-lived)
+        self.pool = None
         self.starting = threading.Lock()
         self.lock = threading.Lock()
-        self.queue: list = []  # (0: first / 1, order, key, fn, arg, fresh)
+        self.queue: list = []  # (0: first / 1, order, key, fn, arg)
         self.order = itertools.count()
         self.running = 0
         self.jobs: dict[str, _Job] = {}
@@ -109,16 +108,14 @@ _STATE = _State()
 os.register_at_fork(after_in_child=_STATE.__init__)
 
 
-def submit(key: str, fn, arg, *, fresh: bool = False) -> None:
+def submit(key: str, fn, arg, *, first: bool = False) -> None:
     """Queue ``fn(arg)`` (module-level, picklable) under ``key`` unless it is queued or
-    running; ``fresh``: in a process of its own, ahead of the jobs queued without it.
-    :func:`wait` has its result."""
+    running; ``first``: ahead of the jobs queued without it. :func:`wait` has its result."""
     with _STATE.lock:
         if key in _STATE.jobs:
             return
         _STATE.jobs[key] = _Job()
-        heapq.heappush(_STATE.queue, (0 if fresh else 1, next(_STATE.order), key, fn, arg,
-                                      fresh))
+        heapq.heappush(_STATE.queue, (0 if first else 1, next(_STATE.order), key, fn, arg))
     _feed()
 
 
@@ -137,13 +134,13 @@ def wait(key: str):
 
 
 def _feed() -> None:
-    """Hand queued jobs to idle workers (one each: the pools' own queues stay empty)."""
-    pools = _pools()
+    """Hand queued jobs to idle workers (one each: the pool's own queue stays empty)."""
+    pool = _pools()
     while True:
         with _STATE.lock:
             if _STATE.running >= workers() or not _STATE.queue:
                 return
-            _, _, key, fn, arg, fresh = heapq.heappop(_STATE.queue)
+            _, _, key, fn, arg = heapq.heappop(_STATE.queue)
             _STATE.running += 1
             job = _STATE.jobs[key]
 
@@ -155,8 +152,7 @@ def _feed() -> None:
             job.error = error
             _done(job)
 
-        pools[0 if fresh else 1].apply_async(fn, (arg,), callback=finished,
-                                             error_callback=failed)
+        pool.apply_async(fn, (arg,), callback=finished, error_callback=failed)
 
 
 def _done(job: _Job) -> None:
@@ -175,42 +171,38 @@ def start() -> None:
 
 
 def _pools():
-    """Two sets of :func:`workers` tracing processes, started at the first job: one process
-    per memory trace, forked from the fork server, and processes that live on for the work
-    traces. A process that traced before traces a step's memory differently: the fake
-    tensors' dispatch cache that its traces filled (which :func:`arctic.plan.traces.trace`
-    empties), and more that is not pinned down yet (with the cache emptied, a search's
-    Qwen3.5-9B traces in workers that lived on read ring 1 x Ulysses 8 at 5.02M tokens as
-    66.13 GiB, under its 67.85 GiB at 3.58M; a Llama search read the same). A work
-    trace counts what runs, and keeps the dispatch cache the traces before it filled (the
-    settings of one model mostly hit it: a llama3-8b search's work traces took half the
-    time); the long-lived workers are forks of the command line's process where it only
-    read the model (:func:`_forks_itself`)."""
+    """The :func:`workers` tracing processes, started at the first job, which live on from
+    trace to trace. A trace reads the same in them as in a fresh process (once, a process
+    that traced before read more: the module tracking of the traces' MemTracker held dead
+    parts of the graph until the garbage collector ran;
+    :func:`ulysses.torch_internals.step_mem_tracker`), and keeps the fake tensors' dispatch
+    cache that the traces before it filled (the settings of one model mostly hit it: a
+    llama3-8b search's work traces took half the time). For the command line they are
+    forks of its own process, where it only read the model (:func:`_forks_itself`)."""
     with _STATE.starting:
-        return _STATE.pools or _start()
+        return _STATE.pool or _start()
 
 
-def _start() -> tuple:
+def _start():
     """Start :func:`_pools`' workers (once: under ``_STATE.starting``)."""
-    if _STATE.pools is None:
+    if _STATE.pool is None:
         atexit.register(close)
         if _forks_itself():
             for name in PRELOAD:
                 importlib.import_module(name)
-            lasting = multiprocessing.get_context("fork").Pool(workers())
+            _STATE.pool = multiprocessing.get_context("fork").Pool(workers())
         else:
-            lasting = _server().Pool(workers())
-        _STATE.pools = (_server().Pool(workers(), maxtasksperchild=1), lasting)
-    return _STATE.pools
+            _STATE.pool = _server().Pool(workers())
+    return _STATE.pool
 
 
 def close() -> None:
     """Stop the workers and forget the jobs (a later job starts new workers)."""
     with _STATE.lock:
-        pools, _STATE.pools = _STATE.pools, None
+        pool, _STATE.pool = _STATE.pool, None
         _STATE.queue.clear()
         _STATE.jobs.clear()
         _STATE.running = 0
-    for pool in pools or ():
+    if pool is not None:
         pool.terminate()
         pool.join()
