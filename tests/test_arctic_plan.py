@@ -188,27 +188,26 @@ def test_the_tracing_workers_write_the_cache_the_caller_reads_now(tmp_path):
     assert got == [True, True], got
 
 
-def _work_in_long_lived_workers(where: str) -> tuple[bool, bool]:
+def _traces_in_long_lived_workers(where: str) -> tuple[bool, bool]:
     from arctic.plan import traces, workers
     from arctic.plan.models import model_config
-    from arctic.plan.step import stack_config
+    from arctic.plan.step import STACKS, stack_config
 
     kept = {k: os.environ.get(k) for k in ("ARCTIC_PLAN_CACHE", "ARCTIC_PLAN_WORKERS")}
     config = model_config("tiny-llama")
-    from arctic.plan.step import STACKS
-
     settings = [stack_config("ours", world=2), stack_config({**STACKS["ours"], "loss_tiles": 1},
                                                             world=2)]
     jobs = [(2048, 1), (2048, 2)]
     try:
         os.environ.update(ARCTIC_PLAN_CACHE=where, ARCTIC_PLAN_WORKERS="2")
-        tracers = [traces.Tracer(config, sp, 2, shard=True, work=True) for sp in settings]
+        tracers = [traces.Tracer(config, sp, 2, shard=True, work=work)
+                   for sp in settings for work in (True, False)]
         traces.prefetch([(t, n, d) for t in tracers for n, d in jobs])
-        pids = sorted(p.pid for p in workers._pools()[1]._pool)
+        pids = sorted(p.pid for p in workers._pools()._pool)
         counted = [t.at(n, d) for t in tracers for n, d in jobs]
         traces.prefetch([(t, 1024, 1) for t in tracers])
-        kept_pids = sorted(p.pid for p in workers._pools()[1]._pool) == pids
-        os.environ["ARCTIC_PLAN_CACHE"] = "off"  # counted again here, in this process
+        kept_pids = sorted(p.pid for p in workers._pools()._pool) == pids
+        os.environ["ARCTIC_PLAN_CACHE"] = "off"  # traced again here, in this process
         again = [t.at(n, d) for t in tracers for n, d in jobs]
         return kept_pids, counted == again
     finally:
@@ -216,14 +215,15 @@ def _work_in_long_lived_workers(where: str) -> tuple[bool, bool]:
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
-def test_work_traces_share_long_lived_workers_and_count_the_same(tmp_path):
-    """The step's work is counted in tracing processes that live on between traces (their
-    fake tensors' dispatch cache warm: a llama3-8b search's 60 work traces took half the
-    time): the counts are those of another process, to the op."""
-    kept_pids, same = plan_server.call(_work_in_long_lived_workers, str(tmp_path),
+def test_traces_share_long_lived_workers_and_read_the_same(tmp_path):
+    """Traces run in tracing processes that live on between traces (their fake tensors'
+    dispatch cache warm: a llama3-8b search's 60 work traces took half the time), each
+    worker tracing several: the work counted and each phase's peaks are those of another
+    process, to the op and to the byte."""
+    kept_pids, same = plan_server.call(_traces_in_long_lived_workers, str(tmp_path),
                                        env={"ARCTIC_PLAN_CACHE": _CACHE})
-    assert kept_pids, "the work traces' workers were replaced"
-    assert same, "a long-lived worker counted other work"
+    assert kept_pids, "the workers were replaced"
+    assert same, "a long-lived worker traced otherwise"
 
 
 def _synthetic(device, host, budget=(100.0, 100.0)):
