@@ -226,6 +226,38 @@ def test_traces_share_long_lived_workers_and_read_the_same(tmp_path):
     assert same, "a long-lived worker traced otherwise"
 
 
+def _misfit_below(where: str) -> tuple:
+    from dataclasses import replace
+
+    from arctic.plan.estimate import _past_doubt, plan
+    from arctic.plan.step import STACKS
+
+    kept = os.environ.get("ARCTIC_PLAN_CACHE")
+    os.environ["ARCTIC_PLAN_CACHE"] = where
+    try:
+        stack = dict(STACKS["ours"], activation_checkpointing=False, offload_activations=False)
+        e = plan("llama3-8b", 4 << 20, gpus=8, stack=stack, layers=8)
+        near = [_past_doubt(replace(e, peak=replace(e.peak, total=int(e.device_budget * f))))
+                for f in (1.02, 1.04)]
+        return e.fits, e.method, len(os.listdir(where)), near
+    finally:
+        os.environ.pop("ARCTIC_PLAN_CACHE") if kept is None else \
+            os.environ.__setitem__("ARCTIC_PLAN_CACHE", kept)
+
+
+def test_a_misfit_read_off_a_lower_bound_takes_two_traces(tmp_path):
+    """Llama-3-8B (8 layers) without checkpointing at 4M tokens on 8 GPUs misses the device
+    on the line through 48K and 96K tokens per rank at 4 layers alone, a lower bound at 8:
+    the plan says so, from those 2 traces (the length line at two depths and its check take
+    5 or more). A device reading off a line within 3% over its budget is not taken as a
+    misfit (a peak can fall 0.6% under its line)."""
+    fits, method, traces, near = plan_server.call(_misfit_below, str(tmp_path),
+                                                  env={"ARCTIC_PLAN_CACHE": _CACHE})
+    assert not fits and method.endswith("a lower bound)"), method
+    assert traces == 2
+    assert near == [False, True]
+
+
 def _synthetic(device, host, budget=(100.0, 100.0)):
     """A ``plan_at`` whose device and host figures are the given functions of the length."""
     from types import SimpleNamespace
