@@ -102,6 +102,7 @@ def main() -> None:
                                                           if k != "ring_degree" and
                                                           fields.get(k) != v},
                                               "pruned": c.pruned, "max_seq_len": c.best,
+                                              "stopped_below": c.below,
                                               "limit": c.limit()} for c in cands],
                        "at_max": winner.at_winner.as_dict() if winner.at_winner else None}
             run["search_s"] = round(time.perf_counter() - start)

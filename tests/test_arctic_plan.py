@@ -272,6 +272,25 @@ def _synthetic(device, host, budget=(100.0, 100.0)):
     return plan_at
 
 
+def test_find_max_stops_short_where_another_search_fits_its_shortest_misfit():
+    """find_max with ``beaten`` (the settings search's factorizations side by side) stops
+    refining once another search fits its shortest misfit: it returns its longest fit so
+    far, in fewer plans; without it, the same search refines to the granule."""
+    from arctic.plan.search import find_max
+
+    plan_at = _synthetic(lambda n: 20 + n / 1e5, lambda n: 0.0)  # fits up to 8,000,000
+    quiet = lambda *_: None  # noqa: E731
+    full, tried_full = find_max(plan_at, start=1 << 20, granule=1024, log=quiet, tolerance=0)
+    asked: list[int] = []
+    short, tried = find_max(plan_at, start=1 << 20, granule=1024, log=quiet, tolerance=0,
+                            beaten=lambda n: asked.append(n) or n <= 9_000_000)
+    assert 8_000_000 - 1024 < full <= 8_000_000
+    assert asked and asked[0] > 8_000_000 and short < full
+    assert len(tried) < len(tried_full)
+    assert find_max(plan_at, start=1 << 20, granule=1024, log=quiet, tolerance=0,
+                    beaten=lambda n: False)[0] == full
+
+
 @pytest.mark.parametrize("name,device,host,most", [
     ("host line", lambda n: 20 + n / 1e5, lambda n: 5 + n / 5.3e4, 5),
     ("device line", lambda n: 20 + n / 6.1e4, lambda n: n / 1e6, 5),

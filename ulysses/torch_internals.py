@@ -105,9 +105,11 @@ def _acyclic_module_hooks():
     first. With one input, "all" is the first call per backward (graph task): the same."""
     try:
         from torch.distributed._tools import mod_tracker as module
-    except ImportError as e:
-        raise _missing("torch.distributed._tools.mod_tracker", e) from e
-    original = module.register_multi_grad_hook
+
+        original = module.register_multi_grad_hook
+    except (ImportError, AttributeError) as e:
+        raise _missing("torch.distributed._tools.mod_tracker.register_multi_grad_hook",
+                       e) from e
 
     def register(tensors, fn, *, mode="all"):
         if mode != "all" or len(tensors) != 1:

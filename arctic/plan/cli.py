@@ -235,6 +235,7 @@ def _main(args: argparse.Namespace) -> int:
             estimates += [e for c in candidates for e in c.tried]
             result["search"] = [{"ring": c.ring, "ulysses": c.ulysses, "fields": c.fields,
                                  "pruned": c.pruned, "max_seq_len": c.best,
+                                 "stopped_below": c.below,
                                  "at_winner": c.at_winner.as_dict() if c.at_winner else None}
                                 for c in candidates]
         else:
@@ -407,7 +408,9 @@ def search_table(candidates, winner) -> str:
         peak = (f"{at.peak.total / GiB:.2f} GiB " + ("fits" if at.fits else "no fit")
                 if at else "-")
         mark = "  <- chosen" if c is winner else ""
-        longest = f"{c.best:,}" if c.best else "-"
+        longest = (">=" if c.below else "") + f"{c.best:,}" if c.best else "-"
         note = c.limit() if c.best else f"does not fit one granule past the winner: {c.limit()}"
+        if c.below:
+            note = f"stopped short of {c.below:,} (does not fit; another fits it): {note}"
         rows.append(f"{name:<16}{longest:>14}  {peak:>24}  {note}{mark}")
     return "\n".join(rows)

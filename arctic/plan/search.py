@@ -8,6 +8,7 @@ Apart from :mod:`arctic.plan.estimate` because it knows nothing of tracing: it c
 from __future__ import annotations
 
 import dataclasses
+import threading
 import time
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -27,10 +28,11 @@ states and gated norm) to about half a GiB at Qwen3.5-9B's widths, whatever the 
 
 
 def find_max(plan_at, *, start: int, granule: int, log=print,
-             tolerance: float = 0.02) -> tuple[int, list[Estimate]]:
+             tolerance: float = 0.02, beaten=None) -> tuple[int, list[Estimate]]:
     """The longest multiple of ``granule`` tokens that fits, to within ``tolerance`` (or one
     granule). ``plan_at(n)`` plans ``n`` tokens. Returns it (0 if one granule does not fit)
-    and every estimate made.
+    and every estimate made. ``beaten(n)``: whether to stop at the longest fit found, once
+    ``n`` tokens, the shortest that does not fit, are known (another search fits them).
 
     Device and host memory each grow about linearly with the length, so each step goes to
     where the first of the two lines through two estimates crosses its budget: outside the
@@ -95,6 +97,8 @@ def find_max(plan_at, *, start: int, granule: int, log=print,
             hi = points[-1] if hi is None or points[-1][0] < hi[0] else hi
     kept = None  # which end the last step kept
     while hi[0] - lo[0] > max(granule, int(lo[0] * tolerance)):
+        if beaten is not None and beaten(hi[0]):
+            break
         guess = crossing(lo, hi) or (lo[0] + hi[0]) / 2
         point = at(min(max(snap(guess), lo[0] + granule), hi[0] - granule))
         if fits(point):
@@ -119,6 +123,9 @@ class Candidate:
     tried: list = field(default_factory=list)
     at_winner: Estimate | None = None
     """Its plan at the winner's length (a loser's does not fit there)."""
+    below: int | None = None
+    """Set where its search stopped short: its longest is under this many tokens, which it
+    does not fit and another factorization does."""
 
     def limit(self) -> str:
         misfits = [e for e in self.tried if not e.fits]
@@ -165,7 +172,8 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int | None, int 
     """The longest length over the ring x Ulysses factorizations of ``sp_size``, each with the
     other settings of ``base``; ``plan_with(n, fields)`` plans ``n`` tokens with ``fields``.
     Returns the winner (ties: the smaller ring degree, fewer ring hops) and every candidate,
-    each planned at the winner's length too.
+    each planned at the winner's length too. A factorization whose shortest misfit another
+    fits stops there (it cannot win): its longest is a lower bound (:attr:`Candidate.below`).
 
     The other settings are not varied where one value holds less device memory at every
     length than the others, which the recipe guarantees: one head per chunk (the chunk
@@ -188,11 +196,30 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int | None, int 
     for c in candidates:
         c.fields = dict(base, sequence_parallel_size=sp_size, ring_degree=c.ring)
 
+    reached: dict[int, int] = {}  # the longest fit of each factorization so far
+    lock = threading.Lock()
+
     def searched(c: Candidate) -> list[str]:  # one factorization, its log lines kept
         lines = [f"ring {c.ring} x ulysses {c.ulysses}:"]
         began = time.perf_counter()
-        c.best, c.tried = find_max(lambda n, f=c.fields: plan_with(n, f), start=start,
-                                   granule=granule, log=lines.append, tolerance=0)
+
+        def plan_at(n: int) -> Estimate:
+            e = plan_with(n, c.fields)
+            if e.fits:
+                with lock:
+                    reached[id(c)] = max(n, reached.get(id(c), 0))
+            return e
+
+        def beaten(n: int) -> bool:  # it cannot reach n, which another fits: it cannot win
+            with lock:
+                if max((v for k, v in reached.items() if k != id(c)), default=0) < n:
+                    return False
+            c.below = n
+            lines.append(f"  stopped: another factorization fits {n:,} tokens")
+            return True
+
+        c.best, c.tried = find_max(plan_at, start=start, granule=granule, log=lines.append,
+                                   tolerance=0, beaten=beaten)
         return lines + [f"  ({len(c.tried)} plans, {time.perf_counter() - began:.1f} s)"]
 
     # Each factorization's plans wait on one trace at a time as often as not; searched side
