@@ -460,3 +460,29 @@ def test_the_kernel_self_check_is_not_counted_as_the_models_work():
                                ring=False)
         out, _ = attention_with_lse(q, k, v, LocalAttention(True, 8 ** -0.5, "cpu_flash"))
     assert work.attention_fwd == attention_flops(q, k, v, True)
+
+
+def test_the_fastest_search_plans_one_neighbour_ahead():
+    """The descent plans the next neighbour predicted faster beside the one it needs
+    (fastest._ahead with LOOKAHEAD 1): asking for the first starts the first two, no more;
+    each result comes back in order, and a plan's error is raised where it is asked for."""
+    from arctic.plan.fastest import LOOKAHEAD, _ahead
+
+    started: list[int] = []
+
+    def call(i: int):
+        def plan():
+            started.append(i)
+            if i == 2:
+                raise ValueError("no plan")
+            return 10 * i
+        return plan
+
+    assert LOOKAHEAD == 1
+    results = _ahead([call(i) for i in range(4)], LOOKAHEAD)
+    assert started == []
+    assert results[0]() == 0 and 2 not in started
+    assert results[1]() == 10 and set(started) <= {0, 1, 2}
+    with pytest.raises(ValueError, match="no plan"):
+        results[2]()
+    assert results[3]() == 30 and sorted(started) == [0, 1, 2, 3]
