@@ -202,7 +202,7 @@ class _TracedScan(torch.autograd.Function):
 
     @staticmethod
     def forward(ctx, shapes, *inputs):
-        out_shape, out_dtype, states_shape, block_shape = shapes
+        out_shape, out_dtype, states_shape, block_shape, final_shape = shapes
         first = inputs[0]
         states = first.new_empty(states_shape, dtype=torch.float32)  # per chunk, transient
         block = first.new_empty(block_shape, dtype=torch.float32)    # kept for backward
@@ -210,12 +210,15 @@ class _TracedScan(torch.autograd.Function):
         del states
         ctx.save_for_backward(*inputs, block)
         ctx.states_shape = states_shape
-        return out
+        ctx.set_materialize_grads(False)
+        if final_shape is None:
+            return out
+        return out, first.new_empty(final_shape, dtype=torch.float32)
 
     @staticmethod
-    def backward(ctx, grad):
+    def backward(ctx, grad, *_):
         *inputs, _ = ctx.saved_tensors
-        states = grad.new_empty(ctx.states_shape, dtype=torch.float32)
+        states = inputs[0].new_empty(ctx.states_shape, dtype=torch.float32)
         grads = tuple(t.new_empty(t.shape) if need else None
                       for t, need in zip(inputs, ctx.needs_input_grad[1:]))
         del states
@@ -223,7 +226,8 @@ class _TracedScan(torch.autograd.Function):
 
 
 def traced_scan(inputs: Mapping[str, Tensor], *, out: str, key: str, heads: int,
-                out_dtype: torch.dtype | None = None) -> Tensor:
+                out_dtype: torch.dtype | None = None, initial: Tensor | None = None,
+                final: tuple[int, ...] | None = None):
     """A chunked scan's allocations in the memory planner's trace, in place of the scan.
 
     The planner (:mod:`arctic.plan`) traces a step on fake tensors. The model's torch
@@ -235,14 +239,18 @@ def traced_scan(inputs: Mapping[str, Tensor], *, out: str, key: str, heads: int,
     state ``[dk, dv]`` per chunk and head, transient, in the forward and again in the
     backward, which gives every input a gradient. ``inputs``: ``[B, S, h|k, X]`` (the layout
     of :func:`head_scan`); ``key``: the input whose last dim is the state's ``dk``; ``heads``:
-    ``h``.
+    ``h``. ``initial``: the state the scan starts from (an input too, which the output depends
+    on); ``final``: the shape of the float32 final state to return beside the output, which
+    depends on the inputs (a real scan's does: state passing's summaries and carried states
+    take gradients through it).
     """
     like = inputs[out]
     B, S = like.shape[:2]
     dk, dv = inputs[key].shape[-1], like.shape[-1]
     shapes = (tuple(like.shape), out_dtype or like.dtype,
-              (B, -(-S // KERNEL_CHUNK), heads, dk, dv), (B, S, heads, KERNEL_CHUNK))
-    return _TracedScan.apply(shapes, *inputs.values())
+              (B, -(-S // KERNEL_CHUNK), heads, dk, dv), (B, S, heads, KERNEL_CHUNK), final)
+    given = [*inputs.values(), *([] if initial is None else [initial])]
+    return _TracedScan.apply(shapes, *given)
 
 
 __all__ = ["KERNEL_CHUNK", "causal_conv", "check_mixer_heads", "conv_documents", "head_scan",

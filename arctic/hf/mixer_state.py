@@ -54,10 +54,11 @@ class _PieceScan:
         kind = self.kind
         out_like = given[kind.output]
         if is_traced(out_like):  # the planner's trace: the GPU kernel's allocations
-            out = traced_scan(given, out=kind.output, key=kind.state_key,
-                              heads=out_like.shape[2])
             b, _, H, V = out_like.shape
-            return out, out_like.new_empty(b, H, self.key_dim, V)
+            if not final:
+                return traced_scan(given, out=kind.output, key=kind.state_key, heads=H), None
+            return traced_scan(given, out=kind.output, key=kind.state_key, heads=H,
+                               initial=initial, final=(b, H, self.key_dim, V))
         given = {**given, **self.params}
         result = kind.call(self.original, given, **self.options,
                            **({kind.initial: initial, kind.final: True} if final else {}))
@@ -95,10 +96,12 @@ class SelectiveStates:
         x = given[kind.output]
         b, C, n = x.shape
         if is_traced(x):  # the planner's trace: the GPU kernel's allocations
-            return Piece(self._traced(given), None, x.new_empty(b, *self.state_shape), None)
-        given.update(self.params)
-        out, final = kind.call(self.original, given, **self.options, **{kind.final: True})
-        out = out.transpose(1, 2)
+            out, final = self._traced(given, final=(b, *self.state_shape))
+            given.update(self.params)
+        else:
+            given.update(self.params)
+            out, final = kind.call(self.original, given, **self.options, **{kind.final: True})
+            out = out.transpose(1, 2)
         if not continues:
             return Piece(out, None, final, None)
         dt = given["dt"].float()
@@ -125,18 +128,18 @@ class SelectiveStates:
 
     def from_state(self, rows: slice, positions: slice, state: Tensor) -> tuple[Tensor, Tensor]:
         p = self.piece(rows, positions, True)
-        if p.fix is None:  # the planner's trace
-            return p.out, p.final
         return p.out + p.fix(state), self.carry(p.phi, state) + p.final.float()
 
-    def _traced(self, given: Mapping[str, Tensor]) -> Tensor:
+    def _traced(self, given: Mapping[str, Tensor], final: tuple[int, ...] | None = None):
         """The planner's trace of the scan on ``given`` (channels first): the GPU kernel's
-        allocations (:func:`ulysses.mixers.traced_scan`); the output ``[b, n, C]``."""
+        allocations (:func:`ulysses.mixers.traced_scan`); the output ``[b, n, C]``, and with
+        ``final`` (its shape) the final state, which depends on ``given``."""
         kind = self.kind
         traced = {k: t.transpose(1, 2).unsqueeze(2 if k in kind.grouped else -1)
                   for k, t in given.items()}
-        return traced_scan(traced, out=kind.output, key=kind.state_key,
-                           heads=given[kind.output].shape[1]).squeeze(-1)
+        out = traced_scan(traced, out=kind.output, key=kind.state_key,
+                          heads=given[kind.output].shape[1], final=final)
+        return out.squeeze(-1) if final is None else (out[0].squeeze(-1), out[1])
 
     @staticmethod
     def carry(phi: Tensor, state: Tensor) -> Tensor:
