@@ -203,10 +203,10 @@ def _traces_in_long_lived_workers(where: str) -> tuple[bool, bool]:
         tracers = [traces.Tracer(config, sp, 2, shard=True, work=work)
                    for sp in settings for work in (True, False)]
         traces.prefetch([(t, n, d) for t in tracers for n, d in jobs])
-        pids = sorted(p.pid for p in workers._pools()._pool)
+        pids = sorted(p.pid for p in workers._pool()._pool)
         counted = [t.at(n, d) for t in tracers for n, d in jobs]
         traces.prefetch([(t, 1024, 1) for t in tracers])
-        kept_pids = sorted(p.pid for p in workers._pools()._pool) == pids
+        kept_pids = sorted(p.pid for p in workers._pool()._pool) == pids
         os.environ["ARCTIC_PLAN_CACHE"] = "off"  # traced again here, in this process
         again = [t.at(n, d) for t in tracers for n, d in jobs]
         return kept_pids, counted == again

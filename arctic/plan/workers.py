@@ -2,7 +2,7 @@
 
 Apart from :mod:`arctic.plan.traces` because it knows nothing of what a trace is: it runs a
 function of a job in a worker process and hands back its result. The workers live on from
-trace to trace (a trace reads the same in a process that traced before: :func:`_pools`),
+trace to trace (a trace reads the same in a process that traced before: :func:`_pool`),
 forked from multiprocessing's fork server, which imports :data:`PRELOAD` once, or, for the
 command line, from the command line's own process (:func:`_forks_itself`). Jobs wait in
 this process, not in the pool's queue, so that a memory trace queued after many work traces
@@ -135,7 +135,7 @@ def wait(key: str):
 
 def _feed() -> None:
     """Hand queued jobs to idle workers (one each: the pool's own queue stays empty)."""
-    pool = _pools()
+    pool = _pool()
     while True:
         with _STATE.lock:
             if _STATE.running >= workers() or not _STATE.queue:
@@ -167,10 +167,10 @@ def start() -> None:
     would otherwise run in this process, :func:`in_workers`); a no-op where traces run in
     this process."""
     if in_workers(2):
-        _pools()
+        _pool()
 
 
-def _pools():
+def _pool():
     """The :func:`workers` tracing processes, started at the first job, which live on from
     trace to trace. A trace reads the same in them as in a fresh process (once, a process
     that traced before read more: the module tracking of the traces' MemTracker held dead
@@ -184,7 +184,7 @@ def _pools():
 
 
 def _start():
-    """Start :func:`_pools`' workers (once: under ``_STATE.starting``)."""
+    """Start :func:`_pool`'s workers (once: under ``_STATE.starting``)."""
     if _STATE.pool is None:
         atexit.register(close)
         if _forks_itself():
