@@ -99,9 +99,7 @@ the length line (4 traces) and its check (5 more, the check off the line) took 9
 def _past_doubt(e: Estimate) -> bool:
     """Whether ``e``, read off a line, misses a budget beyond the line's error: its offload
     figures over theirs, or its device peak over :data:`BOUND_MARGIN` past the budget."""
-    offload = e.refused is not None or not (e.peak.host <= e.host_budget or
-                                            0 < e.disk <= e.disk_budget)
-    return offload or e.peak.total > e.device_budget * (1 + BOUND_MARGIN)
+    return not e.offload_fits or e.peak.total > e.device_budget * (1 + BOUND_MARGIN)
 
 
 @dataclass
@@ -138,8 +136,14 @@ class Estimate:
 
     @property
     def fits(self) -> bool:
-        return (self.refused is None and self.peak.total <= self.device_budget and
-                (self.peak.host <= self.host_budget or 0 < self.disk <= self.disk_budget))
+        return self.offload_fits and self.peak.total <= self.device_budget
+
+    @property
+    def offload_fits(self) -> bool:
+        """Whether the offloaded bytes fit: the host's (or host and disk) budgets, nothing
+        refused."""
+        return self.refused is None and (self.peak.host <= self.host_budget or
+                                         0 < self.disk <= self.disk_budget)
 
     def loads(self) -> tuple[float, float]:
         """The device and offload figures over their budgets (> 1: over), for the search.
