@@ -301,7 +301,8 @@ def _try_seq_chunks(plan_with, candidates: list[Candidate], winner: Candidate, g
              and "host" not in c.limit()]
     if not split:
         return winner
-    best = max(split, key=lambda c: (c.best, -c.ring))
+    # (one that stopped short may reach up to its shortest misfit: not passed over for less)
+    best = max(split, key=lambda c: (c.below - granule if c.below else c.best, -c.ring))
     alt = Candidate(ring=best.ring, ulysses=best.ulysses,
                     fields=dict(best.fields, seq_chunk="auto"))
     candidates.append(alt)
