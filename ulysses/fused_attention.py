@@ -69,6 +69,7 @@ from ulysses.chunk_schedule import (DEFAULT_CHUNK_BUDGET_BYTES, Step, build_sche
 from ulysses.head_projection import (HeadSet, Projection, ProjectionGrads, gated_output,
                                      gated_output_backward, head_set, project, project_backward)
 from ulysses.hybrid import check_hybrid
+from ulysses.input_norm import InputNorm, NormedRows, norm_backward
 from ulysses.keep import kept_or_computed
 from ulysses.kernels import default_scale, select_backend
 from ulysses.mesh import axis_group, axis_rank, axis_size, check_mesh, mesh_dims
@@ -113,7 +114,8 @@ class _ProjectedChunks:
     for those heads only; a returning gradient runs the projection's backward at once,
     accumulating into ``grads`` and ``dx``."""
 
-    x_NE: Tensor
+    x_NE: Tensor | NormedRows
+    """The block's input; :class:`NormedRows` where its norm runs here (``input_norm``)."""
     rotary: tuple[Tensor, Tensor]
     proj: dict[str, Projection]
     """``"q"``, ``"k"``, ``"v"`` (and ``"gate"`` for a gated block)."""
@@ -147,10 +149,15 @@ class _ProjectedChunks:
     # Rows of the piece: all of them (send), or one sequence block at a time for the
     # sequence-chunked loop (ulysses.seq_chunk), which also takes gradients back per block.
 
-    def _rows(self, t_NX: Tensor, rows: slice) -> Tensor:
-        """Rows ``rows`` of each batch row of a ``[B s, X]`` tensor, as ``[B b, X]``."""
+    def _rows(self, t_NX, rows: slice):
+        """Rows ``rows`` of each batch row of a ``[B s, X]`` tensor, as ``[B b, X]`` (of
+        :class:`NormedRows`, still to be normed)."""
         B, s, _ = self.shape
-        return t_NX.view(B, s, -1)[:, rows].reshape(-1, t_NX.shape[-1])
+
+        def pick(t: Tensor) -> Tensor:
+            return t.view(B, s, -1)[:, rows].reshape(-1, t.shape[-1])
+
+        return t_NX.narrowed(pick) if isinstance(t_NX, NormedRows) else pick(t_NX)
 
     def send_rows(self, kind: str, j: int, step: Step, rows: slice):
         heads = self._heads(kind, j, sending=True)
@@ -191,18 +198,26 @@ def _projections(cfg: FusedConfig, wq, bq, wk, bk, wv, bv, q_norm,
     return proj
 
 
+def _input(x: Tensor, norm: InputNorm | None) -> Tensor | NormedRows:
+    """``x`` as ``[B s, E]`` rows, to be normed where ``norm`` is given."""
+    x_NE = x.reshape(-1, x.shape[-1])
+    return x_NE if norm is None else NormedRows(x_NE, norm)
+
+
 def _zeros_if(needed: bool, t: Tensor | None, dtype=None) -> Tensor | None:
     return torch.zeros_like(t, dtype=dtype) if needed and t is not None else None
 
 
 class _FusedFn(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, cos, sin, wq, bq, wk, bk, wv, bv, wo, bo, q_norm, k_norm, cfg, pool):
+    def forward(ctx, x, cos, sin, wq, bq, wk, bk, wv, bv, wo, bo, q_norm, k_norm, cfg, pool,
+                norm):
         B, s, E = x.shape
+        x_in = _input(x, norm)
 
         def compute():
             rotary = (cos.unsqueeze(2), sin.unsqueeze(2))  # [B|1, s, D] -> [B|1, s, 1, D]
-            src = _ProjectedChunks(x.reshape(B * s, E), rotary,
+            src = _ProjectedChunks(x_in, rotary,
                                    _projections(cfg, wq, bq, wk, bk, wv, bv, q_norm, k_norm),
                                    cfg, (B, s, cfg.head_dim))
             out = x.new_empty(B, s, sum(cfg.chunks.layout.q_sizes), cfg.head_dim)
@@ -219,11 +234,11 @@ class _FusedFn(torch.autograd.Function):
         # Kept for backward: x, cos/sin, the weights, out (the one all-heads seq-local tensor;
         # see the module docstring) and the fp32 lse.
         ctx.save_for_backward(x, cos, sin, wq, bq, wk, bk, wv, bv, wo, q_norm, k_norm, out, lse)
-        ctx.cfg, ctx.pool, ctx.has_bo = cfg, pool, bo is not None
+        ctx.cfg, ctx.pool, ctx.has_bo, ctx.norm = cfg, pool, bo is not None, norm
         B, s, H, D = out.shape
         if cfg.gated:
             gate = _projections(cfg, wq, bq, wk, bk, wv, bv, q_norm, k_norm)["gate"]
-            return gated_output(x.reshape(B * s, -1), out.view(B * s, H * D), gate,
+            return gated_output(x_in, out.view(B * s, H * D), gate,
                                 cfg.all_heads, D, wo, bo, cfg.tile_rows).view(B, s, -1)
         return F.linear(out.view(B, s, H * D), wo, bo)
 
@@ -242,8 +257,11 @@ class _FusedFn(torch.autograd.Function):
             "bo": (torch.zeros(wo.shape[0], dtype=wo.dtype, device=wo.device)
                    if ctx.has_bo and need[10] else None),
         }
-        dx = _zeros_if(need[0], x)
+        norm = ctx.norm
+        # (with the input's norm here: the gradient of norm(x), then made that of x)
+        dx = _zeros_if(need[0] or (norm is not None and len(norm.params) > 0), x)
         B, s, E = x.shape
+        x_in = _input(x, norm)
         H, D = out.shape[2], out.shape[3]
         dy_NE = dy.contiguous().reshape(B * s, E)
         proj = _projections(ctx.cfg, wq, bq, wk, bk, wv, bv, q_norm, k_norm)
@@ -251,7 +269,7 @@ class _FusedFn(torch.autograd.Function):
         # the gate's gradients, for a gated block).
         if ctx.cfg.gated:
             gated_output_backward(
-                x.reshape(B * s, E), out.view(B * s, H * D), dy_NE, proj["gate"],
+                x_in, out.view(B * s, H * D), dy_NE, proj["gate"],
                 ctx.cfg.all_heads, D, wo, ctx.cfg.tile_rows, grads["wo"],
                 ProjectionGrads(grads["q"].weight, grads["q"].bias, None),
                 None if dx is None else dx.view(B * s, E))
@@ -259,7 +277,7 @@ class _FusedFn(torch.autograd.Function):
             grads["wo"].addmm_(dy_NE.t(), out.view(B * s, H * D))
         if grads["bo"] is not None:
             grads["bo"] += dy_NE.sum(0)
-        src = _ProjectedChunks(x.reshape(B * s, E), rotary, proj, ctx.cfg, (B, s, D), dy_NE, wo,
+        src = _ProjectedChunks(x_in, rotary, proj, ctx.cfg, (B, s, D), dy_NE, wo,
                                grads, None if dx is None else dx.view(B * s, E))
         if ctx.cfg.seq is None:
             run_backward(src, out, lse, ctx.cfg.chunks, ctx.pool)
@@ -269,9 +287,13 @@ class _FusedFn(torch.autograd.Function):
         ctx.pool.end_call()
         norms = [None if g is None else g.to(w.dtype)
                  for g, w in ((grads["q"].norm, q_norm), (grads["k"].norm, k_norm))]
+        if norm is not None and dx is not None:
+            norm_backward(x.reshape(B * s, E), norm, dx.view(B * s, E))
+        if not need[0]:
+            dx = None
         return (dx, None, None, grads["q"].weight, grads["q"].bias, grads["k"].weight,
                 grads["k"].bias, grads["v"].weight, grads["v"].bias, grads["wo"], grads["bo"],
-                *norms, None, None)
+                *norms, None, None, None)
 
 
 def _check_shape(name: str, t: Tensor | None, shape: tuple[int, ...]) -> None:
@@ -337,7 +359,8 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
                     comm_dtype: torch.dtype | None = None,
                     seq_chunk: int | str | None = None,
                     softcap: float | None = None, gated: bool = False,
-                    norm_zero_centered: bool = False) -> Tensor:
+                    norm_zero_centered: bool = False,
+                    input_norm: InputNorm | None = None) -> Tensor:
     """A Llama-style attention block, ``o_proj(attn(rope(q_proj(x)), rope(k_proj(x)),
     v_proj(x)))``, sequence-parallel and head-chunked, with no all-heads q/k/v.
 
@@ -368,8 +391,13 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
             (``_ProjectedChunks.send_rows``/``take_rows``): no seq-local tensor of a step's
             heads exists either.
 
+        input_norm: the block's input norm (:class:`ulysses.input_norm.InputNorm`), when
+            ``x`` is the layer's input before it: each projection then norms the rows it
+            reads, and ``norm(x)`` is never held whole (:mod:`ulysses.input_norm`).
+
     Returns:
-        ``y_BsE``, sharded like ``x``. Gradients flow to ``x`` and every weight and bias.
+        ``y_BsE``, sharded like ``x``. Gradients flow to ``x`` and every weight and bias
+        (and into the ``.grad`` of ``input_norm``'s parameters).
 
     Every ``ValueError`` is raised before any collective.
     """
@@ -378,6 +406,10 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
     if norm_zero_centered and q_norm_weight is None:
         raise ValueError("norm_zero_centered=True needs q_norm_weight and k_norm_weight")
     D = _validate(x, cos, sin, weights, num_heads, num_kv_heads, gated)
+    if input_norm is not None and not (isinstance(input_norm, InputNorm) and
+                                       callable(input_norm.fn)):
+        raise ValueError(f"input_norm must be a ulysses.input_norm.InputNorm, got "
+                         f"{type(input_norm).__name__}")
     check_comm_dtype(comm_dtype)
     softcap = check_softcap(softcap)
     check_mesh(mesh)
@@ -421,4 +453,4 @@ def fused_attention(x: Tensor, cos: Tensor, sin: Tensor, *, wq: Tensor, wk: Tens
         tile_rows=max(1, chunk_budget_bytes // (2 * num_heads * D * x.element_size())))
     pool = BufferPool(keep_between_calls=False) if buffer_pool is None else buffer_pool
     return _FusedFn.apply(x, cos, sin, wq, bq, wk, bk, wv, bv, wo, bo, q_norm_weight,
-                          k_norm_weight, cfg, pool)
+                          k_norm_weight, cfg, pool, input_norm)

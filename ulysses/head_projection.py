@@ -22,6 +22,8 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from ulysses.input_norm import NormedRows, row_tiles, rows_of
+
 
 @dataclass(frozen=True, slots=True)
 class HeadSet:
@@ -149,11 +151,19 @@ with a norm runs over sequence tiles of at most this many float32 values' bytes;
 62K positions of Qwen3.5-9B's two 256-wide heads a step."""
 
 
-def _tiles(proj: Projection, B: int, s: int, n: int, D: int) -> list[slice]:
-    if proj.norm is None:
+def _tiles(proj: Projection, x_NE, B: int, s: int, n: int, D: int) -> list[slice]:
+    """Sequence tiles of a projection: one, unless the heads have a norm (float32 tiles of
+    :data:`NORM_TILE_BYTES`) or ``x_NE`` is still to be normed (:class:`NormedRows`)."""
+    steps = [] if proj.norm is None else [NORM_TILE_BYTES // (4 * B * n * D)]
+    if isinstance(x_NE, NormedRows):
+        steps.append(x_NE.tile_rows() // B)
+    if not steps:
         return [slice(0, s)]
-    step = max(1, NORM_TILE_BYTES // (4 * B * n * D))
-    return [slice(a, min(a + step, s)) for a in range(0, s, step)]
+    return row_tiles(s, max(1, min(steps)))
+
+
+def _whole(t: Tensor) -> Tensor:
+    return t
 
 
 def _seq_rows(t_NX: Tensor, B: int, s: int, cut: slice) -> Tensor:
@@ -180,12 +190,14 @@ def project(x_NE: Tensor, proj: Projection, heads: HeadSet, shape, rotary,
     n = heads.count
     rows = proj.rows(heads, D)
     w_rows = proj.weight.index_select(0, rows)
-    cuts = _tiles(proj, B, s, n, D)
+    cuts = _tiles(proj, x_NE, B, s, n, D)
     if len(cuts) == 1:
-        return _project_rows(x_NE, proj, rows, w_rows, (B, s, n, D), rotary, eps)
+        return _project_rows(rows_of(x_NE, _whole), proj, rows, w_rows, (B, s, n, D), rotary,
+                             eps)
     out = x_NE.new_empty(B, s, n, D)
     for cut in cuts:
-        out[:, cut] = _project_rows(_seq_rows(x_NE, B, s, cut), proj, rows, w_rows,
+        out[:, cut] = _project_rows(rows_of(x_NE, lambda t: _seq_rows(t, B, s, cut)), proj,
+                                    rows, w_rows,
                                     (B, cut.stop - cut.start, n, D),
                                     tuple(r[:, cut] for r in rotary), eps)
     return out
@@ -201,11 +213,11 @@ def project_backward(x_NE: Tensor, proj: Projection, heads: HeadSet, shape, rota
     n = heads.count
     rows = proj.rows(heads, D)
     w_rows = proj.weight.index_select(0, rows)
-    cuts = _tiles(proj, B, s, n, D)
+    cuts = _tiles(proj, x_NE, B, s, n, D)
     for cut in cuts:
         whole = len(cuts) == 1
         b = cut.stop - cut.start
-        x = x_NE if whole else _seq_rows(x_NE, B, s, cut)
+        x = rows_of(x_NE, _whole if whole else lambda t: _seq_rows(t, B, s, cut))
         g = g_BsnD if whole else g_BsnD[:, cut]
         if proj.rope:
             g = rope_backward(g, *(rotary if whole else (r[:, cut] for r in rotary)))
@@ -236,10 +248,6 @@ def linear_backward(x_NE: Tensor, g: Tensor, rows: Tensor, w_rows: Tensor,
         grads.bias.index_add_(0, rows, g.sum(0))
 
 
-def _row_tiles(n: int, per_tile: int):
-    return (slice(a, min(a + per_tile, n)) for a in range(0, n, per_tile))
-
-
 def _all_rows(gate: Projection, heads: HeadSet, D: int):
     rows = gate.rows(heads, D)
     return rows, gate.weight.index_select(0, rows), \
@@ -253,8 +261,9 @@ def gated_output(x_NE: Tensor, out_NX: Tensor, gate: Projection, heads: HeadSet,
     ``[B s, H D]``): ``[B s, E]``, with no all-heads gate."""
     _, wg, bg = _all_rows(gate, heads, D)
     y = x_NE.new_empty(x_NE.shape[0], wo.shape[0])
-    for t in _row_tiles(x_NE.shape[0], tile_rows):
-        y[t] = F.linear(out_NX[t] * torch.sigmoid(F.linear(x_NE[t], wg, bg)), wo, bo)
+    for t in row_tiles(x_NE.shape[0], tile_rows):
+        x = rows_of(x_NE, lambda v: v[t])
+        y[t] = F.linear(out_NX[t] * torch.sigmoid(F.linear(x, wg, bg)), wo, bo)
     return y
 
 
@@ -266,9 +275,10 @@ def gated_output_backward(x_NE: Tensor, out_NX: Tensor, dy_NE: Tensor, gate: Pro
     per step): ``dwo``, the gate's rows of ``grads`` (weight and bias) and its part of
     ``dx_NE``, in the same row tiles."""
     rows, wg, bg = _all_rows(gate, heads, D)
-    for t in _row_tiles(x_NE.shape[0], tile_rows):
-        sig = torch.sigmoid(F.linear(x_NE[t], wg, bg))
+    for t in row_tiles(x_NE.shape[0], tile_rows):
+        x = rows_of(x_NE, lambda v: v[t])
+        sig = torch.sigmoid(F.linear(x, wg, bg))
         if dwo is not None:
             dwo.addmm_(dy_NE[t].t(), out_NX[t] * sig)
         dgate = (dy_NE[t] @ wo) * out_NX[t] * sig * (1 - sig)
-        linear_backward(x_NE[t], dgate, rows, wg, grads, None if dx_NE is None else dx_NE[t])
+        linear_backward(x, dgate, rows, wg, grads, None if dx_NE is None else dx_NE[t])

@@ -103,14 +103,22 @@ def check_fusable(module: nn.Module, *, num_heads: int, num_kv_heads: int,
         raise ValueError(f"{name} is not causal; fuse_projections supports causal attention")
 
 
+INPUT_NORM = "sp_input_norm"
+"""The keyword by which the tiled layer (:mod:`arctic.tiling.layer`) hands the fused forward
+the layer's input norm (a :class:`ulysses.input_norm.InputNorm`), with the layer's input in
+place of the normed hidden states: the fused block then norms the rows it reads."""
+
+
 def _fused_forward(self, *args, **kwargs):
     """The attention module's forward under ``fuse_projections``: hidden ``[B, s, E]`` (this
-    rank's piece) -> ``([B, s, E], None)``, like the stock forward. The call is bound through
+    rank's piece) -> ``([B, s, E], None)``, like the stock forward (``sp_input_norm``: the
+    hidden states are the layer's input, before that norm; see :data:`INPUT_NORM`). The call is bound through
     the installed class's forward (:mod:`arctic.hf.binding`), so its arguments are found by
     role whatever this transformers release names them. The keyword arguments the stock
     forward would pass to the attention (its own dropout, scaling and sliding window, and
     whatever the layer passed on) are honoured or refused as there."""
     sp = self.sp_attention
+    input_norm = kwargs.pop(INPUT_NORM, None)
     bound = of_module(self).bind(args, kwargs)
     unknown = bound.unknown()
     if unknown:
@@ -153,7 +161,8 @@ def _fused_forward(self, *args, **kwargs):
         num_heads=sp.num_heads, num_kv_heads=sp.num_kv_heads, mesh=sp.mesh,
         head_chunk_size=sp.head_chunk_size, softmax_scale=call.scaling, backend=sp.backend,
         buffer_pool=sp.pool, segments=sp.batch.segments(), window=call.window,
-        comm_dtype=sp.communication_dtype, seq_chunk=sp.seq_chunk, softcap=call.softcap)
+        comm_dtype=sp.communication_dtype, seq_chunk=sp.seq_chunk, softcap=call.softcap,
+        input_norm=input_norm)
     return y, None
 
 
@@ -178,6 +187,11 @@ def fuse(module: nn.Module) -> None:
     replace_method(module, _fused_forward, bind=True)
     module._z3_leaf = True
     module._sp_fused = module.register_forward_pre_hook(positional_input, with_kwargs=True)
+
+
+def is_fused(module: nn.Module) -> bool:
+    """Whether ``module`` runs the fused forward (:func:`fuse`)."""
+    return getattr(module, "_sp_fused", None) is not None
 
 
 def unfuse(module: nn.Module) -> None:

@@ -41,7 +41,7 @@ from torch import Tensor, nn
 
 from arctic.hf.anatomy import decoder_layers, text_config
 from arctic.hf.binding import of_module
-from arctic.hf.fused import positional_input
+from arctic.hf.fused import INPUT_NORM, is_fused, positional_input
 from arctic.order import record_apply
 from arctic.tiling.tiles import (
     DEFAULT_TILE_BUDGET_BYTES,
@@ -49,6 +49,7 @@ from arctic.tiling.tiles import (
     resolve_tiles,
     tile_rows,
 )
+from ulysses.input_norm import InputNorm
 from ulysses.patching import (
     instance_method,
     is_bound_replacement,
@@ -160,7 +161,11 @@ def _tiled_layer_forward(self, *args, **kwargs):
     if name != "self_attn":  # a token mixer: what the stock forward passes it
         for role in _MIXER_ONLY:
             keywords.pop(attention.roles.get(role, bound.signature.roles.get(role, role)), None)
-    a = mixer(**{attention.first: self.input_layernorm(hidden_states)}, **keywords)
+    norm = _fusable_norm(self, mixer)
+    if norm is not None:  # the fused block norms the rows it reads (ulysses.input_norm)
+        a = mixer(**{attention.first: hidden_states}, **keywords, **{INPUT_NORM: norm})
+    else:
+        a = mixer(**{attention.first: self.input_layernorm(hidden_states)}, **keywords)
     if name == "self_attn":
         a, _ = a
     tiles = self._sp_tiled_layer
@@ -174,6 +179,23 @@ def _tiled_layer_forward(self, *args, **kwargs):
     params = [p for m in (self.post_attention_layernorm, self.mlp) for p in m.parameters()
               if p.requires_grad]
     return _TiledTailFn.apply(x, a, tail, params, n)
+
+
+def _fusable_norm(layer: nn.Module, mixer: nn.Module) -> InputNorm | None:
+    """The layer's input norm for a fused attention block to run itself
+    (:data:`arctic.hf.fused.INPUT_NORM`): None where the block is not fused, or where the norm
+    has forward hooks, which a call of its own forward per tile would skip (it is then called
+    as a module, whole, as the stock layer does)."""
+    norm = layer.input_layernorm
+    if not is_fused(mixer) or any(forward_hooks(norm)):
+        return None
+    params = [p for p in norm.parameters() if p.requires_grad]
+
+    def before_tile(last: bool) -> None:
+        for p in params:  # ZeRO-1/2 reduce a gradient when its hook fires
+            p.ds_grad_is_ready = last
+
+    return InputNorm(_own_forward(norm), tuple(params), before_tile)
 
 
 class _TileSettings:
