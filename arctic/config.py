@@ -205,10 +205,6 @@ class SequenceParallelConfig:
         if not self.offload_prefetch and not self.offload_activations:
             raise ValueError("ulysses.offload_prefetch=false needs offload_activations: it "
                              "stops the copy back of offloaded layer inputs a layer ahead")
-        if not self.offload_prefetch and self.offload_dir is not None:
-            raise ValueError("ulysses.offload_prefetch=false with offload_dir: the disk tier "
-                             "reads a layer back from its files one layer ahead through the "
-                             "prefetch; keep offload_prefetch true")
         if self.offload_io is not None:
             if self.offload_io not in IO_CHOICES:
                 raise ValueError(f"ulysses.offload_io must be null or one of {IO_CHOICES}, got "

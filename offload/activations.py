@@ -257,6 +257,10 @@ class _Offloaded:
         self.h2d_event = done
         return out, done
 
+    def stage(self) -> None:
+        """Nothing: the tensor is in host memory already (a disk-tier handle reads its file
+        here)."""
+
     def prefetch(self) -> None:
         if self.ready is None:
             side = self.pool._stream(self.device) if self.device.type == "cuda" else None
@@ -336,24 +340,24 @@ class _Hooks:
         return (self.group, handle)
 
     def prefetch(self, packed) -> None:
-        """Start copying a packed tensor back (on the side stream on CUDA); nothing when the
-        session does not prefetch."""
-        if self.ahead and not isinstance(packed, Tensor):
-            packed[1].prefetch()
+        """Start copying a packed tensor back (on the side stream on CUDA); when the session
+        does not prefetch, only its read from the disk tier, if it is there (``stage``)."""
+        if not isinstance(packed, Tensor):
+            packed[1].prefetch() if self.ahead else packed[1].stage()
 
     def unpack(self, packed):
         if isinstance(packed, Tensor):
             return packed
         group, handle = packed
         out = handle.restore()
-        if self.ahead and not group.unpacked:
+        if not group.unpacked:
             group.unpacked = True
             prev = group.previous()
             if prev is not None and not prev.unpacked:
                 for ref in prev.saved:
                     h = ref()
                     if h is not None:
-                        h.prefetch()
+                        h.prefetch() if self.ahead else h.stage()
         return out
 
 
@@ -364,7 +368,8 @@ class OffloadSession:
     before it (on CUDA on a side stream: the copy hides behind this group's recompute and
     backward, and one group's tensors more are on the device meanwhile). False: each tensor
     is copied back when it is unpacked, on the current stream (DeepSpeed's
-    ``cpu_checkpointing`` restores so), holding one group less at the backward's peak."""
+    ``cpu_checkpointing`` restores so), holding one group less at the backward's peak; the
+    reads of the disk tier's files still start a group ahead, into host memory."""
 
     def __init__(self, pool: HostBufferPool, min_bytes: int = DEFAULT_MIN_OFFLOAD_BYTES, *,
                  prefetch: bool = True) -> None:

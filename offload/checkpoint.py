@@ -170,10 +170,6 @@ def check_activation_checkpointing(layers, *, offload_to_cpu: bool = False,
     if not prefetch and not offload_to_cpu:
         raise ValueError("prefetch=False needs offload_to_cpu=True: it is the copy back of "
                          "offloaded layer inputs that it stops starting a layer ahead")
-    if not prefetch and (offload_dir is not None or getattr(pool, "disk", None) is not None):
-        raise ValueError("prefetch=False with a disk tier (offload_dir): the tier reads a layer "
-                         "back from its files one layer ahead through the prefetch, and would "
-                         "read on the compute's path instead; keep prefetch=True")
     if check_offload_io(offload_io, name="offload_io") != "auto" and offload_dir is None:
         raise ValueError(f"offload_io={offload_io!r} needs offload_dir, the directory whose "
                          f"files it reads and writes")
@@ -229,8 +225,8 @@ def apply_activation_checkpointing(model: nn.Module, *, layers, offload_to_cpu: 
         prefetch: with ``offload_to_cpu``, start copying layer i-1's inputs back as layer i's
             recompute starts (default); False: each is copied back when the recompute needs
             it, on the compute's stream, and the backward's peak holds one layer's inputs
-            less (:class:`offload.OffloadSession`). False needs ``offload_to_cpu`` and no disk
-            tier.
+            less (:class:`offload.OffloadSession`); a disk tier's reads still start a layer
+            ahead, into host memory. False needs ``offload_to_cpu``.
 
     A model may carry ``model.checkpoint_context_fn``, ``torch.utils.checkpoint``'s
     ``context_fn``: every checkpoint call passes it on, so state the model keeps outside the

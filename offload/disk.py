@@ -178,23 +178,36 @@ def _read_file(path: str, out: Tensor) -> Tensor:
     return out
 
 
-def _load(path, write, spec, device, stream, pin: bool, aio: bool) -> tuple[Tensor, object]:
-    """The saved tensor back on ``device``: the file read into a host tensor, then (CUDA)
-    copied to the device on ``stream`` with an event marking the copy's end. A module
-    function: the I/O thread must hold no handle (its release waits on this very read)."""
+def _read_host(path, write, spec, pin: bool, aio: bool) -> Tensor:
+    """The saved tensor read from its file into a host tensor (pinned where ``pin``). A
+    module function: the I/O thread must hold no handle (its release waits on this very
+    read)."""
     if write is not None:
         write.result()  # this file's own write first (and its error, if it failed)
     shape, stride, dtype = spec
     read = disk_aio.read if aio else _read_file  # looked up now: tests wrap them
+    return read(path, torch.empty_strided(shape, stride, dtype=dtype, pin_memory=pin))
+
+
+def _to_device(host: Tensor, device, stream) -> tuple[Tensor, object]:
+    """``host`` copied to ``device`` (CUDA) on ``stream``, with an event marking the copy's
+    end; ``host`` itself on the CPU."""
     if device.type != "cuda":
-        return read(path, torch.empty_strided(shape, stride, dtype=dtype)), None
-    host = read(path, torch.empty_strided(shape, stride, dtype=dtype, pin_memory=pin))
+        return host, None
     with torch.cuda.device(device), torch.cuda.stream(stream):
+        shape, stride, dtype = host.shape, host.stride(), host.dtype
         out = torch.empty_strided(shape, stride, dtype=dtype, device=device)
         out.copy_(host, non_blocking=True)  # the pinned host block is freed after the copy
         done = torch.cuda.Event()
         done.record(stream)
     return out, done
+
+
+def _load(path, write, spec, device, stream, pin: bool, aio: bool) -> tuple[Tensor, object]:
+    """The saved tensor back on ``device``: the file read into a host tensor, then (CUDA)
+    copied to the device on ``stream`` (:func:`_to_device`)."""
+    return _to_device(_read_host(path, write, spec, pin and device.type == "cuda", aio),
+                      device, stream)
 
 
 def _close(executor: ThreadPoolExecutor, path: str) -> None:
@@ -333,12 +346,13 @@ class _Spilled:
     a ``retain_graph`` backward can read it again."""
 
     __slots__ = ("tier", "pool", "path", "write", "spec", "device", "nbytes", "ready",
-                 "__weakref__")
+                 "staged", "__weakref__")
 
     def __init__(self, tier, pool, path, write, spec, device, nbytes) -> None:
         self.tier, self.pool, self.path, self.write = tier, pool, path, write
         self.spec, self.device, self.nbytes = spec, device, nbytes
         self.ready: Future | tuple[Tensor, object] | None = None  # a prefetched device copy
+        self.staged: Future | None = None  # a host copy being read (:meth:`stage`)
 
     def _virtual(self) -> Tensor:  # planned, not real: allocate (a fake tensor), read nothing
         shape, stride, dtype = self.spec
@@ -356,6 +370,15 @@ class _Spilled:
             self.pool.stats.prefetches += 1
             self.pool.stats.bytes_restored += self.nbytes
 
+    def stage(self) -> None:
+        """Start reading the file into host memory, with no device copy: where the layer
+        inputs are copied back without prefetch (``prefetch=False``), the slow read still
+        runs a layer ahead, and only the host-to-device copy waits for the step."""
+        if self.ready is None and self.staged is None and self.path is not None:
+            self.staged = self.tier._executor.submit(
+                _read_host, self.path, self.write, self.spec,
+                self.pool.pin_memory and self.device.type == "cuda", self.tier._aio)
+
     def restore(self) -> Tensor:
         if self.ready is not None:
             ready, self.ready = self.ready, None
@@ -369,6 +392,9 @@ class _Spilled:
         if self.path is None:
             return self._virtual()
         stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
+        if self.staged is not None:
+            staged, self.staged = self.staged, None
+            return _to_device(staged.result(), self.device, stream)[0]
         return _load(self.path, self.write, self.spec, self.device, stream,
                      self.pool.pin_memory, self.tier._aio)[0]
 
@@ -376,7 +402,7 @@ class _Spilled:
         self.pool.stats.disk_bytes -= self.nbytes
         if self.path is None:
             return
-        for io in (self.ready, self.write):
+        for io in (self.ready, self.staged, self.write):
             if isinstance(io, Future) and not io.cancel():
                 io.exception()  # a running read or write ends before its file goes
         self.tier._remove(self.path)

@@ -387,21 +387,45 @@ def test_a_device_bound_search_tries_the_optimizer_state_on_the_host(device_boun
     assert len(tried) == 1 and winner is tried[0]
     assert winner.best == max(n for n in range(1024, 1 << 24, 1024)
                               if 5 + n / 3e4 <= 100 and n / 1e5 <= 100)
+    # then the parameters too, on the new winner: they free nothing more here, so not kept
+    assert [c.fields["offload_state"] for c in candidates if "offload_state" in c.fields] == \
+        ["optimizer", "optimizer+params"]
 
 
-@pytest.mark.parametrize("bound", ["device", "host", "disk"])
+def test_a_device_bound_search_keeps_the_parameters_on_the_host_where_they_go_further():
+    """Still device-bound with the optimizer's state on the host, the search tries the
+    parameters there too (offload_state "optimizer+params") and keeps it when it goes past.
+    Synthetic lines: the optimizer's state frees 15 of the device's 100, with the parameters
+    25."""
+    from arctic.plan.search import search
+
+    def plan_with(n, fields):
+        freed = {"optimizer": 15, "optimizer+params": 25}.get(fields.get("offload_state"), 0)
+        e = _synthetic(lambda m: 20 + m / 3e4 - freed, lambda m: m / 1e5)(n)
+        e.limit = lambda: "host memory" if n / 1e5 > 100 else "temporaries"
+        e.state_host = 0
+        return e
+
+    base = {"head_chunk_size": 1, "recompute_attention": True, "offload_activations": True}
+    winner, _ = search(plan_with, base=base, sp_size=2, heads=(8, 4), start=1 << 20,
+                       granule=1024, log=lambda _: None, offload_state=True)
+    assert winner.fields["offload_state"] == "optimizer+params"
+    assert winner.best == max(n for n in range(1024, 1 << 24, 1024)
+                              if n / 3e4 - 5 <= 100 and n / 1e5 <= 100)
+
+
+@pytest.mark.parametrize("bound", ["device", "host"])
 def test_a_device_bound_search_tries_the_inputs_without_prefetch(bound):
     """A search held back by the device tries the layer inputs copied back without prefetch
     (offload_prefetch=False: one layer input less on the device) on the winner's split and
-    keeps it when it goes past; not when host-bound, nor with a disk tier (whose reads the
-    prefetch starts). Synthetic lines: no prefetch frees a fixed 10 of the device's 100."""
+    keeps it when it goes past; not when host-bound. Synthetic lines: no prefetch frees a
+    fixed 10 of the device's 100."""
     from arctic.plan.search import search
 
     plan_with = _freeing("offload_prefetch", False, 10, 2e4 if bound == "host" else 1e5)
     base = {"head_chunk_size": 1, "recompute_attention": True, "offload_activations": True}
     winner, candidates = search(plan_with, base=base, sp_size=2, heads=(8, 4),
-                                start=1 << 20, granule=1024, log=lambda _: None,
-                                disk=bound == "disk")
+                                start=1 << 20, granule=1024, log=lambda _: None)
     tried = [c for c in candidates if c.fields.get("offload_prefetch") is False and
              "seq_chunk" not in c.fields]  # (sequence chunks are tried on it next)
     if bound != "device":
@@ -1058,7 +1082,7 @@ def test_search_winner_fits_and_every_other_factorization_does_not(tmp_path):
         if r["max_seq_len"] == 0:  # a variant that did not fit one granule past the winner
             assert r["at_winner"] is None, r
             assert (r["fields"].get("seq_chunk") == "auto"
-                    or r["fields"].get("offload_state") == "optimizer"
+                    or r["fields"].get("offload_state") in ("optimizer", "optimizer+params")
                     or r["fields"].get("offload_prefetch") is False), r
         elif r["max_seq_len"] < best:
             assert not r["at_winner"]["fits"], r

@@ -228,8 +228,7 @@ def _main(args: argparse.Namespace) -> int:
                 lambda n, f: plan_at(n, f), base=fields, sp_size=sp, granule=1024 * sp,
                 heads=_attention_heads(config), start=start,
                 mixers=token_mixer_heads(config),
-                offload_state=args.offload_state is None and args.ds_config is None,
-                disk=bool(args.disk))
+                offload_state=args.offload_state is None and args.ds_config is None)
             print(search_table(candidates, winner))
             best, chosen = winner.best, winner.fields
             estimates += [e for c in candidates for e in c.tried]

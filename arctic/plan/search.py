@@ -167,8 +167,7 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int | None, int 
            start: int,
            granule: int, log=print,
            mixers: Sequence[tuple[str, int, int]] = (),
-           offload_state: bool = False,
-           disk: bool = False) -> tuple[Candidate, list[Candidate]]:
+           offload_state: bool = False) -> tuple[Candidate, list[Candidate]]:
     """The longest length over the ring x Ulysses factorizations of ``sp_size``, each with the
     other settings of ``base``; ``plan_with(n, fields)`` plans ``n`` tokens with ``fields``.
     Returns the winner (ties: the smaller ring degree, fewer ring hops) and every candidate,
@@ -184,13 +183,14 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int | None, int 
     search try the settings that trade host for device bytes: recompute attention (if
     ``base`` keeps it), then no offload. Only when it is held back by the device does it try
     the layer inputs copied back without prefetch (``offload_prefetch=False``: one layer
-    input less at the backward's peak, for copies the step waits for; not with a ``disk``
-    tier, whose reads the prefetch starts), then sequence chunks (``seq_chunk="auto"``,
+    input less at the backward's peak, for copies the step waits for; a disk tier's reads
+    still run a layer ahead), then sequence chunks (``seq_chunk="auto"``,
     which trade device bytes for host bytes and exchanges; :func:`_try_seq_chunks`). Last,
     with ``offload_state``, when the winner is still held back by the device, it tries the
-    optimizer's state on the host (ZeRO-3's ``offload_optimizer``):
-    ``fields["offload_state"] = "optimizer"``, which ``plan_with`` must read as the placement
-    of the training state.
+    optimizer's state on the host (ZeRO-3's ``offload_optimizer``), then also the
+    parameters (``offload_param``): ``fields["offload_state"] = "optimizer"`` or
+    ``"optimizer+params"``, which ``plan_with`` must read as the placement of the training
+    state.
     """
     candidates = factorizations(sp_size, *heads, mixers=mixers)
     for c in candidates:
@@ -257,7 +257,7 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int | None, int 
         _search_past(plan_with, alt, winner, granule, log)
         if alt.best > winner.best:
             winner, host_bound = alt, "host" in alt.limit()
-    if not host_bound and not disk and winner.fields.get("offload_activations") and \
+    if not host_bound and winner.fields.get("offload_activations") and \
             winner.fields.get("offload_prefetch", True):
         alt = Candidate(ring=winner.ring, ulysses=winner.ulysses,
                         fields=dict(winner.fields, offload_prefetch=False))
@@ -268,13 +268,16 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int | None, int 
             winner, host_bound = alt, "host" in alt.limit()
     if not host_bound:
         winner = _try_seq_chunks(plan_with, candidates, winner, granule, log)
-    if offload_state and "host" not in winner.limit():
-        # Device-bound: the optimizer's state (and its fp32 master weights) on the host frees
-        # 14 of the 16 B/param it holds on the device, for the host's bytes.
+    # Device-bound: the optimizer's state (and its fp32 master weights) on the host frees
+    # 14 of the 16 B/param it holds on the device, for the host's bytes; the parameters too
+    # (ZeRO-Infinity's offload_param), the rest, for their gathers over PCIe.
+    for mode in ("optimizer", "optimizer+params") if offload_state else ():
+        if "host" in winner.limit():
+            break
         alt = Candidate(ring=winner.ring, ulysses=winner.ulysses,
-                        fields=dict(winner.fields, offload_state="optimizer"))
+                        fields=dict(winner.fields, offload_state=mode))
         candidates.append(alt)
-        log(f"ring {alt.ring} x ulysses {alt.ulysses}, {{'offload_state': 'optimizer'}}:")
+        log(f"ring {alt.ring} x ulysses {alt.ulysses}, {{'offload_state': '{mode}'}}:")
         _search_past(plan_with, alt, winner, granule, log)
         if alt.best > winner.best:
             winner = alt
