@@ -400,16 +400,18 @@ def test_offload_dir_is_checked_in_config_and_arguments(tmp_path):
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
-def test_cuda_spill_is_bit_identical_to_host_offload(tmp_path):
-    """On a GPU: spilled inputs go through pinned staging and the side stream; deterministic
-    kernels (cuBLAS needs CUBLAS_WORKSPACE_CONFIG, set if unset) so that equality means
-    something. Not run in CI, which has no GPU."""
+@pytest.mark.parametrize("prefetch", [True, False])
+def test_cuda_spill_is_bit_identical_to_host_offload(tmp_path, prefetch):
+    """On a GPU: spilled inputs go through pinned staging and the side stream (without
+    prefetch: read a layer ahead into pinned memory, copied on the compute's stream);
+    deterministic kernels (cuBLAS needs CUBLAS_WORKSPACE_CONFIG, set if unset) so that
+    equality means something. Not run in CI, which has no GPU."""
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.use_deterministic_algorithms(True)
     try:
         want = _step(_blocks(HostBufferPool(limit_bytes=1 << 30)).cuda(), device="cuda")
         pool = HostBufferPool(limit_bytes=HIDDEN * 3 // 2, disk_dir=tmp_path)
-        model = _blocks(pool).cuda()
+        model = _blocks(pool, prefetch).cuda()
         for _ in range(2):
             assert torch.equal(_step(model, device="cuda"), want)
             torch.cuda.synchronize()
