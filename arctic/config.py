@@ -112,9 +112,9 @@ class SequenceParallelConfig:
     backward). False: each layer's inputs come back when its recompute needs them, on the
     compute's stream (DeepSpeed's ``cpu_checkpointing`` restores so): the backward's peak
     holds one hidden-sized layer input less, and the step waits for each copy (a layer's
-    input per layer: ``S_local * hidden * 2`` bytes at the host link's speed). Needs
-    offload_activations and no offload_dir (whose files are read back through the
-    prefetch)."""
+    input per layer: ``S_local * hidden * 2`` bytes at the host link's speed). With
+    offload_dir, the reads of the disk tier's files still start a layer ahead, into host
+    memory. Needs offload_activations."""
     recompute_attention: bool = True
     """False: keep each layer's attention output and lse from the forward (on the host with
     the layer input when offloading) and recompute only norms, projections, RoPE and MLP in
