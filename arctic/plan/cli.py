@@ -249,7 +249,7 @@ def _main(args: argparse.Namespace) -> int:
         if "offload_state" in chosen:
             chosen = dict(chosen)
             placement = Placement(chosen.pop("offload_state"))
-            print(f"training state: {placement.mode} offloaded (ZeRO-3 offload_optimizer)")
+            print(_state_line(placement))
             result["state_offload"] = placement.mode
         result["max_seq_len"] = best
         result["tried"] = [e.as_dict() for e in estimates]
@@ -326,7 +326,7 @@ def _fastest(args, config, fields: dict, placement: Placement, plan_at, rates,
     chosen = {k: best.sp[k] for k in best.sp}
     if best.placement.mode != placement.mode:  # a fallback moved the training state
         placement = best.placement
-        print(f"training state: {placement.mode} offloaded (ZeRO-3 offload_optimizer)")
+        print(_state_line(placement))
     e = plan_at(n, dict(chosen, offload_state=placement.mode), with_rates=rates)
     print(report(e))
     result["estimate"] = e.as_dict()
@@ -334,6 +334,14 @@ def _fastest(args, config, fields: dict, placement: Placement, plan_at, rates,
     if args.json is not None:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
     return 0
+
+
+def _state_line(placement: Placement) -> str:
+    """What the chosen placement of the training state is, in DeepSpeed's keys."""
+    keys = {"optimizer": "ZeRO-3 offload_optimizer",
+            "optimizer+params": "ZeRO-3 offload_optimizer and offload_param",
+            "fsdp2": "FSDP2 CPUOffloadPolicy"}
+    return f"training state: {placement.mode} offloaded ({keys.get(placement.mode, '')})"
 
 
 def _disk_dir(args):
