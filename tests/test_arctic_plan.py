@@ -1127,6 +1127,24 @@ def test_optimizer_offload_moves_the_state_to_the_host(tmp_path):
     assert bare["device_budget"] == int((80 << 30) * 0.95)
 
 
+@pytest.mark.parametrize("mode", ["optimizer", "optimizer+params"])
+def test_an_offload_without_a_config_plans_the_config_it_writes(tmp_path, mode):
+    """--offload-state without --ds-config (and the search's state trade, which plans the
+    same way) plans the DeepSpeed JSON it writes, ZeRO-3's gradient bucket included (500M
+    elements of fp32 at DeepSpeed's default size): planning the written file gives the same
+    device bytes. A bare Placement(mode) left the bucket out, 1.86 GiB under the config."""
+    from arctic.plan.launch import written_placement
+
+    args = ["--model", "tiny-llama", "--seq-len", "8K", "--gpus", "2"]
+    cfg = tmp_path / "written.json"
+    own = _plan(tmp_path, *args, "--offload-state", mode, "--write-config", str(cfg),
+                name="own.json")["estimate"]
+    again = _plan(tmp_path, *args, "--ds-config", str(cfg), name="again.json")["estimate"]
+    assert own["state_offload"] == again["state_offload"] == mode
+    assert own["device_peak_bytes"] == again["device_peak_bytes"]
+    assert written_placement(mode, 2).device_fixed == 500_000_000 * 4
+
+
 @pytest.mark.slow  # 20 s
 def test_plans_gemma2_with_attention_softcapping(tmp_path):
     """transformers refuses sdpa for Gemma2 with attention softcapping; the planner builds it

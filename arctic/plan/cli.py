@@ -24,7 +24,7 @@ from arctic.plan.args import (  # noqa: F401 - parse_args, settings_from_args: t
 )
 from arctic.plan.counts import predict_step, prefetch_work
 from arctic.plan.estimate import Estimate, plan
-from arctic.plan.launch import command_lines, ulysses_block, write_config
+from arctic.plan.launch import command_lines, ulysses_block, write_config, written_placement
 from arctic.plan.models import model_config, token_mixer_heads, unsupported_settings
 from arctic.plan.fastest import fastest
 from arctic.plan.search import MIXER_CHUNK, find_max, search
@@ -125,8 +125,8 @@ def print_held() -> None:
 
 def _placement(args: argparse.Namespace) -> Placement:
     if args.offload_state is not None:
-        if args.offload_state == "none" or args.ds_config is None:
-            return Placement(args.offload_state)
+        if args.offload_state == "none" or args.ds_config is None:  # as written
+            return written_placement(args.offload_state, args.gpus * args.nodes)
         from_config = placement_from_ds_config(load_ds_config(args.ds_config))
         if from_config.mode != args.offload_state:
             raise ValueError(f"--offload-state {args.offload_state} contradicts --ds-config's "
@@ -197,7 +197,8 @@ def _main(args: argparse.Namespace) -> int:
         if "offload_state" in stack:  # the search's training-state trade
             stack = dict(stack)
             return plan(args.model, n, stack=stack, rates=with_rates,
-                        **dict(common, placement=Placement(stack.pop("offload_state"))))
+                        **dict(common, placement=written_placement(
+                            stack.pop("offload_state"), world)))
         return plan(args.model, n, stack=stack, rates=with_rates, **common)
 
     result: dict = {"model": args.model, "gpus": args.gpus, "nodes": args.nodes,
@@ -248,7 +249,7 @@ def _main(args: argparse.Namespace) -> int:
             result["predicted"] = at_best.prediction.as_dict()
         if "offload_state" in chosen:
             chosen = dict(chosen)
-            placement = Placement(chosen.pop("offload_state"))
+            placement = written_placement(chosen.pop("offload_state"), world)
             print(_state_line(placement))
             result["state_offload"] = placement.mode
         result["max_seq_len"] = best
@@ -296,7 +297,8 @@ def _fastest(args, config, fields: dict, placement: Placement, plan_at, rates,
     def predict_with(f: dict, ref: dict | None = None):
         key = repr(sorted(f.items()))
         if key not in tracers:
-            where = Placement(f["offload_state"]) if "offload_state" in f else placement
+            where = (written_placement(f["offload_state"], world) if "offload_state" in f
+                     else placement)
             f_sp = {k: v for k, v in f.items() if k != "offload_state"}
             tracers[key] = predict_step(config, sp_of(f), world, n, rates, placement=where,
                                         peak=plan_at(n, f_sp).peak if where.offloaded else None,
