@@ -31,7 +31,10 @@ the one seq-local tensor of all-heads size. The kernel backward needs each chunk
 and keeping it costs one all-heads tensor where recomputing it would cost a second attention
 forward per chunk in backward (about +40% of the attention's backward FLOPs, on what is
 already the dominant term at long sequences). Since ``out`` is kept anyway, o_proj is applied
-to it in one GEMM rather than as H / c thin per-chunk GEMMs: the same memory, faster.
+to it in one GEMM rather than as H / c thin per-chunk GEMMs: the same memory, faster. Given
+the layer's input norm (``input_norm``), ``x`` is the layer's input itself, which the layer
+keeps anyway, and the norm runs on the rows each projection reads (:mod:`ulysses.input_norm`):
+nothing normed is kept.
 
 Backward, per step: recompute the chunk's q (and, where new, k/v) from ``x``, exchange it
 with that chunk's ``out`` and ``dout = dy @ Wo[:, cols]`` (seq -> head), run the kernel

@@ -111,12 +111,12 @@ place of the normed hidden states: the fused block then norms the rows it reads.
 
 def _fused_forward(self, *args, **kwargs):
     """The attention module's forward under ``fuse_projections``: hidden ``[B, s, E]`` (this
-    rank's piece) -> ``([B, s, E], None)``, like the stock forward (``sp_input_norm``: the
-    hidden states are the layer's input, before that norm; see :data:`INPUT_NORM`). The call is bound through
-    the installed class's forward (:mod:`arctic.hf.binding`), so its arguments are found by
-    role whatever this transformers release names them. The keyword arguments the stock
-    forward would pass to the attention (its own dropout, scaling and sliding window, and
-    whatever the layer passed on) are honoured or refused as there."""
+    rank's piece) -> ``([B, s, E], None)``, like the stock forward (with ``sp_input_norm``,
+    the hidden states are the layer's input, before that norm: :data:`INPUT_NORM`). The call
+    is bound through the installed class's forward (:mod:`arctic.hf.binding`), so its
+    arguments are found by role whatever this transformers release names them. The keyword
+    arguments the stock forward would pass to the attention (its own dropout, scaling and
+    sliding window, and whatever the layer passed on) are honoured or refused as there."""
     sp = self.sp_attention
     input_norm = kwargs.pop(INPUT_NORM, None)
     bound = of_module(self).bind(args, kwargs)

@@ -18,6 +18,10 @@ the gradient of both ``x`` and ``a`` (autograd's sum at ``h`` gives the same) an
 both as the same tensor. Everything else of the tail (``h``, ``norm2(h)``, the MLP's
 intermediates and their gradients) lives one tile at a time.
 
+Where the attention module runs the fused projections (:mod:`arctic.hf.fused`), the layer
+hands it the input norm with the layer's input (:mod:`ulysses.input_norm`): the fused block
+norms the rows it reads, so ``norm1(x)`` is not saved whole either.
+
 Only layer classes whose forward is exactly "norm1, attention, add, norm2, MLP, add"
 (:data:`TILABLE`) are accepted, where the attention may be a token mixer instead
 (:data:`MIXED`: Qwen3.5's layers run either a gated delta net or attention, by their
