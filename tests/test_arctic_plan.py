@@ -722,6 +722,7 @@ def test_a_tensor_is_labelled_with_one_module_whatever_order_the_modules_come_in
     assert named == ["before the step in m.v_proj (forward)"] * 2, named
 
 
+@pytest.mark.slow  # 20 s; a line's reading: test_the_deeper_layers_bytes_are_read_off_...
 def test_length_line_matches_a_traced_length_within_1_percent(tmp_path):
     """Issue 18's speed-up: a 4-layer Llama-3-8B on 8 ranks at 160K tokens per rank, read off
     the line through the 48K and 96K traces (checked at 128K), agrees with the length traced

@@ -233,6 +233,7 @@ def _composed_cases() -> list:
                                        [{"activation_checkpointing": False}], 16384))
 
 
+@pytest.mark.slow  # 23 s; counts off shorter, shallower traces: the test before it
 def test_a_neighbour_inside_the_layers_counts_its_layers_alone_and_the_same_work():
     """The search counts a setting that changes only the decoder layers (INSIDE_FIELDS) at
     one depth, against the current settings' outside: half the traces, the same counts as
