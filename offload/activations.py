@@ -343,7 +343,7 @@ class _Hooks:
         """Start copying a packed tensor back (on the side stream on CUDA); when the session
         does not prefetch, only its read from the disk tier, if it is there (``stage``)."""
         if not isinstance(packed, Tensor):
-            packed[1].prefetch() if self.ahead else packed[1].stage()
+            self._ahead_of_unpack(packed[1])
 
     def unpack(self, packed):
         if isinstance(packed, Tensor):
@@ -357,8 +357,15 @@ class _Hooks:
                 for ref in prev.saved:
                     h = ref()
                     if h is not None:
-                        h.prefetch() if self.ahead else h.stage()
+                        self._ahead_of_unpack(h)
         return out
+
+    def _ahead_of_unpack(self, handle) -> None:
+        """The copy back (prefetch), or without prefetch the disk tier's read alone."""
+        if self.ahead:
+            handle.prefetch()
+        else:
+            handle.stage()
 
 
 class OffloadSession:
