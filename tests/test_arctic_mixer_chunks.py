@@ -13,8 +13,8 @@ import torch
 
 import dist_pool
 from helpers import TOL, assert_step_matches, get_mesh, value_error_of
-from test_arctic_hybrid_models import DOCS, S, _NoDocuments, _skip_unless_supported, _worst, \
-    step_on_pieces
+from test_arctic_hybrid_models import DOCS, S, _NoDocuments, _skip_unless_supported, _tokens, \
+    _worst, step_on_pieces
 from test_arctic_state_passing import _cached_reference, _model, family_cases
 
 pytest.importorskip("transformers", reason="arctic needs transformers ([hf])")
@@ -213,3 +213,52 @@ def test_through_the_recipe_with_the_memory_stack(family, documents, world):
     docs = DOCS if documents else None
     assert_step_matches(dist_pool.run(_rank_recipe, family, docs, world, world_size=world),
                         _cached_reference(family, docs))
+
+
+def _rank_normed_pieces_held() -> int:
+    """Qwen3.5 through the recipe with mixer_chunk and the tiled layer, not checkpointed: how
+    many outputs of a linear-attention layer's input norm that span this rank's whole piece
+    are alive after the forward (what the backward will hold)."""
+    from torch.multiprocessing.reductions import StorageWeakRef
+    from transformers.models.qwen3_5 import modeling_qwen3_5 as qwen
+
+    from arctic.config import SequenceParallelConfig
+    from arctic.data.batch import prepare_sp_batch
+    from arctic.recipe import apply_sp_recipe
+
+    made, plain = [], qwen.Qwen3_5RMSNorm.forward
+
+    def recording(self, x):
+        y = plain(self, x)
+        if getattr(self, "_input_of_mixer", False) and x.shape[1] == S // 2:
+            made.append(StorageWeakRef(y.untyped_storage()))  # views keep the storage
+        return y
+
+    qwen.Qwen3_5RMSNorm.forward = recording
+    try:
+        config = SequenceParallelConfig.from_ds_config(
+            {"sequence_parallel_size": 2,
+             "ulysses": {"mixer_chunk": CHUNK, "head_chunk_size": 1, "tiled_mlp": 2,
+                         "fuse_projections": True, "tiled_layer": True,
+                         "tiled_norms": False}}, world_size=2)  # (the norm called whole)
+        model = _model("qwen3_5")
+        mesh = config.dims(2).build_mesh("cpu")
+        apply_sp_recipe(model, config=config, mesh=mesh, averaged_over_sp=True)
+        for layer in model.model.layers:
+            layer.input_layernorm._input_of_mixer = hasattr(layer, "linear_attn")
+        raw = {"input_ids": _tokens(), "labels": _tokens()}
+        loss = model(**prepare_sp_batch(raw, mesh))
+        held = sum(not r.expired() for r in made)
+        loss.backward()
+        return len(made), held
+    finally:
+        qwen.Qwen3_5RMSNorm.forward = plain
+
+
+def test_a_chunked_mixer_norms_its_input_a_chunk_at_a_time():
+    """Under the tiled layer a chunked mixer takes the layer's input and its norm: each chunk
+    is normed inside its checkpoint, so no normed copy of the whole piece waits for the
+    backward beside the layer's input (the exactness: the recipe test above)."""
+    _skip_unless_supported("qwen3_5")
+    for made, held in dist_pool.run(_rank_normed_pieces_held, world_size=2):
+        assert made and held == 0, (made, held)  # (the tail pass norms the whole tiny piece)

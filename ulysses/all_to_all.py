@@ -201,11 +201,17 @@ def exchange_blocks_async(send_blocks: Sequence[Tensor], recv_shapes: Sequence[S
     come back as contiguous views of one flat buffer, in rank order. With the list
     all-to-all (even blocks) this rank's own block never enters the send buffer: it is copied
     straight into its place in the receive buffer. Both buffers come from ``pool`` when given.
+    On one rank a block that is a whole contiguous tensor in the travelling dtype is itself
+    what arrives: no buffer is taken, and the caller reads the block it sent, so it must not
+    write to it.
     ``dtype``: the dtype that travels (blocks are cast into the send buffer, and the received
     blocks are in it); default the blocks' own. No autograd.
     """
     first = send_blocks[0]
     world = len(send_blocks)
+    if world == 1 and _whole(first, recv_shapes[0], dtype):
+        # One rank: the block is what arrives, read in place (no buffer, no copy).
+        return PendingExchange(None, None, first.reshape(-1), recv_shapes, None)
     me = dist.get_rank(group) if world > 1 else 0
     recv_numels = [math.prod(shape) for shape in recv_shapes]
     # gloo's list all-to-all needs equal sizes; it lets this rank's own block skip the send
@@ -238,6 +244,15 @@ def exchange_blocks_async(send_blocks: Sequence[Tensor], recv_shapes: Sequence[S
         work = dist.all_to_all_single(recv, send, output_split_sizes=recv_numels,
                                       input_split_sizes=send_numels, group=group, async_op=True)
     return PendingExchange(work, send, recv, recv_shapes, pool)
+
+
+def _whole(block: Tensor, shape: Sequence[int], dtype: torch.dtype | None) -> bool:
+    """Whether ``block`` can stand for its own receive buffer: contiguous, of that shape and
+    the travelling dtype, and all of its storage (a view of more would keep the rest alive
+    for as long as the block is read)."""
+    return (block.is_contiguous() and tuple(block.shape) == tuple(shape)
+            and (dtype is None or dtype == block.dtype) and
+            block.untyped_storage().nbytes() == block.numel() * block.element_size())
 
 
 _LIST_ALL_TO_ALL: dict[str, bool] = {}

@@ -198,7 +198,7 @@ class Hop:
     def wait(self) -> tuple[Tensor, ...]:
         for w in self._works:
             w.wait()
-        self._sent = ()
+        self._sent = self._works = ()  # a finished work may still hold its tensors
         return self.recv
 
 
@@ -273,8 +273,16 @@ def _backward(dout, q, k, v, out, lse, cfg: RingAttention) -> tuple[Tensor, Tens
             if hop is not None:
                 spare = cur if t > 0 and comm == k.dtype else None
                 cur = tuple(b.to(k.dtype) for b in hop.wait())
+    # The blocks in hand are dropped, and each fp32 sum as soon as it is cast: at a long piece
+    # these casts are the backward's peak.
+    del cur, spare, hop
+    dq_out = dq.to(q.dtype)
+    del dq
     dk, dv = dkv_hop.wait()
-    return dq.to(q.dtype), dk.to(k.dtype), dv.to(v.dtype)
+    del dkv_hop
+    dk_out = dk.to(k.dtype)
+    del dk
+    return dq_out, dk_out, dv.to(v.dtype)
 
 
 def check_ring_rows(rows: int, size: int, zigzag: bool) -> None:

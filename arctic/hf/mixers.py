@@ -36,6 +36,7 @@ from arctic.hf.anatomy import is_recurrent, language_model, text_config
 from arctic.hf.batch import BatchState
 from arctic.hf.binding import module_function, of_module
 from arctic.hf.features import classify, unknown_arguments_error
+from arctic.hf.fused import INPUT_NORM
 from arctic.hf.mixer_kinds import (FAMILIES, GATED_DELTA_NET, KIMI_DELTA_ATTENTION, MAMBA1,
                                    MAMBA2, SCAN_OPTIONS, SHORT_CONVOLUTION, MixerKind)
 from arctic.hf.mixer_chunks import Chunk, chunk_conv, chunk_scan, chunked_forward
@@ -247,8 +248,22 @@ def _install_dispatch(module: nn.Module, kind: MixerKind) -> None:
             setattr(file, name, Dispatch(current, role))
 
 
+def takes_input_norm(module: nn.Module) -> bool:
+    """Whether ``module`` runs in sequence chunks (``mixer_chunk``), and so can norm its
+    input a chunk at a time: the tiled layer (:mod:`arctic.tiling.layer`) then hands it the
+    layer's input and its norm (:data:`arctic.hf.fused.INPUT_NORM`)."""
+    sp = getattr(module, "sp_mixer", None)
+    return isinstance(sp, MixerSettings) and sp.chunk is not None
+
+
 def _sp_mixer_forward(module: nn.Module, *args, **kwargs):
     sp: MixerSettings = module.sp_mixer
+    # The layer's input norm (an InputNorm), with the layer's input as the hidden states: each
+    # chunk is normed inside its checkpoint, so the normed piece is never held whole.
+    input_norm = kwargs.pop(INPUT_NORM, None)
+    if input_norm is not None and sp.chunk is None:
+        raise ValueError(f"{type(module).__name__} got {INPUT_NORM} without mixer_chunk: "
+                         f"only a chunked mixer norms its input")
     bound = of_module(module).bind(args, kwargs)
     if bound.role("cache") is not None:
         raise ValueError(f"{type(module).__name__}: a cache is not supported under sequence "
@@ -277,11 +292,14 @@ def _sp_mixer_forward(module: nn.Module, *args, **kwargs):
         return out
 
     hidden = bound.first
-    if sp.chunk is None or hidden.shape[1] <= sp.chunk:
+    if input_norm is None and (sp.chunk is None or hidden.shape[1] <= sp.chunk):
         return run(None, *args, **kwargs)
     rest = {**bound.named, **bound.extra}
-    return chunked_forward(lambda x, chunk: run(chunk, x, **rest), hidden, kind=sp.kind,
-                           mesh=sp.mesh, documents=documents, size=sp.chunk)
+    normed = (lambda x: x) if input_norm is None else input_norm.fn
+    if hidden.shape[1] <= sp.chunk:
+        return run(None, normed(hidden), **rest)
+    return chunked_forward(lambda x, chunk: run(chunk, normed(x), **rest), hidden,
+                           kind=sp.kind, mesh=sp.mesh, documents=documents, size=sp.chunk)
 
 
 ATTENTION_LAYER_TYPES = ("full_attention", "sliding_attention", "chunked_attention",

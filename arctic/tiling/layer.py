@@ -46,6 +46,7 @@ from torch import Tensor, nn
 from arctic.hf.anatomy import decoder_layers, text_config
 from arctic.hf.binding import of_module
 from arctic.hf.fused import INPUT_NORM, is_fused, positional_input
+from arctic.hf.mixers import takes_input_norm
 from arctic.order import record_apply
 from arctic.tiling.tiles import (
     DEFAULT_TILE_BUDGET_BYTES,
@@ -191,7 +192,7 @@ def _fusable_norm(layer: nn.Module, mixer: nn.Module) -> InputNorm | None:
     has forward hooks, which a call of its own forward per tile would skip (it is then called
     as a module, whole, as the stock layer does)."""
     norm = layer.input_layernorm
-    if not is_fused(mixer) or any(forward_hooks(norm)):
+    if not (is_fused(mixer) or takes_input_norm(mixer)) or any(forward_hooks(norm)):
         return None
     params = [p for p in norm.parameters() if p.requires_grad]
 
