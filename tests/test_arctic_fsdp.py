@@ -246,6 +246,40 @@ def _tiny_llama():
     return LlamaForCausalLM(cfg)
 
 
+def _rank_vocab_ends(tied: bool):
+    import arctic
+    from torch.distributed.tensor import DTensor
+    from ulysses import SequenceParallelDims
+
+    mesh = SequenceParallelDims(world_size=1, ulysses_degree=1).build_mesh("cpu")
+    model = _tiny_llama()
+    if tied:
+        model.lm_head.weight = model.model.embed_tokens.weight
+    arctic.apply_fsdp(model, mesh=mesh)
+    units = sum(type(m).__name__.startswith("FSDP") for m in model.modules())
+    gathered = {}
+
+    def during_backward(module, grad_output):  # which weights are gathered (plain tensors)
+        gathered.update({name: not isinstance(m.weight, DTensor) for name, m in
+                         (("embed", model.model.embed_tokens), ("lm_head", model.lm_head),
+                          ("norm", model.model.norm))})
+
+    model.model.layers[0].register_full_backward_pre_hook(during_backward)
+    model(input_ids=torch.arange(8)[None]).logits.sum().backward()
+    return units, gathered
+
+
+def test_the_vocabulary_ends_are_units_freed_after_their_forward():
+    """The embedding and the lm_head are sharded as units of their own: in the backward of a
+    decoder layer neither is gathered (in the root, FSDP2 gathers them at the backward's
+    start and keeps them, with the lm_head's whole gradient, to its end); tied, they stay in
+    the root."""
+    untied, tied = (dist_pool.run(_rank_vocab_ends, t, world_size=1, timeout=120)[0]
+                    for t in (False, True))
+    assert untied == (5, {"embed": False, "lm_head": False, "norm": True}), untied
+    assert tied == (3, {"embed": True, "lm_head": True, "norm": True}), tied
+
+
 def _rank_apply_order():
     import arctic
     from ulysses import SequenceParallelDims
@@ -263,7 +297,7 @@ def _rank_apply_order():
 
 def test_apply_fsdp_refuses_zero_and_stages_after_it():
     sharded, errors = dist_pool.run(_rank_apply_order, world_size=1, timeout=120)[0]
-    assert sharded == 3  # two decoder layers and the root
+    assert sharded == 5  # two decoder layers, the embedding, the lm_head and the root
     assert "FSDP2 and ZeRO cannot be mixed" in errors["zero"], errors
     assert "cannot apply tiling" in errors["tiled_mlp"], errors
     assert "sharding is already applied" in errors["tiled_mlp"], errors
@@ -321,10 +355,11 @@ def test_cpu_offload_matches_no_offload_on_2_ranks():
     for rank, runs in enumerate(dist_pool.run(_rank_offload_parity, 3, world_size=2,
                                               timeout=120)):
         (losses, params, flags, devices), ref = runs["offload"], runs["plain"]
-        # Three units (two decoder layers, the root), every parameter marked for offload and,
-        # without an accelerator, none pinned; apply_fsdp ignoring the policy fails here.
-        assert flags == [("CPUOffloadPolicy", True, False)] * 3, flags
-        assert ref[2] == [("OffloadPolicy", False, False)] * 3, ref[2]
+        # Five units (two decoder layers, the embedding, the lm_head, the root), every
+        # parameter marked for offload and, without an accelerator, none pinned; apply_fsdp
+        # ignoring the policy fails here.
+        assert flags == [("CPUOffloadPolicy", True, False)] * 5, flags
+        assert ref[2] == [("OffloadPolicy", False, False)] * 5, ref[2]
         assert devices == {"cpu"}, devices
         # CPU ranks: the offload's copies are no-ops and the same kernels run in the same
         # order, so fp32 losses and parameters agree exactly.

@@ -83,8 +83,9 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
 
     Each decoder layer (:func:`arctic.hf.anatomy.decoder_layers`: the modules holding a
     ``self_attn`` and an ``mlp``) becomes its own FSDP unit (all-gathered just before it runs,
-    and resharded after it when ``reshard_after_forward``), and the root holds the rest
-    (embeddings, final norm, lm_head). Parameters become ``DTensor``\\ s sharded on dim 0 over
+    and resharded after it when ``reshard_after_forward``), as are the input embedding and
+    the lm_head (one unit each, unless they share a weight), and the root holds the rest (the
+    final norm; the embeddings too when tied). Parameters become ``DTensor``\\ s sharded on dim 0 over
     the mesh's ``"dp_sp"`` axis: every rank of an SP group is also a shard rank.
 
     Why gradients come out right: FSDP2 reduce-scatters gradients with a mean over all
@@ -141,10 +142,32 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
               "offload_policy": offload_policy or OffloadPolicy()}
     for layer in layers:
         fully_shard(layer, reshard_after_forward=reshard_after_forward, **kwargs)
-    # The root's parameters are gathered in its pre-forward and, being the root, kept until
-    # backward (FSDP2 does not reshard the root after forward).
+    # The input embedding and the lm_head, when not tied, are units of their own: each is
+    # gathered for its own forward and backward and its gradient reduce-scattered right after
+    # its backward, as ZeRO-3 does (in the root, FSDP2 keeps them gathered from the forward to
+    # the end of the backward, with the lm_head's whole gradient: three vocab-by-hidden
+    # tensors for the whole backward of every layer).
+    for end in _vocab_ends(model):
+        fully_shard(end, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root's parameters (the final norm) are gathered in its pre-forward and, being the
+    # root, kept until backward (FSDP2 does not reshard the root after forward).
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
     return model
+
+
+def _vocab_ends(model: nn.Module) -> list[nn.Module]:
+    """The input embedding and the lm_head (HF's ``get_input_embeddings`` and
+    ``get_output_embeddings``), each a module of its own: none when they share a weight (one
+    unit cannot be two), or where the model has neither."""
+    ends = []
+    for name in ("get_input_embeddings", "get_output_embeddings"):
+        get = getattr(model, name, None)
+        end = get() if callable(get) else None
+        if isinstance(end, nn.Module) and any(True for _ in end.parameters()):
+            ends.append(end)
+    shared = {id(p) for p in ends[0].parameters()} & {id(p) for p in ends[-1].parameters()} \
+        if len(ends) == 2 else set()
+    return [] if shared else ends
 
 
 __all__ = ["apply_fsdp", "check_no_zero", "check_offload_policy"]
