@@ -273,8 +273,8 @@ def _backward(dout, q, k, v, out, lse, cfg: RingAttention) -> tuple[Tensor, Tens
             if hop is not None:
                 spare = cur if t > 0 and comm == k.dtype else None
                 cur = tuple(b.to(k.dtype) for b in hop.wait())
-    # The blocks in hand are dropped, and each fp32 sum as soon as it is cast: at a long piece
-    # these casts are the backward's peak.
+    # The blocks in hand are dropped, and each fp32 sum as soon as it is cast, so the casts
+    # never hold all three sums and their copies at once.
     del cur, spare, hop
     dq_out = dq.to(q.dtype)
     del dq

@@ -85,8 +85,8 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
     ``self_attn`` and an ``mlp``) becomes its own FSDP unit (all-gathered just before it runs,
     and resharded after it when ``reshard_after_forward``), as are the input embedding and
     the lm_head (one unit each, unless they share a weight), and the root holds the rest (the
-    final norm; the embeddings too when tied). Parameters become ``DTensor``\\ s sharded on dim 0 over
-    the mesh's ``"dp_sp"`` axis: every rank of an SP group is also a shard rank.
+    final norm; the embeddings too when tied). Parameters become ``DTensor``\\ s sharded on
+    dim 0 over the mesh's ``"dp_sp"`` axis: every rank of an SP group is also a shard rank.
 
     Why gradients come out right: FSDP2 reduce-scatters gradients with a mean over all
     ``W = dp * sp`` ranks. Rank r's share of its sequence's gradient is
