@@ -247,6 +247,8 @@ def _tiny_llama():
 
 
 def _rank_vocab_ends(tied: bool):
+    import copy
+
     import arctic
     from torch.distributed.tensor import DTensor
     from ulysses import SequenceParallelDims
@@ -255,29 +257,41 @@ def _rank_vocab_ends(tied: bool):
     model = _tiny_llama()
     if tied:
         model.lm_head.weight = model.model.embed_tokens.weight
+    reference = copy.deepcopy(model)
+    ids = torch.arange(8)[None]
+    reference(input_ids=ids).logits.sum().backward()
     arctic.apply_fsdp(model, mesh=mesh)
     units = sum(type(m).__name__.startswith("FSDP") for m in model.modules())
     gathered = {}
 
-    def during_backward(module, grad_output):  # which weights are gathered (plain tensors)
-        gathered.update({name: not isinstance(m.weight, DTensor) for name, m in
-                         (("embed", model.model.embed_tokens), ("lm_head", model.lm_head),
-                          ("norm", model.model.norm))})
+    def note(when):  # which weights are gathered (plain tensors, not DTensor shards)
+        gathered[when] = {name: not isinstance(m.weight, DTensor) for name, m in
+                          (("embed", model.model.embed_tokens), ("lm_head", model.lm_head),
+                           ("norm", model.model.norm))}
 
-    model.model.layers[0].register_full_backward_pre_hook(during_backward)
-    model(input_ids=torch.arange(8)[None]).logits.sum().backward()
-    return units, gathered
+    model.model.layers[0].register_full_backward_pre_hook(lambda *_: note("layer"))
+    # the gradient of the embedding's output: its own backward comes next
+    def before_the_embeddings_backward(module, args, out):
+        out.register_hook(lambda grad: note("embed"))
+
+    model.model.embed_tokens.register_forward_hook(before_the_embeddings_backward)
+    model(input_ids=ids).logits.sum().backward()
+    grad = model.model.embed_tokens.weight.grad.full_tensor()
+    return units, gathered, torch.equal(grad, reference.model.embed_tokens.weight.grad)
 
 
 def test_the_vocabulary_ends_are_units_freed_after_their_forward():
     """The embedding and the lm_head are sharded as units of their own: in the backward of a
     decoder layer neither is gathered (in the root, FSDP2 gathers them at the backward's
-    start and keeps them, with the lm_head's whole gradient, to its end); tied, they stay in
-    the root."""
+    start and keeps them, with the lm_head's whole gradient, to its end), and the embedding
+    is not gathered for its own backward, which reads no weight (its gradient is still the
+    unsharded model's); tied, they stay in the root."""
     untied, tied = (dist_pool.run(_rank_vocab_ends, t, world_size=1, timeout=120)[0]
                     for t in (False, True))
-    assert untied == (5, {"embed": False, "lm_head": False, "norm": True}), untied
-    assert tied == (3, {"embed": True, "lm_head": True, "norm": True}), tied
+    apart = {"embed": False, "lm_head": False, "norm": True}
+    assert untied == (5, {"layer": apart, "embed": apart}, True), untied
+    root = {"embed": True, "lm_head": True, "norm": True}
+    assert tied == (3, {"layer": root, "embed": root}, True), tied
 
 
 def _rank_apply_order():

@@ -25,6 +25,7 @@ nothing moves, since the host is the device, but FSDP2 takes its offload branche
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import torch
@@ -147,8 +148,14 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
     # its backward, as ZeRO-3 does (in the root, FSDP2 keeps them gathered from the forward to
     # the end of the backward, with the lm_head's whole gradient: three vocab-by-hidden
     # tensors for the whole backward of every layer).
+    # The input embedding's backward reads no weight (it adds the output's gradient into the
+    # rows it looked up), so its unit is not gathered again for it, nor prefetched during the
+    # first layer's backward, where that was one vocab-by-hidden tensor more at its peak.
     for end in _vocab_ends(model):
+        weightless = end is model.get_input_embeddings() and not _backward_reads_weights(end)
         fully_shard(end, reshard_after_forward=reshard_after_forward, **kwargs)
+        if weightless:
+            end.set_unshard_in_backward(False)
     # The root's parameters (the final norm) are gathered in its pre-forward and, being the
     # root, kept until backward (FSDP2 does not reshard the root after forward).
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
@@ -168,6 +175,32 @@ def _vocab_ends(model: nn.Module) -> list[nn.Module]:
     shared = {id(p) for p in ends[0].parameters()} & {id(p) for p in ends[-1].parameters()} \
         if len(ends) == 2 else set()
     return [] if shared else ends
+
+
+def _backward_reads_weights(module: nn.Module) -> bool:
+    """Whether autograd saves any of ``module``'s parameters for its backward, seen in one
+    forward of one token through a copy of it on the meta device (the module's own
+    ``forward``, without hooks; its weights are neither read nor written). A forward that
+    cannot run on one token that way counts as reading them."""
+    clone = copy.copy(module)  # shallow: the dicts below are replaced, not changed
+    clone._parameters = {k: None if p is None else nn.Parameter(p.detach().to("meta"),
+                                                                requires_grad=p.requires_grad)
+                         for k, p in module._parameters.items()}
+    clone._buffers = {k: None if b is None else b.to("meta") for k, b in module._buffers.items()}
+    params = [p for p in clone._parameters.values() if p is not None and p.requires_grad]
+    saved = []
+
+    def pack(t):
+        saved.append(any(t is p or t._base is p for p in params))
+        return t
+
+    ids = torch.zeros(1, 1, dtype=torch.long, device="meta")
+    try:
+        with torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+            type(module).forward(clone, ids)
+    except Exception:  # noqa: BLE001 (a forward that needs more than ids: keep the default)
+        return True
+    return any(saved)
 
 
 __all__ = ["apply_fsdp", "check_no_zero", "check_offload_policy"]
