@@ -48,6 +48,12 @@ def build(config, sp: SequenceParallelConfig, mesh, *, device, shard: bool = Tru
 
         apply_fsdp(model, mesh=mesh, mp_policy=MixedPrecisionPolicy(
             param_dtype=compute_dtype, reduce_dtype=torch.float32))
+        # The trace stands for DeepSpeed ZeRO-3 too, which gathers the input embedding for
+        # its backward (prefetched in the first layer's); apply_fsdp does not: planned as
+        # the former, the FSDP2 plan is one vocabulary-by-hidden tensor high at most.
+        embedding = model.get_input_embeddings()
+        if hasattr(embedding, "set_unshard_in_backward"):  # an FSDP unit (not when tied)
+            embedding.set_unshard_in_backward(True)
     else:
         model.to(compute_dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
