@@ -36,6 +36,7 @@ from arctic.config import zero_stage
 from arctic.hf.anatomy import decoder_layers
 from arctic.order import record_apply
 from ulysses.mesh import check_mesh, flat_mesh
+from ulysses.torch_internals import view_base
 
 SHARD_AXIS = "dp_sp"
 """The flattened mesh axis spanning every rank (:meth:`SequenceParallelDims.build_mesh`)."""
@@ -191,7 +192,7 @@ def _backward_reads_weights(module: nn.Module) -> bool:
     saved = []
 
     def pack(t):
-        saved.append(any(t is p or t._base is p for p in params))
+        saved.append(any(view_base(t) is p for p in params))
         return t
 
     ids = torch.zeros(1, 1, dtype=torch.long, device="meta")
