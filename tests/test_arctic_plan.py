@@ -215,6 +215,8 @@ def _traces_in_long_lived_workers(where: str) -> tuple[bool, bool]:
             os.environ.pop(k) if v is None else os.environ.__setitem__(k, v)
 
 
+@pytest.mark.slow  # 11 s; the workers' cache, in the default run:
+# test_the_tracing_workers_write_the_cache_the_caller_reads_now
 def test_traces_share_long_lived_workers_and_read_the_same(tmp_path):
     """Traces run in tracing processes that live on between traces (their fake tensors'
     dispatch cache warm: a llama3-8b search's 60 work traces took half the time), each
@@ -572,10 +574,11 @@ def test_ds_config_search_starts_from_the_least_memory_settings(tmp_path):
     assert not out.exists()
 
 
+@pytest.mark.slow  # 17 s; --no-step-time's refusals, in the default run:
+# test_no_step_time_is_refused_where_the_step_time_is_asked_for
 def test_no_step_time_answers_memory_alone(tmp_path):
     """--no-step-time: the same memory answer without the predicted step time, and without
-    the work traces that time counts (the plain run after it traces them); refused beside
-    --rates, and with the settings search, which ranks settings by their step time."""
+    the work traces that time counts (the plain run after it traces them)."""
     # loss tiles no other test plans: traces of its own in the run's shared cache
     args = ["--model", "tiny-llama", "--gpus", "2", "--seq-len", "10K", "--stack", "ours",
             "--loss-tiles", "3"]
@@ -591,9 +594,15 @@ def test_no_step_time_answers_memory_alone(tmp_path):
         assert memory[key] == timed[key], key
     proc = _run("-m", "arctic.plan", *args, "--no-step-time", step_time=True)
     assert proc.returncode == 0 and "predicted step" not in proc.stdout, proc.stdout
+
+
+def test_no_step_time_is_refused_where_the_step_time_is_asked_for():
+    """--no-step-time is refused beside --rates, and with the settings search, which ranks
+    settings by their step time (before any trace)."""
+    args = ["--model", "tiny-llama", "--gpus", "2", "--seq-len", "10K", "--no-step-time"]
     for extra, why in ((["--rates", "h200"], "--rates h200 with --no-step-time"),
                        (["--search"], "--no-step-time with the settings search")):
-        proc = _run("-m", "arctic.plan", *args, "--no-step-time", *extra, step_time=True)
+        proc = _run("-m", "arctic.plan", *args, *extra, step_time=True)
         assert proc.returncode != 0 and why in proc.stderr, proc.stderr[-2000:]
 
 
