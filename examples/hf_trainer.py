@@ -172,10 +172,12 @@ def _sharding(trainer) -> dict:
     state, which ulysses.torch_internals reads for every torch release it knows."""
     from torch.distributed.fsdp import FSDPModule
 
+    from arctic.hf.anatomy import decoder_layers
     from ulysses.torch_internals import fsdp_unit_settings
 
     units = [m for m in trainer.model.modules() if isinstance(m, FSDPModule)]
-    unit = fsdp_unit_settings(units[-1]) if units else {}  # a decoder layer
+    layers = [m for m in decoder_layers(trainer.model) if isinstance(m, FSDPModule)]
+    unit = fsdp_unit_settings(layers[0]) if layers else {}
     return {"fsdp_units": len(units), "trained_through": type(trainer.model_wrapped).__name__,
             "fsdp_offload": unit.get("offload_policy"),
             "fsdp_reshard": unit.get("reshard_after_forward"),

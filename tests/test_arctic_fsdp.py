@@ -248,6 +248,10 @@ def _tiny_llama():
 
 def _rank_vocab_ends(tied: bool):
     import copy
+    import traceback
+    import weakref
+
+    from torch.utils._python_dispatch import TorchDispatchMode
 
     import arctic
     from torch.distributed.tensor import DTensor
@@ -275,9 +279,27 @@ def _rank_vocab_ends(tied: bool):
         out.register_hook(lambda grad: note("embed"))
 
     model.model.embed_tokens.register_forward_hook(before_the_embeddings_backward)
-    model(input_ids=ids).logits.sum().backward()
+    # The lm_head's reduce-scatter buffers (FSDP2's foreach_reduce allocates the input, then
+    # the output: here, one rank, the gradient shard) and which are alive when the last
+    # decoder layer's backward starts
+    buffers, alive = [], []
+
+    class Reductions(TorchDispatchMode):
+        def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+            out = func(*args, **(kwargs or {}))
+            if (func is torch.ops.aten.empty.memory_format
+                    and out.numel() == model.lm_head.weight.numel()
+                    and any(f.name == "foreach_reduce" for f in traceback.extract_stack())):
+                buffers.append(weakref.ref(out))
+            return out
+
+    model.model.layers[-1].register_full_backward_pre_hook(
+        lambda *_: alive.extend(ref() is not None for ref in buffers))
+    logits = model(input_ids=ids).logits
+    with Reductions():
+        logits.sum().backward()
     grad = model.model.embed_tokens.weight.grad.full_tensor()
-    return units, gathered, torch.equal(grad, reference.model.embed_tokens.weight.grad)
+    return units, gathered, alive, torch.equal(grad, reference.model.embed_tokens.weight.grad)
 
 
 def test_the_vocabulary_ends_are_units_freed_after_their_forward():
@@ -285,13 +307,16 @@ def test_the_vocabulary_ends_are_units_freed_after_their_forward():
     decoder layer neither is gathered (in the root, FSDP2 gathers them at the backward's
     start and keeps them, with the lm_head's whole gradient, to its end), and the embedding
     is not gathered for its own backward, which reads no weight (its gradient is still the
-    unsharded model's); tied, they stay in the root."""
+    unsharded model's). The final norm is a unit too, whose reduction releases the lm_head's
+    reduce-scatter input before the last layer's backward (without it: alive through it).
+    Tied, the three stay in the root."""
     untied, tied = (dist_pool.run(_rank_vocab_ends, t, world_size=1, timeout=120)[0]
                     for t in (False, True))
-    apart = {"embed": False, "lm_head": False, "norm": True}
-    assert untied == (5, {"layer": apart, "embed": apart}, True), untied
+    apart = {"embed": False, "lm_head": False, "norm": False}
+    # the lm_head's reduce-scatter input released, its output (the gradient shard) kept
+    assert untied == (6, {"layer": apart, "embed": apart}, [False, True], True), untied
     root = {"embed": True, "lm_head": True, "norm": True}
-    assert tied == (3, {"layer": root, "embed": root}, True), tied
+    assert tied == (3, {"layer": root, "embed": root}, [], True), tied
 
 
 def _rank_apply_order():
@@ -311,7 +336,7 @@ def _rank_apply_order():
 
 def test_apply_fsdp_refuses_zero_and_stages_after_it():
     sharded, errors = dist_pool.run(_rank_apply_order, world_size=1, timeout=120)[0]
-    assert sharded == 5  # two decoder layers, the embedding, the lm_head and the root
+    assert sharded == 6  # two decoder layers, the embedding, the lm_head, the norm, the root
     assert "FSDP2 and ZeRO cannot be mixed" in errors["zero"], errors
     assert "cannot apply tiling" in errors["tiled_mlp"], errors
     assert "sharding is already applied" in errors["tiled_mlp"], errors
@@ -319,18 +344,21 @@ def test_apply_fsdp_refuses_zero_and_stages_after_it():
 
 
 def _offload_flags(model) -> list[tuple[str, bool, bool]]:
-    """Per FSDP unit: its policy's type name, whether every parameter is marked for offload
-    (``FSDPParam.offload_to_cpu``, what FSDP2 branches on) and whether any is pinned. Private
-    FSDP2 state: torch exposes no public accessor for the policy of a unit."""
+    """Per FSDP unit holding parameters: its policy's type name, whether every parameter is
+    marked for offload (``FSDPParam.offload_to_cpu``, what FSDP2 branches on) and whether any
+    is pinned. Private FSDP2 state: torch exposes no public accessor for the policy of a
+    unit."""
     from torch.distributed.fsdp import FSDPModule
+
+    from ulysses.torch_internals import fsdp_param_groups
 
     flags = []
     for m in model.modules():
         if isinstance(m, FSDPModule):
-            group = m._get_fsdp_state()._fsdp_param_group
-            flags.append((type(group.offload_policy).__name__,
-                          all(p.offload_to_cpu for p in group.fsdp_params),
-                          any(p.pin_memory for p in group.fsdp_params)))
+            for group in fsdp_param_groups(m):
+                flags.append((type(group.offload_policy).__name__,
+                              all(p.offload_to_cpu for p in group.fsdp_params),
+                              any(p.pin_memory for p in group.fsdp_params)))
     return flags
 
 
@@ -369,9 +397,9 @@ def test_cpu_offload_matches_no_offload_on_2_ranks():
     for rank, runs in enumerate(dist_pool.run(_rank_offload_parity, 3, world_size=2,
                                               timeout=120)):
         (losses, params, flags, devices), ref = runs["offload"], runs["plain"]
-        # Five units (two decoder layers, the embedding, the lm_head, the root), every
-        # parameter marked for offload and, without an accelerator, none pinned; apply_fsdp
-        # ignoring the policy fails here.
+        # Five units with parameters (two decoder layers, the embedding, the lm_head, the
+        # norm; the root holds none), every parameter marked for offload and, without an
+        # accelerator, none pinned; apply_fsdp ignoring the policy fails here.
         assert flags == [("CPUOffloadPolicy", True, False)] * 5, flags
         assert ref[2] == [("OffloadPolicy", False, False)] * 5, ref[2]
         assert devices == {"cpu"}, devices

@@ -57,10 +57,11 @@ def test_fsdp2_trainer_matches_plain_trainer(tmp_path, case):
     sp, plain = _sp_and_plain(tmp_path, _torchrun(*args, sp_json=sp_json), plain_args)
     print(f"\n{case}: plain {plain['loss']} eval {plain['eval_loss']}\n"
           f"{' ' * len(case)}  FSDP2 SP=2 {sp['loss']} eval {sp['eval_loss']}")
-    # sharded by FSDP2 (two decoder layers, the embedding, the lm_head and the root), trained
+    # sharded by FSDP2 (two decoder layers, the embedding, the lm_head, the final norm and the
+    # root), trained
     # through the wrapper that
     # keeps accelerate from wrapping it in DDP; accelerate installed nothing of DeepSpeed's
-    assert sp["fsdp_units"] == 5 and sp["trained_through"] == "ShardedModel"
+    assert sp["fsdp_units"] == 6 and sp["trained_through"] == "ShardedModel"
     assert plain["fsdp_units"] == 0 and sp["deepspeed_sp_installed"] is False
     assert sp["tiled_mlp"] and sp["checkpointed"]  # the SP settings' ulysses block
     assert (sp["offloaded_bytes"] > 0) == (sp_json == SP_JSON)  # offload where it says so
@@ -184,6 +185,6 @@ def test_accelerate_launch_with_the_fsdp2_yaml_runs_the_trainer(tmp_path):
     config = str(REPO / "configs" / "accelerate_fsdp2_cpu_2proc.yaml")
     sp, plain = _sp_and_plain(tmp_path, [accelerate, "launch", "--config_file", config, SCRIPT,
                                          "--fsdp", SP_JSON], [])
-    assert sp["fsdp_units"] == 5 and sp["trained_through"] == "ShardedModel"
+    assert sp["fsdp_units"] == 6 and sp["trained_through"] == "ShardedModel"
     assert sp["loss"] == pytest.approx(plain["loss"], rel=1e-5, abs=0)
     assert sp["eval_loss"] == pytest.approx(plain["eval_loss"], rel=1e-5, abs=0)

@@ -203,12 +203,17 @@ def token_norms(model: nn.Module) -> list[nn.Module]:
     (:func:`layer_norms`), then the base model's final norm (:data:`FINAL_NORM_NAMES`) if
     there is one."""
     norms = [norm for layer in decoder_layers(model) for norm in layer_norms(layer)]
+    final = final_norm(model)
+    return norms if final is None else [*norms, final]
+
+
+def final_norm(model: nn.Module) -> nn.Module | None:
+    """The base model's final norm (:data:`FINAL_NORM_NAMES`), or None."""
     for name in FINAL_NORM_NAMES:
         final = getattr(language_model(model), name, None)
         if isinstance(final, nn.Module):
-            norms.append(final)
-            break
-    return norms
+            return final
+    return None
 
 
 def hf_checkpointing(model: nn.Module) -> bool:
@@ -222,6 +227,6 @@ def hf_checkpointing(model: nn.Module) -> bool:
 
 __all__ = ["BLOCK_MIXER", "FINAL_NORM_NAMES", "LATENT_NAMES", "MIXER_NAMES", "MLP_CLASS_PARTS",
            "MLP_NAMES", "NORM_NAMES", "RECURRENT_NAMES", "SIDE_MLP_NAMES", "attention_heads",
-           "attention_modules", "decoder_layers", "hf_checkpointing", "is_block",
+           "attention_modules", "decoder_layers", "final_norm", "hf_checkpointing", "is_block",
            "is_latent_attention", "is_mlp", "is_recurrent", "language_model", "layer_mlp",
            "layer_mlps", "layer_norms", "text_config", "text_config_of", "token_norms"]

@@ -33,7 +33,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from arctic.config import zero_stage
-from arctic.hf.anatomy import decoder_layers
+from arctic.hf.anatomy import decoder_layers, final_norm
 from arctic.order import record_apply
 from ulysses.mesh import check_mesh, flat_mesh
 from ulysses.torch_internals import view_base
@@ -86,8 +86,8 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
     Each decoder layer (:func:`arctic.hf.anatomy.decoder_layers`: the modules holding a
     ``self_attn`` and an ``mlp``) becomes its own FSDP unit (all-gathered just before it runs,
     and resharded after it when ``reshard_after_forward``), as are the input embedding and
-    the lm_head (one unit each, unless they share a weight), and the root holds the rest (the
-    final norm; the embeddings too when tied). Parameters become ``DTensor``\\ s sharded on
+    the lm_head (one unit each, unless they share a weight) and then the final norm, and the
+    root holds the rest (the final norm and the embeddings when tied). Parameters become ``DTensor``\\ s sharded on
     dim 0 over the mesh's ``"dp_sp"`` axis: every rank of an SP group is also a shard rank.
 
     Why gradients come out right: FSDP2 reduce-scatters gradients with a mean over all
@@ -152,13 +152,23 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
     # The input embedding's backward reads no weight (it adds the output's gradient into the
     # rows it looked up), so its unit is not gathered again for it, nor prefetched during the
     # first layer's backward, where that was one vocab-by-hidden tensor more at its peak.
-    for end in _vocab_ends(model):
+    ends = _vocab_ends(model)
+    for end in ends:
         weightless = end is model.get_input_embeddings() and not _backward_reads_weights(end)
         fully_shard(end, reshard_after_forward=reshard_after_forward, **kwargs)
         if weightless:
             end.set_unshard_in_backward(False)
-    # The root's parameters (the final norm) are gathered in its pre-forward and, being the
-    # root, kept until backward (FSDP2 does not reshard the root after forward).
+    # Beside an lm_head unit the final norm is one too. FSDP2 keeps a unit's reduce-scatter
+    # input (the gradient in the reduce dtype) until the next unit's reduction: the norm's,
+    # right after the lm_head's backward, instead of the last layer's, at the end of its
+    # whole backward (vocabulary-by-hidden fp32, 3.8 GiB for Qwen3.5-9B, held through it).
+    norm = final_norm(model)
+    if model.get_output_embeddings() in ends and norm is not None and any(
+            p.requires_grad for p in norm.parameters()):
+        fully_shard(norm, reshard_after_forward=reshard_after_forward, **kwargs)
+    # The root's parameters (when tied: the embeddings and the final norm) are gathered in
+    # its pre-forward and, being the root, kept until backward (FSDP2 does not reshard the
+    # root after forward).
     fully_shard(model, reshard_after_forward=reshard_after_forward, **kwargs)
     return model
 
