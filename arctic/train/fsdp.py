@@ -87,8 +87,9 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
     ``self_attn`` and an ``mlp``) becomes its own FSDP unit (all-gathered just before it runs,
     and resharded after it when ``reshard_after_forward``), as are the input embedding and
     the lm_head (one unit each, unless they share a weight) and then the final norm, and the
-    root holds the rest (the final norm and the embeddings when tied). Parameters become ``DTensor``\\ s sharded on
-    dim 0 over the mesh's ``"dp_sp"`` axis: every rank of an SP group is also a shard rank.
+    root holds the rest (the final norm and the embeddings when tied). Parameters become
+    ``DTensor``\\ s sharded on dim 0 over the mesh's ``"dp_sp"`` axis: every rank of an SP
+    group is also a shard rank.
 
     Why gradients come out right: FSDP2 reduce-scatters gradients with a mean over all
     ``W = dp * sp`` ranks. Rank r's share of its sequence's gradient is
@@ -152,19 +153,21 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
     # The input embedding's backward reads no weight (it adds the output's gradient into the
     # rows it looked up), so its unit is not gathered again for it, nor prefetched during the
     # first layer's backward, where that was one vocab-by-hidden tensor more at its peak.
-    ends = _vocab_ends(model)
-    for end in ends:
-        weightless = end is model.get_input_embeddings() and not _backward_reads_weights(end)
-        fully_shard(end, reshard_after_forward=reshard_after_forward, **kwargs)
+    embed, head = _vocab_ends(model)
+    if embed is not None:
+        weightless = not _backward_reads_weights(embed)
+        fully_shard(embed, reshard_after_forward=reshard_after_forward, **kwargs)
         if weightless:
-            end.set_unshard_in_backward(False)
+            embed.set_unshard_in_backward(False)
+    if head is not None:
+        fully_shard(head, reshard_after_forward=reshard_after_forward, **kwargs)
     # Beside an lm_head unit the final norm is one too. FSDP2 keeps a unit's reduce-scatter
     # input (the gradient in the reduce dtype) until the next unit's reduction: the norm's,
     # right after the lm_head's backward, instead of the last layer's, at the end of its
     # whole backward (vocabulary-by-hidden fp32, 3.8 GiB for Qwen3.5-9B, held through it).
     norm = final_norm(model)
-    if model.get_output_embeddings() in ends and norm is not None and any(
-            p.requires_grad for p in norm.parameters()):
+    if head is not None and norm is not None and any(p.requires_grad
+                                                      for p in norm.parameters()):
         fully_shard(norm, reshard_after_forward=reshard_after_forward, **kwargs)
     # The root's parameters (when tied: the embeddings and the final norm) are gathered in
     # its pre-forward and, being the root, kept until backward (FSDP2 does not reshard the
@@ -173,19 +176,22 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
     return model
 
 
-def _vocab_ends(model: nn.Module) -> list[nn.Module]:
+def _vocab_ends(model: nn.Module) -> tuple[nn.Module | None, nn.Module | None]:
     """The input embedding and the lm_head (HF's ``get_input_embeddings`` and
-    ``get_output_embeddings``), each a module of its own: none when they share a weight (one
-    unit cannot be two), or where the model has neither."""
+    ``get_output_embeddings``) that become units of their own: neither when they share a
+    weight (one unit cannot be two), None for one the model lacks or that has no
+    parameters."""
     ends = []
     for name in ("get_input_embeddings", "get_output_embeddings"):
         get = getattr(model, name, None)
         end = get() if callable(get) else None
-        if isinstance(end, nn.Module) and any(True for _ in end.parameters()):
-            ends.append(end)
-    shared = {id(p) for p in ends[0].parameters()} & {id(p) for p in ends[-1].parameters()} \
-        if len(ends) == 2 else set()
-    return [] if shared else ends
+        ends.append(end if isinstance(end, nn.Module) and any(True for _ in end.parameters())
+                    else None)
+    embed, head = ends
+    if embed is not None and head is not None and (
+            {id(p) for p in embed.parameters()} & {id(p) for p in head.parameters()}):
+        return None, None
+    return embed, head
 
 
 def _backward_reads_weights(module: nn.Module) -> bool:
