@@ -318,12 +318,14 @@ def test_find_max_lands_on_the_longest_fit_in_few_plans(name, device, host, most
     assert find_max(plan_at, start=1 << 20, granule=1 << 30, log=lambda _: None)[0] == 0
 
 
-@pytest.mark.parametrize("device_bound", [True, False])
-def test_search_tries_sequence_chunks_on_the_best_ulysses_split(device_bound):
-    """A device-bound search tries seq_chunk="auto" on its longest split with more than one
-    Ulysses rank (not on ring-only ones, not when host-bound) and keeps it when it goes past
-    the winner; the chosen fields then carry it. Synthetic lines: blocks halve the slope of a
-    Ulysses split's device bytes."""
+@pytest.mark.parametrize("device_bound,ring_cut", [(True, 1.0), (True, 3.0), (False, 3.0)])
+def test_search_tries_sequence_chunks_on_the_best_ulysses_split(device_bound, ring_cut):
+    """A device-bound search tries seq_chunk="auto" on its ring-only winner and on its
+    longest split with more than one Ulysses rank (not on the other splits, not when
+    host-bound), and keeps the one that goes furthest past the winner; the chosen fields
+    then carry it. Synthetic lines: blocks halve the slope of a Ulysses split's device
+    bytes, and divide a ring-only split's by ``ring_cut`` (1: they cut nothing there, as
+    for Llama-3-8B; 3: more, as the ring backward of wide heads)."""
     from arctic.plan.search import search
 
     calls = []
@@ -333,7 +335,7 @@ def test_search_tries_sequence_chunks_on_the_best_ulysses_split(device_bound):
         ring = fields["ring_degree"]
         slope = {1: 1 / 3e4, 2: 1 / 4e4, 4: 1 / 5e4}[ring]
         if fields.get("seq_chunk") == "auto":
-            slope /= 2
+            slope /= ring_cut if ring == 4 else 2
         host = (lambda m: m / 1e5) if device_bound else (lambda m: m / 3e4)
         e = _synthetic(lambda m: 20 + m * slope, host)(n)
         e.limit = lambda: "host memory" if host(n) > 100 else "temporaries"
@@ -348,12 +350,14 @@ def test_search_tries_sequence_chunks_on_the_best_ulysses_split(device_bound):
     if not device_bound:
         assert not chunked and winner.fields["seq_chunk"] is None
         return
-    assert [(c.ring, c.ulysses) for c in chunked] == [(2, 2)]  # the best split with U > 1
-    assert winner is chunked[0] and winner.best > max(c.best for c in candidates
-                                                      if c is not winner)
+    # the ring-only winner (4 x 1), then the best split with U > 1 (2 x 2); not 1 x 4
+    assert [(c.ring, c.ulysses) for c in chunked] == [(4, 1), (2, 2)]
+    assert not any(f.get("seq_chunk") == "auto" and f["ring_degree"] == 1 for f in calls)
+    slope = 1 / 1.5e5 if ring_cut == 3.0 else 1 / 8e4  # the ring-only or the 2 x 2 blocks
+    assert winner is chunked[0 if ring_cut == 3.0 else 1]
+    assert winner.best > max(c.best for c in candidates if c is not winner)
     assert winner.best == max(n for n in range(1024, 1 << 24, 1024)
-                              if 20 + n / 8e4 <= 100 and n / 1e5 <= 100)
-    assert not any(f.get("seq_chunk") == "auto" and f["ring_degree"] == 4 for f in calls)
+                              if 20 + n * slope <= 100 and n / 1e5 <= 100)
 
 
 def _freeing(key: str, value, freed: float, host_slope: float):

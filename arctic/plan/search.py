@@ -184,8 +184,9 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int | None, int 
     ``base`` keeps it), then no offload. Only when it is held back by the device does it try
     the layer inputs copied back without prefetch (``offload_prefetch=False``: one layer
     input less at the backward's peak, for copies the step waits for; a disk tier's reads
-    still run a layer ahead), then sequence chunks (``seq_chunk="auto"``,
-    which trade device bytes for host bytes and exchanges; :func:`_try_seq_chunks`). Last,
+    still run a layer ahead), then sequence chunks (``seq_chunk="auto"``, on a ring-only
+    winner and on the best split with Ulysses ranks, which trade device bytes for host bytes
+    and exchanges; :func:`_try_seq_chunks`). Last,
     with ``offload_state``, when the winner is still held back by the device, it tries the
     optimizer's state on the host (ZeRO-3's ``offload_optimizer``), then also the
     parameters (``offload_param``): ``fields["offload_state"] = "optimizer"`` or
@@ -289,29 +290,39 @@ def search(plan_with, *, base: dict, sp_size: int, heads: tuple[int | None, int 
 
 def _try_seq_chunks(plan_with, candidates: list[Candidate], winner: Candidate, granule: int,
                     log) -> Candidate:
-    """The device-bound search's last step: the best factorization with more than one
-    Ulysses rank, with ``seq_chunk="auto"`` (appended to ``candidates``); returns it if it
-    goes past ``winner``, else ``winner``.
+    """The device-bound search's last step: ``seq_chunk="auto"`` on the winner's split when
+    it is ring-only, and on the best factorization with more than one Ulysses rank (each
+    appended to ``candidates``); returns the one that goes furthest past ``winner``, else
+    ``winner``.
 
-    With one Ulysses rank the head-chunk buffers already span one ring block and sequence
-    blocks cut nothing (docs/planner.md's headline notes show it at 9.44M), so ring-only splits
-    are not tried; of the others only the longest is, because a trace with blocks costs one
-    to three minutes at Llama-3-8B's scale. Not tried when the settings cannot take blocks
-    (no head chunks) or already set them. Like the host-side variants, it is searched only
-    if it fits a granule past the winner (:func:`_search_past`)."""
-    split = [c for c in candidates if not c.pruned and c.best and c.ulysses > 1 and
-             c.fields.get("seq_chunk") is None and c.fields.get("head_chunk_size") is not None
-             and "host" not in c.limit()]
-    if not split:
-        return winner
-    # (one that stopped short may reach up to its shortest misfit: not passed over for less)
-    best = max(split, key=lambda c: (c.below - granule if c.below else c.best, -c.ring))
-    alt = Candidate(ring=best.ring, ulysses=best.ulysses,
-                    fields=dict(best.fields, seq_chunk="auto"))
-    candidates.append(alt)
-    log(f"ring {alt.ring} x ulysses {alt.ulysses}, {{'seq_chunk': 'auto'}}:")
-    _search_past(plan_with, alt, winner, granule, log)
-    return alt if alt.best > winner.best else winner
+    Where the head-chunk buffers already span one ring block, sequence blocks cut little on
+    a ring-only split (Llama-3-8B); with wider heads they cut the ring backward's moment
+    (Qwen3.5-9B's 256-wide heads: 69.14 -> 66.62 GiB at 1.39M tokens per rank, ring 8), so
+    the ring-only winner is tried too. Of the splits with Ulysses ranks only the longest is,
+    because a trace with blocks costs one to three minutes at Llama-3-8B's scale. Not tried
+    where the settings cannot take blocks (no head chunks) or already set them, or where the
+    host holds the split back. Like the host-side variants, each is searched only if it fits
+    a granule past the winner (:func:`_search_past`)."""
+    def takes_blocks(c: Candidate) -> bool:
+        return (not c.pruned and bool(c.best) and c.fields.get("seq_chunk") is None
+                and c.fields.get("head_chunk_size") is not None and "host" not in c.limit())
+
+    tries = [winner] if winner.ulysses == 1 and takes_blocks(winner) else []
+    split = [c for c in candidates if c.ulysses > 1 and takes_blocks(c)]
+    if split:
+        # (one that stopped short may reach up to its shortest misfit: not passed over for less)
+        tries.append(max(split, key=lambda c: (c.below - granule if c.below else c.best,
+                                               -c.ring)))
+    best = winner
+    for base in tries:
+        alt = Candidate(ring=base.ring, ulysses=base.ulysses,
+                        fields=dict(base.fields, seq_chunk="auto"))
+        candidates.append(alt)
+        log(f"ring {alt.ring} x ulysses {alt.ulysses}, {{'seq_chunk': 'auto'}}:")
+        _search_past(plan_with, alt, best, granule, log)
+        if alt.best > best.best:
+            best = alt
+    return best
 
 
 def _search_past(plan_with, alt: Candidate, winner: Candidate, granule: int, log) -> None:
