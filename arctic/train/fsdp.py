@@ -119,6 +119,14 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
     the model is under DeepSpeed ZeRO or already sharded, or has no decoder layers, or
     ``offload_policy`` is not an ``OffloadPolicy`` (:func:`check_offload_policy`).
     """
+    return _apply_fsdp(model, mesh=mesh, reshard_after_forward=reshard_after_forward,
+                       mp_policy=mp_policy, offload_policy=offload_policy, norm_unit=True)
+
+
+def _apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bool,
+                mp_policy, offload_policy, norm_unit: bool) -> nn.Module:
+    """:func:`apply_fsdp`; ``norm_unit=False`` leaves the final norm in the root (the
+    planner's trace: :mod:`arctic.plan.step`)."""
     check_offload_policy(offload_policy)
     check_mesh(mesh)
     if any(hasattr(p, "ds_id") for p in model.parameters()):
@@ -166,8 +174,8 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
     # right after the lm_head's backward, instead of the last layer's, at the end of its
     # whole backward (vocabulary-by-hidden fp32, 3.8 GiB for Qwen3.5-9B, held through it).
     norm = final_norm(model)
-    if head is not None and norm is not None and any(p.requires_grad
-                                                      for p in norm.parameters()):
+    if norm_unit and head is not None and norm is not None and any(
+            p.requires_grad for p in norm.parameters()):
         fully_shard(norm, reshard_after_forward=reshard_after_forward, **kwargs)
     # The root's parameters (when tied: the embeddings and the final norm) are gathered in
     # its pre-forward and, being the root, kept until backward (FSDP2 does not reshard the
