@@ -15,7 +15,7 @@ from arctic.config import SequenceParallelConfig
 from arctic.data.batch import prepare_sp_batch
 from arctic.plan.models import is_vlm_config
 from arctic.recipe import apply_sp_recipe
-from arctic.train.fsdp import _apply_fsdp
+from arctic.train.fsdp import shard_units
 from ulysses.torch_internals import detect_fake_mode
 
 
@@ -53,7 +53,7 @@ def build(config, sp: SequenceParallelConfig, mesh, *, device, shard: bool = Tru
         # shard is made, a moment that grows faster with depth than the traced 3 and 4
         # layers' peak, which the depth extension does not see (3% under at 9 layers and
         # 4K tokens per rank: test_depth_extrapolation_matches_a_full_trace).
-        _apply_fsdp(model, mesh=mesh, reshard_after_forward=True, offload_policy=None,
+        shard_units(model, mesh=mesh, reshard_after_forward=True, offload_policy=None,
                     mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype,
                                                    reduce_dtype=torch.float32),
                     norm_unit=False)

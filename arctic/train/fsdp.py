@@ -119,13 +119,13 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
     the model is under DeepSpeed ZeRO or already sharded, or has no decoder layers, or
     ``offload_policy`` is not an ``OffloadPolicy`` (:func:`check_offload_policy`).
     """
-    return _apply_fsdp(model, mesh=mesh, reshard_after_forward=reshard_after_forward,
+    return shard_units(model, mesh=mesh, reshard_after_forward=reshard_after_forward,
                        mp_policy=mp_policy, offload_policy=offload_policy, norm_unit=True)
 
 
-def _apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bool,
+def shard_units(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bool,
                 mp_policy, offload_policy, norm_unit: bool) -> nn.Module:
-    """:func:`apply_fsdp`; ``norm_unit=False`` leaves the final norm in the root (the
+    """:func:`apply_fsdp`, with ``norm_unit=False`` to leave the final norm in the root (the
     planner's trace: :mod:`arctic.plan.step`)."""
     check_offload_policy(offload_policy)
     check_mesh(mesh)
@@ -228,4 +228,4 @@ def _backward_reads_weights(module: nn.Module) -> bool:
     return any(saved)
 
 
-__all__ = ["apply_fsdp", "check_no_zero", "check_offload_policy"]
+__all__ = ["apply_fsdp", "check_no_zero", "check_offload_policy", "shard_units"]
