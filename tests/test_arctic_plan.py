@@ -450,7 +450,7 @@ def test_the_inputs_without_prefetch_hold_one_layer_input_less(monkeypatch, tmp_
     import transformers as tf
 
     from arctic.config import SequenceParallelConfig
-    from arctic.plan.traces import Tracer
+    from arctic.plan.traces import Tracer, backward_peak
 
     monkeypatch.setenv("ARCTIC_PLAN_CACHE", str(tmp_path))
     config = tf.LlamaConfig(vocab_size=256, hidden_size=256, intermediate_size=512,
@@ -461,7 +461,7 @@ def test_the_inputs_without_prefetch_hold_one_layer_input_less(monkeypatch, tmp_
                                     fuse_projections=True, tiled_mlp="auto", tiled_layer=True,
                                     activation_checkpointing=True, offload_activations=True,
                                     offload_prefetch=ahead)
-        peak = Tracer(config, sp, 2, shard=True).at(S, 4)["backward"].total
+        peak = backward_peak(Tracer(config, sp, 2, shard=True).at(S, 4)).total
         work = Tracer(config, sp, 2, shard=True, work=True).at(S, 4)
         got[ahead] = peak, work
     layer_input = S // 2 * config.hidden_size * 2
@@ -773,7 +773,7 @@ def test_trace_shortcuts_change_no_byte(ring, layers, seq_chunk):
     peaks and breakdown, byte for byte, as the full trace, where most repeats are skipped: 47
     loss tiles; with ring 8 x Ulysses 1, 32 head-chunk steps and 8 ring hops; with 4
     sequence blocks (ulysses.seq_chunk), repeated blocks and a pair's repeated pieces."""
-    from arctic.plan.traces import trace
+    from arctic.plan.traces import BACKWARD_PHASES, trace
     from arctic.plan.models import model_config
     from arctic.plan.step import STACKS, stack_config
 
@@ -783,7 +783,10 @@ def test_trace_shortcuts_change_no_byte(ring, layers, seq_chunk):
     seq_len = 12 * 1024 * world + 3 * world  # uneven tiles (and blocks)
     full = trace(config, sp, world, seq_len, shard=True, shortcuts=False)
     fast = trace(config, sp, world, seq_len, shard=True, shortcuts=True)
-    assert set(full) == {"forward", "backward", "optimizer"}
+    # the backward's phases (split_backward): the middle layers' from 3 layers, the top's
+    # from 2
+    layer_phases = BACKWARD_PHASES[1:4] if layers > 2 else BACKWARD_PHASES[1:4:2][2 - layers:]
+    assert list(full) == ["forward", "backward", *layer_phases, "backward (tail)", "optimizer"]
     for phase, peak in full.items():
         assert fast[phase] == peak, phase
 
@@ -1304,7 +1307,7 @@ def test_a_hybrids_depth_line_skips_its_first_period(monkeypatch, tmp_path):
     import transformers as tf
 
     from arctic.config import SequenceParallelConfig
-    from arctic.plan.traces import Tracer
+    from arctic.plan.traces import Tracer, backward_peak
 
     monkeypatch.setenv("ARCTIC_PLAN_CACHE", str(tmp_path))
     config = _hybrid_config()
@@ -1315,8 +1318,8 @@ def test_a_hybrids_depth_line_skips_its_first_period(monkeypatch, tmp_path):
                                 activation_checkpointing=True, offload_activations=True,
                                 mixer_chunk=1024)
     tracer = Tracer(config, sp, 8, shard=True)
-    line = tracer.deep(32768, full=False)["backward"].total
-    whole = tracer.at(32768, 16)["backward"].total
+    line = backward_peak(tracer.deep(32768, full=False)).total
+    whole = backward_peak(tracer.at(32768, 16)).total
     assert abs(line / whole - 1) < 0.015, (line, whole)
 
 

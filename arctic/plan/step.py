@@ -15,7 +15,7 @@ from arctic.config import SequenceParallelConfig
 from arctic.data.batch import prepare_sp_batch
 from arctic.plan.models import is_vlm_config
 from arctic.recipe import apply_sp_recipe
-from arctic.train.fsdp import shard_units
+from arctic.train.fsdp import apply_fsdp
 from ulysses.torch_internals import detect_fake_mode
 
 
@@ -46,17 +46,9 @@ def build(config, sp: SequenceParallelConfig, mesh, *, device, shard: bool = Tru
     if shard:
         from torch.distributed.fsdp import MixedPrecisionPolicy
 
-        # Without the final norm's unit: the trace then holds the lm_head's reduce-scatter
-        # input through the last layer's backward, which apply_fsdp's runs (and ZeRO-3) do
-        # not; a plan is that much high there (vocab x hidden fp32). With it, a short
-        # sequence's peak moves to the embedding's backward, after every layer's gradient
-        # shard is made, a moment that grows faster with depth than the traced 3 and 4
-        # layers' peak, which the depth extension does not see (3% under at 9 layers and
-        # 4K tokens per rank: test_depth_extrapolation_matches_a_full_trace).
-        shard_units(model, mesh=mesh, reshard_after_forward=True, offload_policy=None,
-                    mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype,
-                                                   reduce_dtype=torch.float32),
-                    norm_unit=False)
+        apply_fsdp(model, mesh=mesh, reshard_after_forward=True,
+                   mp_policy=MixedPrecisionPolicy(param_dtype=compute_dtype,
+                                                  reduce_dtype=torch.float32))
         # The trace stands for DeepSpeed ZeRO-3 too, which gathers the input embedding for
         # its backward (prefetched in the first layer's); apply_fsdp does not: planned as
         # the former, the FSDP2 plan is one vocabulary-by-hidden tensor high at most.

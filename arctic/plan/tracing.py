@@ -163,20 +163,30 @@ def _tracker_class():
             return sorted(((k, c, b) for k, (c, b) in groups.items()),
                           key=lambda x: -x[2])[:top]
 
-        def end_phase(self, name: str, device_type: str = "cpu") -> None:
-            """Note the peak since the last phase ended as ``name``'s, and start anew."""
+        def end_phase(self, name: str, device_type: str = "cpu", *,
+                      last_backward: bool | None = None) -> None:
+            """Note the peak since the last phase ended as ``name``'s, and start anew (a
+            phase ended more than once, in segments, keeps their largest peak).
+            ``last_backward``: whether the step's backward ends here (what the step then
+            allocates is the optimizer's); by default, where ``name`` is "backward"."""
             peak = self.breakdown(device_type)
             peak.stateless = self.stateless_peak
             peak.shard_params = sum(p.numel() if not hasattr(p, "to_local") else
                                     p.to_local().numel() for p in self.state_params)
             peak.optimizer_state = self.optimizer_state
+            was = self.phases.get(name)
+            if was is not None:
+                stateless = max(was.stateless, peak.stateless)
+                peak = peak if peak.total > was.total else was
+                peak.stateless = stateless
             self.phases[name] = peak
             now = sum(s[_TOTAL_KEY] for d, s in self._curr_mem_snap.items()
                       if d.type == device_type)
             self.stateless_peak = now - self.state_fixed - self._grad_shards()
             # An offloaded optimizer steps on the host: what the step allocates after the
             # backward is not device memory then.
-            self._state_frozen = name == "backward"
+            self._state_frozen = (name == "backward" if last_backward is None
+                                  else last_backward)
             self._labeled_at = {}
             self._peak_mem = {d: s[_TOTAL_KEY] for d, s in self._curr_mem_snap.items()}
             self._peak_mem_snap = {d: dict(s) for d, s in self._curr_mem_snap.items()}

@@ -119,14 +119,6 @@ def apply_fsdp(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: boo
     the model is under DeepSpeed ZeRO or already sharded, or has no decoder layers, or
     ``offload_policy`` is not an ``OffloadPolicy`` (:func:`check_offload_policy`).
     """
-    return shard_units(model, mesh=mesh, reshard_after_forward=reshard_after_forward,
-                       mp_policy=mp_policy, offload_policy=offload_policy, norm_unit=True)
-
-
-def shard_units(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bool,
-                mp_policy, offload_policy, norm_unit: bool) -> nn.Module:
-    """:func:`apply_fsdp`, with ``norm_unit=False`` to leave the final norm in the root (the
-    planner's trace: :mod:`arctic.plan.step`)."""
     check_offload_policy(offload_policy)
     check_mesh(mesh)
     if any(hasattr(p, "ds_id") for p in model.parameters()):
@@ -174,7 +166,7 @@ def shard_units(model: nn.Module, *, mesh: DeviceMesh, reshard_after_forward: bo
     # right after the lm_head's backward, instead of the last layer's, at the end of its
     # whole backward (vocabulary-by-hidden fp32, 3.8 GiB for Qwen3.5-9B, held through it).
     norm = final_norm(model)
-    if norm_unit and head is not None and norm is not None and any(
+    if head is not None and norm is not None and any(
             p.requires_grad for p in norm.parameters()):
         fully_shard(norm, reshard_after_forward=reshard_after_forward, **kwargs)
     # The root's parameters (when tied: the embeddings and the final norm) are gathered in
@@ -228,4 +220,4 @@ def _backward_reads_weights(module: nn.Module) -> bool:
     return any(saved)
 
 
-__all__ = ["apply_fsdp", "check_no_zero", "check_offload_policy", "shard_units"]
+__all__ = ["apply_fsdp", "check_no_zero", "check_offload_policy"]
