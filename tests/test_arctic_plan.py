@@ -105,7 +105,7 @@ def test_each_backward_moment_is_extended_along_the_depth_on_its_own(monkeypatch
     shallow, deep, whole = tracer.at(S, 3), tracer.at(S, 4), tracer.at(S, 7)
     at = {d: max((k for k in p if k.startswith("backward")), key=lambda k: p[k].total)
           for d, p in ((3, shallow), (4, deep), (7, whole))}
-    assert at == {3: "backward", 4: "backward", 7: "backward (bottom layer)"}, at
+    assert at == {3: "backward", 4: "backward", 7: "backward: bottom layer"}, at
     line = backward_peak(tracer.deep(S, full=False)).total
     assert abs(line / backward_peak(whole).total - 1) < 1e-3, (line, backward_peak(whole))
     one = backward_peak(deep).total + 3 * (backward_peak(deep).total -
@@ -813,7 +813,7 @@ def test_trace_shortcuts_change_no_byte(ring, layers, seq_chunk):
     # the backward's phases (split_backward): the middle layers' from 3 layers, the top's
     # from 2
     layer_phases = BACKWARD_PHASES[1:4] if layers > 2 else BACKWARD_PHASES[1:4:2][2 - layers:]
-    assert list(full) == ["forward", "backward", *layer_phases, "backward (tail)", "optimizer"]
+    assert list(full) == ["forward", "backward", *layer_phases, "backward: tail", "optimizer"]
     for phase, peak in full.items():
         assert fast[phase] == peak, phase
 

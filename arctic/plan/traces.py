@@ -102,8 +102,8 @@ def trace(config, sp, world: int, seq_len: int, *, shard: bool,
     return {k: replace(v, host=host) for k, v in tracker.phases.items()}
 
 
-BACKWARD_PHASES = ("backward", "backward (top layer)", "backward (middle layers)",
-                   "backward (bottom layer)", "backward (tail)")
+BACKWARD_PHASES = ("backward", "backward: top layer", "backward: middle layers",
+                   "backward: bottom layer", "backward: tail")
 """The phases of a traced step's backward (:func:`split_backward`), in its order."""
 
 
@@ -122,9 +122,10 @@ def split_backward(model, tracker):
     embedding's backward, the last reductions). Each is affine in the depth on its own,
     their largest not: a layer's backward holds the gradient shards of the layers above it,
     so the moments lower down grow faster with the depth, and past the traced depths they
-    can take over (Llama-3-8B, 9 layers, 32K tokens per rank, the lm_head and the final norm
-    units of their own: the backward's peak is the lm_head's at 3 to 5 layers and the bottom
-    layer's at 9, where one phase read off 3 and 4 layers was 3.2% under the trace; see
+    can take over (Llama-3-8B, 32K tokens per rank on 8 ranks: the backward's peak is the
+    head's at 3 to 5 layers, at 9 the tail's with the ``ours`` stack and the bottom layer's
+    with ALST's; one backward phase read off 3 and 4 layers was 3.2% under the trace of 9
+    with either; see
     ``test_depth_extrapolation_matches_a_full_trace``). A model whose decoder layers or
     input embeddings are not found keeps one backward phase."""
     import torch
@@ -159,7 +160,7 @@ def split_backward(model, tracker):
     watched = [(layers[-1], BACKWARD_PHASES[0])]
     watched += [(layers[i], names.get(i + 1, BACKWARD_PHASES[2]))
                 for i in range(len(layers) - 1)]
-    watched.append((embedding, names[0] if len(layers) > 1 else names[len(layers) - 1]))
+    watched.append((embedding, names[0]))
     handles = [m.register_forward_hook(watch(name)) for m, name in watched]
 
     def on_phase(name: str) -> None:
