@@ -26,13 +26,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field, replace
 
+import torch
+
 from arctic.hf.anatomy import text_config_of
 from arctic.memory.placement import Placement
 from arctic.plan.models import is_vlm_config, model_config
-from arctic.plan.step import (
-    PLANNED_FIELDS,
-    stack_config,
-)
+from arctic.plan.step import PLANNED_FIELDS, pinned_blocks, stack_config
 from arctic.plan.counts import predict_step
 from arctic.plan.traces import Tracer, along
 from arctic.plan.tracing import Peak
@@ -64,42 +63,16 @@ CHECK_TOKENS = 131072
 CHECK_TOLERANCE = 0.005
 """How far (a fraction of the step's traced peak) the check trace may sit from the line."""
 
-MISFIT_UNCHECKED = ("(unchecked: over a budget on the line, which a phase's peak bends "
-                    "above)")
-"""How a plan read off a length line that misses a budget says why no trace checked it: a
-phase's peak is mostly the largest of several moments' bytes, each affine in the length, so
-past the anchors it lies on or above their line (it bends upwards), and what misses on the
-line misses traced. So where the model's depth is read off two traced depths, only where the
-deeper layers add the same bytes at both anchors (:meth:`~arctic.plan.traces.Tracer.steady`):
-otherwise the line at the model's depth takes the difference of two depths' lines, which
-need not bend upwards (Qwen3.5-9B on Ulysses 8: 68.65 GiB on it at 249K tokens per rank,
-49.52 traced at 245K). A line that fits is checked (:func:`_read_off_the_line`). Not every
-moment is affine: on the device a peak can also fall below the line, so a device misfit is
-taken unchecked only past :data:`BOUND_MARGIN` (the host's bytes, the offloaded layer inputs,
-are exact lines)."""
-
-BOUND_MARGIN = 0.03
-"""How far over the device budget a line's reading must be for a misfit taken off it
-unchecked (:data:`MISFIT_UNCHECKED`, :data:`MISFIT_BELOW`). Qwen3.5-9B on Ulysses 8, 12
-layers: the backward's peak traced at 447K tokens per rank is 0.38 GiB (0.57%) under the line
-through 48K and 96K, where a device misfit at 68.17 GiB on that line (0.45% over its budget)
-fits traced (67.73)."""
-
-MISFIT_BELOW = ("(over a budget at {layers} layers, on their line through {a}K and {b}K "
-                "tokens/rank: a lower bound)")
-"""How a plan says it missed a budget by a lower bound of its peak: the line at the deeper
-traced depth through the anchors. A deeper model holds at least what a shallower one does
-(the same layers and more), and past the anchors a phase's peak lies on or above their line
-(:data:`MISFIT_UNCHECKED`, within :data:`BOUND_MARGIN` on the device): what misses there
-misses at the model's depth. The figures are that bound's. It is tried first, from 2 traces:
-Llama-3-8B on 8 GPUs without checkpointing at 4M tokens misses the device at 4 layers, where
-the length line (4 traces) and its check (5 more, the check off the line) took 9."""
-
-
-def _past_doubt(e: Estimate) -> bool:
-    """Whether ``e``, read off a line, misses a budget beyond the line's error: its offload
-    figures over theirs, or its device peak over :data:`BOUND_MARGIN` past the budget."""
-    return not e.offload_fits or e.peak.total > e.device_budget * (1 + BOUND_MARGIN)
+LINE_MISFITS = """A misfit read off a length line is taken only from a checked line (the
+check trace within :data:`CHECK_TOLERANCE`), as a fit is, or from the length traced: a
+phase's peak is not convex in the length, so an unchecked line bounds nothing. Past the
+anchors a moment whose tiles stop growing at a cap of rows bends the peak downwards.
+Qwen3.5-9B (ring 8, 8 layers, 16 sequence blocks): the attention layer's backward adds 5.71
+hidden-sized rows per token per rank between 48K and 96K tokens per rank, 8.04 up to 128K
+and 4.04 from there to 256K (a moment of its row-tiled work takes over and stops growing
+with its tiles), so the line
+through 48K and 96K reads 68.03 GiB at 1.5M tokens per rank where the trace holds 59.65; as
+a lower bound it took 12,042,240 tokens on 8 GPUs, which fit, for a misfit."""
 
 
 @dataclass
@@ -273,7 +246,10 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
     seq_len = snap(seq_len)
     config = model_config(model, layers=layers)
     start = time.perf_counter()
-    tracer = Tracer(config, sp, world, shard=shard)
+    # traced with "auto" sizes pinned at this length: what runs at it, and what its lines read
+    tracer = Tracer(config, pinned_blocks(sp, config, seq_len,
+                                          compute_dtype=compute_dtype or torch.bfloat16),
+                    world, shard=shard)
     budgets = dict(model=model, stack=stack, seq_len=seq_len, world=world, gpus=gpus,
                    sp=sp, config=config, placement=placement, host_memory=host_memory,
                    disk_memory=disk_memory,
@@ -284,17 +260,8 @@ def plan(model: str, seq_len: int, *, gpus: int, nodes: int = 1, stack: str | di
             tracer.prefetch([(seq_len, d) for d in tracer.depths()])
         e = _judged(tracer.deep(seq_len, full=full_trace), "traced", **budgets)
     else:
-        first = tuple(snap(t * sp.sequence_parallel_size) for t in ANCHOR_TOKENS)
-        below = None if quick else _below(tracer, first, seq_len, budgets)
-        if below is not None and _past_doubt(below):
-            return _predicted(below, rates, config, sp, world, shard, placement,
-                              compute_dtype, start)
-        e = _judged(*_read_off_the_line(tracer, seq_len, snap, quick=True), **budgets)
-        bound = len(tracer.depths()) == 1 or tracer.steady(first)
-        if not quick and (e.fits or not bound or not _past_doubt(e)):
-            e = _judged(*_read_off_the_line(tracer, seq_len, snap, quick=False), **budgets)
-        elif not quick:  # a misfit on the unchecked line is one: see MISFIT_UNCHECKED
-            e = replace(e, method=e.method.replace("(unchecked: quick)", MISFIT_UNCHECKED))
+        # quick: the anchors' line alone; else checked, or the length traced (LINE_MISFITS)
+        e = _judged(*_read_off_the_line(tracer, seq_len, snap, quick=quick), **budgets)
     return _predicted(e, rates, config, sp, world, shard, placement, compute_dtype, start)
 
 
@@ -307,21 +274,6 @@ def _predicted(e: Estimate, rates, config, sp, world: int, shard: bool, placemen
                                     compute_dtype=compute_dtype)
     e.trace_s = time.perf_counter() - start
     return e
-
-
-def _below(tracer: Tracer, anchors: tuple[int, int], seq_len: int,
-           budgets: dict) -> Estimate | None:
-    """The plan of a lower bound of the peak at ``seq_len``: the line through ``anchors``
-    at the deeper traced depth alone (:data:`MISFIT_BELOW`); None where the model's depth
-    is traced itself."""
-    if len(tracer.depths()) == 1:
-        return None
-    deep = max(tracer.depths())
-    tracer.prefetch([(n, deep) for n in anchors])
-    a, b = (tracer.at(n, deep) for n in anchors)
-    how = MISFIT_BELOW.format(layers=deep, a=ANCHOR_TOKENS[0] // 1024,
-                              b=ANCHOR_TOKENS[1] // 1024)
-    return _judged({k: along(a[k], b[k], *anchors, seq_len) for k in a}, how, **budgets)
 
 
 def _judged(peaks: dict[str, Peak], method: str, *, model: str, stack, seq_len: int,

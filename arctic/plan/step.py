@@ -13,6 +13,7 @@ from torch import nn
 
 from arctic.config import SequenceParallelConfig
 from arctic.data.batch import prepare_sp_batch
+from arctic.hf.anatomy import text_config_of
 from arctic.plan.models import is_vlm_config
 from arctic.recipe import apply_sp_recipe
 from arctic.train.fsdp import apply_fsdp
@@ -59,6 +60,41 @@ def build(config, sp: SequenceParallelConfig, mesh, *, device, shard: bool = Tru
         model.to(compute_dtype)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-5)
     return model, optimizer
+
+
+def pinned_blocks(sp: SequenceParallelConfig, config, seq_len: int, *,
+                  compute_dtype: torch.dtype = torch.bfloat16) -> SequenceParallelConfig:
+    """``sp`` with ``seq_chunk="auto"`` replaced by the block count it resolves to at
+    ``seq_len`` (:func:`ulysses.seq_chunk.resolve_seq_chunk`, as the attention calls it: the
+    text config's heads over the Ulysses degree, one row, this rank's piece). A fixed count
+    cuts every length into blocks of a fixed share of it, so the block buffers grow with the
+    length, as everything else the line through the anchors reads; ``"auto"`` cuts each
+    length into blocks of at most a fixed number of rows, whose buffers stop growing past
+    it: read off anchors shorter than that, they bend the line upwards, which neither reads
+    the length nor bounds it from below. An ``"auto"`` head chunk size is pinned with it (the
+attention resolves it before the blocks). ``sp`` itself when ``seq_chunk`` is not ``"auto"``."""
+    if sp.seq_chunk != "auto":
+        return sp
+    from dataclasses import replace
+
+    from ulysses.chunk_schedule import resolve_chunk_size
+    from ulysses.seq_chunk import resolve_seq_chunk
+    from ulysses.sharding import head_layout
+
+    text = text_config_of(config)
+    heads = text.num_attention_heads
+    kv_heads = getattr(text, "num_key_value_heads", None) or heads
+    if getattr(text, "qk_nope_head_dim", None) is not None:  # latent attention: q/k's dim
+        kv_heads, dim = heads, text.qk_nope_head_dim + text.qk_rope_head_dim
+    else:
+        dim = getattr(text, "head_dim", None) or text.hidden_size // heads
+    local = seq_len // sp.sequence_parallel_size
+    layout = head_layout(heads, kv_heads, sp.ulysses_degree)
+    c = resolve_chunk_size(sp.head_chunk_size, layout, 1, local * sp.ulysses_degree, dim,
+                           compute_dtype)
+    # an "auto" head chunk is pinned with them: its size too is the target length's
+    return replace(sp, head_chunk_size=c,
+                   seq_chunk=resolve_seq_chunk("auto", layout, c, 1, local, dim, compute_dtype))
 
 
 def init_optimizer_state(model: nn.Module, optimizer) -> None:
