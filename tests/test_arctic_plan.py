@@ -653,12 +653,12 @@ def test_ds_config_search_starts_from_the_least_memory_settings(tmp_path):
     they do not fit, --write-config says it wrote nothing, and why."""
     out = tmp_path / "merged.json"
     proc = _run("-m", "arctic.plan", "--model", "tiny-llama", "--gpus", "2", "--ds-config",
-                str(_users_ds_config(tmp_path)), "--seq-len", "16K", "--search",
-                "--gpu-memory", "40MiB", "--write-config", str(out))
+                str(_users_ds_config(tmp_path)), "--seq-len", "4K", "--search",
+                "--gpu-memory", "10MiB", "--write-config", str(out))
     assert proc.returncode == 1, proc.stderr[-3000:]
     start = next(line for line in proc.stdout.splitlines() if line.strip().startswith("start"))
     assert "activation_checkpointing=True, offload_activations=True" in start, start
-    assert f"did not write {out}: no settings fit 16,384 tokens" in proc.stdout, proc.stdout
+    assert f"did not write {out}: no settings fit 4,096 tokens" in proc.stdout, proc.stdout
     assert not out.exists()
 
 
@@ -899,9 +899,12 @@ def _stand_ins_against_full(world: int, ring: int, seq_len: int) -> list[str]:
     return [phase for phase, peak in full.items() if fast[phase] != peak]
 
 
+@pytest.mark.slow  # 14 s; the trace shortcuts' bytes, in the default run:
+# test_trace_shortcuts_change_no_byte (the tiles' and head chunks' shortcuts), and a hybrid's
+# traces with mixer chunks: test_a_traced_ring_passes_gradients_through_the_mixer_state
 @pytest.mark.parametrize("world,ring,seq_len", [
     (2, 2, 3000),  # a zigzag rank's two runs of 750: 5 chunks of 128 (2 stood in), one of 110
-    pytest.param(4, 1, 12004, marks=pytest.mark.slow)])  # Ulysses 4: no summary pass
+    (4, 1, 12004)])  # Ulysses 4: no summary pass
 def test_mixer_chunk_stand_ins_change_no_byte(world, ring, seq_len):
     """A memory trace stands in for the repeated mixer chunks (mixer_chunks._StandIn: the
     first two, the last of each size and the last are run): each phase's peak, breakdown

@@ -8,6 +8,8 @@ what trains.
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 from torch import nn
 
@@ -17,6 +19,9 @@ from arctic.hf.anatomy import text_config_of
 from arctic.plan.models import is_vlm_config
 from arctic.recipe import apply_sp_recipe
 from arctic.train.fsdp import apply_fsdp
+from ulysses.chunk_schedule import resolve_chunk_size
+from ulysses.seq_chunk import resolve_seq_chunk
+from ulysses.sharding import head_layout
 from ulysses.torch_internals import detect_fake_mode
 
 
@@ -75,12 +80,6 @@ def pinned_blocks(sp: SequenceParallelConfig, config, seq_len: int, *,
 attention resolves it before the blocks). ``sp`` itself when ``seq_chunk`` is not ``"auto"``."""
     if sp.seq_chunk != "auto":
         return sp
-    from dataclasses import replace
-
-    from ulysses.chunk_schedule import resolve_chunk_size
-    from ulysses.seq_chunk import resolve_seq_chunk
-    from ulysses.sharding import head_layout
-
     text = text_config_of(config)
     heads = text.num_attention_heads
     kv_heads = getattr(text, "num_key_value_heads", None) or heads
