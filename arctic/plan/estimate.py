@@ -70,9 +70,9 @@ anchors a moment whose tiles stop growing at a cap of rows bends the peak downwa
 Qwen3.5-9B (ring 8, 8 layers, 16 sequence blocks): the attention layer's backward adds 5.71
 hidden-sized rows per token per rank between 48K and 96K tokens per rank, 8.04 up to 128K
 and 4.04 from there to 256K (a moment of its row-tiled work takes over and stops growing
-with its tiles), so the line
-through 48K and 96K reads 68.03 GiB at 1.5M tokens per rank where the trace holds 59.65; as
-a lower bound it took 12,042,240 tokens on 8 GPUs, which fit, for a misfit."""
+with its tiles), so the line through 48K and 96K reads 68.03 GiB at 1.5M tokens per rank
+where the trace holds 59.65; as a lower bound it took 12,042,240 tokens on 8 GPUs for a
+misfit, where 13,033,472 fit traced (67.13 GiB)."""
 
 
 @dataclass
