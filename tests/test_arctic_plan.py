@@ -309,9 +309,9 @@ def _auto_blocks_as_run(model: str, fuse: bool) -> tuple:
 
     calls = []
 
-    def recorded(seq_chunk, *args, **kwargs):
-        calls.append((args, kwargs))
-        return resolve_seq_chunk(seq_chunk, *args, **kwargs)
+    def recorded(seq_chunk, *args):  # the attention passes its arguments by position
+        calls.append(args)
+        return resolve_seq_chunk(seq_chunk, *args)
 
     config = model_config(model)
     config = model_config(model, layers=layer_period(config))  # an attention layer in it
@@ -323,7 +323,7 @@ def _auto_blocks_as_run(model: str, fuse: bool) -> tuple:
     finally:
         ulysses.attention.resolve_seq_chunk = resolve_seq_chunk
         ulysses.fused_attention.resolve_seq_chunk = resolve_seq_chunk
-    (layout, c, batch, local, dim, dtype, *budget), _ = calls[0]
+    layout, c, batch, local, dim, dtype, *budget = calls[0]
     run = [resolve_seq_chunk("auto", layout, c, batch, t, dim, dtype, *budget)
            for t in (local, 1_500_000)]
     pinned = [pinned_blocks(sp, config, 2 * t).seq_chunk for t in (local, 1_500_000)]
